@@ -1,0 +1,47 @@
+// common.cuh -- helpers shared by every twellpy kernel.
+//
+// Included by each .cu file; compiles on its own under NVRTC (no host headers).
+// CuPy compiles with -ftz=true, so "is this value non-zero" is always decided
+// on the bit pattern (twellpy_nonzero), never with a float compare: a
+// denormal is a non-zero and must be kept, NaN is a non-zero and must be kept.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+namespace twellpy {
+
+// ---- conversions to/from the fp32 (or fp64) accumulator --------------------
+template <typename T> __device__ __forceinline__ float to_float(T v);
+template <> __device__ __forceinline__ float to_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ float to_float<double>(double v) { return (float)v; }
+template <> __device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
+template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ double from_float<double>(float v) { return (double)v; }
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// Accumulator type: double for double data, float otherwise.
+template <typename T> struct accum { typedef float type; };
+template <> struct accum<double> { typedef double type; };
+
+template <typename A, typename T> __device__ __forceinline__ A to_acc(T v) { return (A)to_float<T>(v); }
+template <> __device__ __forceinline__ double to_acc<double, double>(double v) { return v; }
+template <typename T, typename A> __device__ __forceinline__ T from_acc(A v) { return from_float<T>((float)v); }
+template <> __device__ __forceinline__ double from_acc<double, double>(double v) { return v; }
+
+// ---- bit-exact non-zero test (independent of -ftz) -------------------------
+__device__ __forceinline__ bool nonzero(float v) { return (__float_as_uint(v) & 0x7fffffffu) != 0u; }
+__device__ __forceinline__ bool nonzero(double v) { return (__double_as_longlong(v) & 0x7fffffffffffffffll) != 0ll; }
+__device__ __forceinline__ bool nonzero(__half v) { return (__half_as_ushort(v) & 0x7fffu) != 0u; }
+__device__ __forceinline__ bool nonzero(__nv_bfloat16 v) { return (__bfloat16_as_ushort(v) & 0x7fffu) != 0u; }
+
+// ReLU "active" test: strictly positive, or NaN (IEEE: relu(NaN) = NaN is kept).
+__device__ __forceinline__ bool relu_active(float v) { return !(v <= 0.0f); }
+
+template <typename T> __device__ __forceinline__ T zero_value() { return from_float<T>(0.0f); }
+template <> __device__ __forceinline__ double zero_value<double>() { return 0.0; }
+
+}  // namespace twellpy

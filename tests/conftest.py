@@ -1,0 +1,55 @@
+"""Shared fixtures: backends, dtype tolerances, GPU skip logic."""
+import numpy as np
+import pytest
+
+from twellpy._array import bfloat16, gpu_available
+
+HAS_GPU = gpu_available()
+
+#: Relative-error tolerances by value dtype (errors against a float64 reference).
+RTOL = {
+    np.dtype(np.float64): 1e-12,
+    np.dtype(np.float32): 1e-5,
+    np.dtype(np.float16): 5e-3,
+    bfloat16: 2e-2,
+}
+
+DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), bfloat16]
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="no CUDA GPU available")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+BACKENDS = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    """'cpu' or 'cuda'; the cuda case carries the gpu marker."""
+    return request.param
+
+
+@pytest.fixture
+def xp(backend):
+    if backend == "cuda":
+        import cupy
+
+        return cupy
+    return np
+
+
+def rel_err(got, ref):
+    """||got - ref|| / ||ref|| in float64 (numpy or cupy inputs)."""
+    got = np.asarray(got.get() if hasattr(got, "get") else got, dtype=np.float64)
+    ref = np.asarray(ref.get() if hasattr(ref, "get") else ref, dtype=np.float64)
+    den = np.linalg.norm(ref)
+    num = np.linalg.norm(got - ref)
+    if den == 0:
+        return float(num)
+    return float(num / den)

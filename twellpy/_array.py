@@ -1,0 +1,250 @@
+"""The one place that turns user inputs into numpy or cupy arrays and back.
+
+Every public entry point calls :func:`as_array` on its array arguments and
+:func:`to_caller` on its results, so that torch in gives torch out, jax in
+gives jax out, cupy in gives cupy out.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+
+import ml_dtypes
+import numpy as np
+
+#: The bfloat16 dtype used on numpy (and accepted by CuPy 14).
+bfloat16 = np.dtype(ml_dtypes.bfloat16)
+
+#: Value dtypes every container and kernel supports.
+FLOAT_DTYPES = (np.dtype(np.float16), bfloat16, np.dtype(np.float32), np.dtype(np.float64))
+INDEX_DTYPE = np.dtype(np.int32)
+
+_lock = threading.Lock()
+
+
+@functools.lru_cache(maxsize=1)
+def cupy_module():
+    """Return the cupy module, or None when CuPy is not installed."""
+    try:
+        import cupy  # noqa: F401
+    except Exception:  # pragma: no cover - depends on the machine
+        return None
+    return cupy
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_available() -> bool:
+    """True when CuPy is installed and at least one CUDA device is usable."""
+    cp = cupy_module()
+    if cp is None:
+        return False
+    try:
+        return cp.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def is_cupy(a) -> bool:
+    cp = cupy_module()
+    return cp is not None and isinstance(a, cp.ndarray)
+
+
+def xp_of(a):
+    """numpy or cupy, whichever module owns ``a``."""
+    return cupy_module() if is_cupy(a) else np
+
+
+def device_of(a) -> str:
+    """'cpu' for numpy arrays, 'cuda:N' for cupy arrays."""
+    if is_cupy(a):
+        return f"cuda:{a.device.id}"
+    return "cpu"
+
+
+def _torch_kind(x):
+    mod = type(x).__module__
+    return mod.startswith("torch") and hasattr(x, "is_cuda")
+
+
+def _jax_kind(x):
+    mod = type(x).__module__
+    return mod.startswith("jax") or mod.startswith("jaxlib")
+
+
+def _torch_to_xp(t):
+    import torch
+
+    t = t.detach()
+    is_bf16 = t.dtype == torch.bfloat16
+    if is_bf16:
+        t = t.view(torch.int16)  # numpy/DLPack consumers may not know bfloat16
+    if t.is_cuda:
+        cp = cupy_module()
+        if cp is None:
+            raise TypeError("a CUDA torch tensor was given but CuPy is not installed; "
+                            "install twellpy[cuda] or move the tensor to the CPU")
+        arr = cp.from_dlpack(t)
+    else:
+        arr = t.resolve_conj().resolve_neg().numpy()
+    if is_bf16:
+        arr = arr.view(bfloat16)
+    return arr
+
+
+def _jax_to_xp(a):
+    try:
+        dev = list(a.devices())[0]
+        platform = dev.platform
+    except Exception:
+        platform = "cpu"
+    if platform == "gpu" or platform == "cuda":
+        cp = cupy_module()
+        if cp is None:
+            raise TypeError("a GPU jax array was given but CuPy is not installed")
+        if a.dtype == bfloat16:
+            import jax
+
+            return cp.from_dlpack(jax.lax.bitcast_convert_type(a, np.int16)).view(bfloat16)
+        return cp.from_dlpack(a)
+    return np.asarray(a)  # jax uses ml_dtypes too, so bfloat16 survives
+
+
+def as_array(x, name: str, *, ndim=None, allow_none: bool = False):
+    """Convert ``x`` to a numpy or cupy array without copying when possible.
+
+    Parameters
+    ----------
+    x : array_like
+        numpy or cupy array, torch tensor, jax array, or any object with
+        ``__dlpack__``. Python lists are accepted too.
+    name : str
+        Argument name used in error messages.
+    ndim : int, optional
+        Required number of dimensions.
+    allow_none : bool
+        Return ``(None, None)`` for ``None``.
+
+    Returns
+    -------
+    arr : numpy.ndarray or cupy.ndarray
+    kind : str
+        One of ``"numpy"``, ``"cupy"``, ``"torch"``, ``"jax"``, ``"dlpack"``;
+        pass it to :func:`to_caller` to return results in the caller's type.
+    """
+    if x is None:
+        if allow_none:
+            return None, None
+        raise TypeError(f"{name} must be an array, got None")
+    if isinstance(x, np.ndarray):
+        arr, kind = x, "numpy"
+    elif is_cupy(x):
+        arr, kind = x, "cupy"
+    elif _torch_kind(x):
+        arr, kind = _torch_to_xp(x), "torch"
+    elif _jax_kind(x) and hasattr(x, "devices"):
+        arr, kind = _jax_to_xp(x), "jax"
+    elif hasattr(x, "__dlpack__"):
+        dev_type = x.__dlpack_device__()[0] if hasattr(x, "__dlpack_device__") else 1
+        if dev_type == 1:
+            arr = np.from_dlpack(x)
+        else:
+            cp = cupy_module()
+            if cp is None:
+                raise TypeError(f"{name} lives on a GPU but CuPy is not installed")
+            arr = cp.from_dlpack(x)
+        kind = "dlpack"
+    elif isinstance(x, (list, tuple, int, float)) or np.isscalar(x):
+        arr, kind = np.asarray(x), "numpy"
+    elif hasattr(x, "__array__") and not hasattr(x, "tocsr"):
+        arr, kind = np.asarray(x), "numpy"
+    else:
+        raise TypeError(f"{name} must be a numpy/cupy array or support __dlpack__, "
+                        f"got {type(x).__module__}.{type(x).__name__}")
+    if ndim is not None and arr.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got {arr.ndim}-D array of shape {tuple(arr.shape)}")
+    return arr, kind
+
+
+def to_caller(arr, kind):
+    """Return ``arr`` (numpy/cupy) as the caller's array type ``kind``."""
+    if arr is None or kind in (None, "numpy", "cupy"):
+        return arr
+    if kind == "torch":
+        import torch
+
+        if arr.dtype == bfloat16:
+            if is_cupy(arr):
+                return torch.from_dlpack(arr.view(np.int16)).view(torch.bfloat16)
+            return torch.from_numpy(np.ascontiguousarray(arr).view(np.int16)).view(torch.bfloat16)
+        if is_cupy(arr):
+            return torch.from_dlpack(arr)
+        return torch.from_numpy(np.ascontiguousarray(arr))
+    if kind == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        if is_cupy(arr):
+            if arr.dtype == bfloat16:
+                return jax.lax.bitcast_convert_type(jax.dlpack.from_dlpack(arr.view(np.int16)), jnp.bfloat16)
+            return jax.dlpack.from_dlpack(arr)
+        return jnp.asarray(arr)
+    return arr  # generic DLPack producers get numpy/cupy back (both are DLPack producers)
+
+
+def check_float(arr, name: str, *, allowed=FLOAT_DTYPES):
+    """Raise TypeError unless ``arr`` has a supported floating dtype."""
+    if arr.dtype not in allowed:
+        names = ", ".join(str(d) for d in allowed)
+        raise TypeError(f"{name} has dtype {arr.dtype}, expected one of {names}")
+    return arr
+
+
+def check_finite(arr, name: str):
+    """Raise ValueError if ``arr`` holds NaN or Inf (works on numpy and cupy)."""
+    if arr.size == 0:
+        return arr
+    xp = xp_of(arr)
+    a = arr
+    if a.dtype in (bfloat16, np.dtype(np.float16)):
+        a = a.astype(np.float32)
+    ok = bool(xp.isfinite(a).all())
+    if not ok:
+        n_nan = int(xp.isnan(a).sum())
+        n_inf = int(xp.isinf(a).sum())
+        raise ValueError(f"{name} contains {n_nan} NaN and {n_inf} Inf values; pass "
+                         f"check_finite=False to keep IEEE semantics (NaN propagates)")
+    return arr
+
+
+def contiguous(arr, name: str):
+    """C-contiguous view or copy (negative strides and transposes are copied)."""
+    xp = xp_of(arr)
+    return xp.ascontiguousarray(arr)
+
+
+def same_device(pairs):
+    """Raise ValueError if the named arrays are not all on one device.
+
+    ``pairs`` is a sequence of ``(name, array)``; ``None`` arrays are skipped.
+    """
+    first = None
+    for name, a in pairs:
+        if a is None:
+            continue
+        d = device_of(a)
+        if first is None:
+            first = (name, d)
+        elif d != first[1]:
+            raise ValueError(f"{name} is on {d} but {first[0]} is on {first[1]}; "
+                             f"move all arrays to one device (e.g. .to_device('{first[1]}'))")
+    return first[1] if first else "cpu"
+
+
+def result_dtype(*dtypes):
+    """Promoted float dtype (bfloat16 aware)."""
+    return np.result_type(*dtypes)
+
+
+def accum_dtype(dtype):
+    """float64 for float64 data, float32 otherwise."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
