@@ -45,3 +45,40 @@ template <typename T> __device__ __forceinline__ T zero_value() { return from_fl
 template <> __device__ __forceinline__ double zero_value<double>() { return 0.0; }
 
 }  // namespace twellpy
+
+// ---- vector loads and warp helpers (used by the container kernels) ---------
+namespace twellpy {
+
+constexpr unsigned FULL_MASK = 0xffffffffu;
+
+// VEC consecutive values loaded/stored as one access. With VEC * sizeof(T) ==
+// 16 this is a 16-byte vector access: the caller guarantees 16-byte alignment
+// (launchers pick VEC = 1 otherwise).
+template <typename T, int VEC> struct alignas(sizeof(T) * VEC) vec_t { T v[VEC]; };
+
+template <typename T, int VEC>
+__device__ __forceinline__ vec_t<T, VEC> load_vec(const T* __restrict__ p) {
+    return *reinterpret_cast<const vec_t<T, VEC>*>(p);
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_vec(T* __restrict__ p, const vec_t<T, VEC>& v) {
+    *reinterpret_cast<vec_t<T, VEC>*>(p) = v;
+}
+
+// Lanes below this one, as a bit mask (the "lanemask_lt" of PTX).
+__device__ __forceinline__ unsigned lanes_below(int lane) { return (1u << lane) - 1u; }
+
+__device__ __forceinline__ int warp_sum(int v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ int warp_max(int v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+}  // namespace twellpy

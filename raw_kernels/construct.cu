@@ -1,0 +1,374 @@
+// construct.cu -- dense -> TwELL / ELL and CSR -> TwELL / ELL construction.
+//
+// Layouts (docs/internals.md): TwELL values/indices (M, n_tiles, S), counts
+// (M, n_tiles); ELL values/indices (M, W). Padding slots hold value 0 and
+// index -1 and are always written, so the output bits depend only on the input.
+// Slot positions come from warp prefix counts (__ballot_sync/__popc,
+// __match_any_sync), never from atomics: the result is deterministic and the
+// entries of one (row, tile) / one row are sorted by column.
+//
+// Non-zero is decided on the bit pattern (twellpy::nonzero): -0.0 is zero,
+// NaN and denormals are non-zero (CuPy compiles with -ftz=true).
+//
+// VEC is the number of consecutive elements one lane loads at once: 16 bytes
+// (16 / sizeof(T)) when the launcher has checked alignment (N % VEC == 0,
+// tile % VEC == 0, 16-byte aligned base pointer), 1 otherwise.
+#include "common.cuh"
+
+#ifndef CONSTRUCT_WARPS
+#define CONSTRUCT_WARPS 8            // most warps per block (launch bound; launchers may use fewer)
+#endif
+#ifndef CONSTRUCT_UNROLL
+#define CONSTRUCT_UNROLL 8           // 32*VEC-element chunks a warp loads before processing
+#endif
+
+static_assert(CONSTRUCT_WARPS >= 1 && CONSTRUCT_WARPS <= 32, "CONSTRUCT_WARPS out of range");
+static_assert(CONSTRUCT_UNROLL >= 1 && CONSTRUCT_UNROLL <= 16, "CONSTRUCT_UNROLL out of range");
+
+using namespace twellpy;
+
+// Bit k set when element k of the vector is non-zero.
+template <typename T, int VEC>
+__device__ __forceinline__ unsigned nonzero_bits(const vec_t<T, VEC>& w) {
+    unsigned bits = 0u;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) bits |= (nonzero(w.v[k]) ? 1u : 0u) << k;
+    return bits;
+}
+
+// Prefix count over the warp of the (lane, k)-ordered non-zero bits: `below` =
+// non-zeros of lower lanes, `total` = non-zeros of the whole warp.
+template <int VEC>
+__device__ __forceinline__ void warp_bit_prefix(unsigned bits, int lane, int& below, int& total) {
+    const unsigned lt = lanes_below(lane);
+    below = 0;
+    total = 0;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+        const unsigned m = __ballot_sync(FULL_MASK, (bits >> k) & 1u);
+        below += __popc(m & lt);
+        total += __popc(m);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// twellpy_dense_to_twell<T, VEC>: one pass over the dense input.
+//   x        (M, N)             T      dense input, C order
+//   values   (M, n_tiles, S)    T      out: first min(count, S) non-zeros of each (row, tile)
+//   indices  (M, n_tiles, S)    int32  out: global column, -1 in padding
+//   counts   (M, n_tiles)       int32  out: min(true count, S)
+//   row_max  (M,)               int32  out: largest TRUE tile count of the row (may exceed S);
+//                                      zero-filled by the caller when n_groups > 1
+// Warp w owns (row = w / n_groups, tiles [g*tpw, (g+1)*tpw) of that row) with
+// g = w % n_groups, n_groups = ceil(n_tiles / tpw). grid.x = ceil(M*n_groups / warps per block).
+// row_max of a row split over several warps is combined with atomicMax, whose
+// result (a max of integers) does not depend on the order.
+// ---------------------------------------------------------------------------
+template <typename T, int VEC>
+__global__ void __launch_bounds__(CONSTRUCT_WARPS * 32)
+twellpy_dense_to_twell(const T* __restrict__ x, T* __restrict__ values, int* __restrict__ indices,
+                       int* __restrict__ counts, int* __restrict__ row_max,
+                       int M, int N, int tile, int slots, int n_tiles, int tpw, int n_groups) {
+    const long long warp = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (warp >= (long long)M * n_groups) return;  // uniform over the warp
+    const int row = (int)(warp / n_groups);
+    const int group = (int)(warp - (long long)row * n_groups);
+    const int t_begin = group * tpw;
+    const int t_end = min(n_tiles, t_begin + tpw);
+    const T* __restrict__ xrow = x + (long long)row * N;
+    const int chunk = 32 * VEC;
+    const int chunks_per_tile = (tile + chunk - 1) / chunk;
+    const int c_begin = t_begin * chunks_per_tile;
+    const int c_end = t_end * chunks_per_tile;
+    const T zero = zero_value<T>();
+
+    int run = 0;        // non-zeros seen so far in the current tile (true count)
+    int local_max = 0;  // largest true tile count among this warp's tiles
+    for (int c0 = c_begin; c0 < c_end; c0 += CONSTRUCT_UNROLL) {
+        // Load phase: CONSTRUCT_UNROLL independent loads in flight per lane.
+        vec_t<T, VEC> buf[CONSTRUCT_UNROLL];
+#pragma unroll
+        for (int u = 0; u < CONSTRUCT_UNROLL; ++u) {
+            const int c = c0 + u;
+            const int t = c / chunks_per_tile;
+            const int in_tile = (c - t * chunks_per_tile) * chunk + lane * VEC;
+            const int col = t * tile + in_tile;
+            if (c < c_end && in_tile < tile && col < N) {
+                buf[u] = load_vec<T, VEC>(xrow + col);
+            } else {
+#pragma unroll
+                for (int k = 0; k < VEC; ++k) buf[u].v[k] = zero;
+            }
+        }
+        // Pack phase.
+#pragma unroll
+        for (int u = 0; u < CONSTRUCT_UNROLL; ++u) {
+            const int c = c0 + u;
+            if (c >= c_end) break;  // uniform
+            const int t = c / chunks_per_tile;
+            const int part = c - t * chunks_per_tile;
+            const int col = t * tile + part * chunk + lane * VEC;
+            if (part == 0) run = 0;
+            const unsigned bits = nonzero_bits<T, VEC>(buf[u]);
+            int below, total;
+            warp_bit_prefix<VEC>(bits, lane, below, total);
+            const long long base = ((long long)row * n_tiles + t) * slots;
+            int pos = run + below;
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) {
+                if ((bits >> k) & 1u) {
+                    if (pos < slots) {
+                        values[base + pos] = buf[u].v[k];
+                        indices[base + pos] = col + k;
+                    }
+                    ++pos;
+                }
+            }
+            run += total;
+            if (part == chunks_per_tile - 1) {  // tile finished: padding, count, max
+                const int stored = min(run, slots);
+                for (int s = stored + lane; s < slots; s += 32) {
+                    values[base + s] = zero;
+                    indices[base + s] = -1;
+                }
+                if (lane == 0) counts[(long long)row * n_tiles + t] = stored;
+                local_max = max(local_max, run);
+            }
+        }
+    }
+    if (lane == 0) {
+        if (n_groups == 1) row_max[row] = local_max;
+        else atomicMax(row_max + row, local_max);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// twellpy_dense_row_nnz<T, VEC>: non-zeros per row.
+//   x        (M, N)   T      dense input
+//   row_nnz  (M,)     int32  out
+// One warp per row; grid.x = ceil(M / warps per block).
+// ---------------------------------------------------------------------------
+template <typename T, int VEC>
+__global__ void __launch_bounds__(CONSTRUCT_WARPS * 32)
+twellpy_dense_row_nnz(const T* __restrict__ x, int* __restrict__ row_nnz, int M, int N) {
+    const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= M) return;
+    const T* __restrict__ xrow = x + row * N;
+    const int chunk = 32 * VEC;
+    int mine = 0;
+    for (int c0 = 0; c0 < N; c0 += chunk * CONSTRUCT_UNROLL) {
+        vec_t<T, VEC> buf[CONSTRUCT_UNROLL];
+#pragma unroll
+        for (int u = 0; u < CONSTRUCT_UNROLL; ++u) {
+            const int col = c0 + u * chunk + lane * VEC;
+            if (col < N) buf[u] = load_vec<T, VEC>(xrow + col);
+            else {
+#pragma unroll
+                for (int k = 0; k < VEC; ++k) buf[u].v[k] = zero_value<T>();
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < CONSTRUCT_UNROLL; ++u) mine += __popc(nonzero_bits<T, VEC>(buf[u]));
+    }
+    mine = warp_sum(mine);
+    if (lane == 0) row_nnz[row] = mine;
+}
+
+// ---------------------------------------------------------------------------
+// twellpy_dense_to_ell<T, VEC>: dense -> ELL of width W.
+//   x        (M, N)   T      dense input
+//   row_nnz  (M,)     int32  in: non-zeros per row (from twellpy_dense_row_nnz)
+//   values   (M, W)   T      out
+//   indices  (M, W)   int32  out, -1 in padding
+// Rows with row_nnz > W are written as padding only (the caller keeps them
+// elsewhere). One warp per row; grid.x = ceil(M / warps per block).
+// ---------------------------------------------------------------------------
+template <typename T, int VEC>
+__global__ void __launch_bounds__(CONSTRUCT_WARPS * 32)
+twellpy_dense_to_ell(const T* __restrict__ x, const int* __restrict__ row_nnz, T* __restrict__ values,
+                     int* __restrict__ indices, int M, int N, int width) {
+    const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= M) return;
+    const T zero = zero_value<T>();
+    const long long base = row * (long long)width;
+    int run = 0;
+    if (row_nnz[row] <= width) {
+        const T* __restrict__ xrow = x + row * N;
+        const int chunk = 32 * VEC;
+        for (int c0 = 0; c0 < N && run < width; c0 += chunk * CONSTRUCT_UNROLL) {
+            vec_t<T, VEC> buf[CONSTRUCT_UNROLL];
+#pragma unroll
+            for (int u = 0; u < CONSTRUCT_UNROLL; ++u) {
+                const int col = c0 + u * chunk + lane * VEC;
+                if (col < N) buf[u] = load_vec<T, VEC>(xrow + col);
+                else {
+#pragma unroll
+                    for (int k = 0; k < VEC; ++k) buf[u].v[k] = zero;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < CONSTRUCT_UNROLL; ++u) {
+                const int col = c0 + u * chunk + lane * VEC;
+                const unsigned bits = nonzero_bits<T, VEC>(buf[u]);
+                int below, total;
+                warp_bit_prefix<VEC>(bits, lane, below, total);
+                int pos = run + below;
+#pragma unroll
+                for (int k = 0; k < VEC; ++k) {
+                    if ((bits >> k) & 1u) {
+                        if (pos < width) {
+                            values[base + pos] = buf[u].v[k];
+                            indices[base + pos] = col + k;
+                        }
+                        ++pos;
+                    }
+                }
+                run += total;
+            }
+        }
+    }
+    for (int s = min(run, width) + lane; s < width; s += 32) {
+        values[base + s] = zero;
+        indices[base + s] = -1;
+    }
+}
+
+// ---------------------------------------------------------------------------
+// twellpy_csr_to_twell<T>: CSR (sorted, unique columns per row) -> TwELL.
+//   indptr   (M+1,)            int64  row pointers
+//   cols     (nnz,)            int32  column of each entry
+//   data     (nnz,)            T      value of each entry (all entries are kept)
+//   values   (M, n_tiles, S)   T      out
+//   indices  (M, n_tiles, S)   int32  out, -1 in padding
+//   counts   (M, n_tiles)      int32  out: min(true count, S)
+//   row_max  (M,)              int32  out: largest true tile count of the row
+//   bad      (1,)              int32  in/out: incremented per entry whose column is out of
+//                                     [0, n_cols) or not strictly increasing (entry skipped)
+// One warp per row; grid.x = ceil(M / warps per block). The slot of an entry is
+// the number of earlier entries of its row in the same tile (__match_any_sync).
+// ---------------------------------------------------------------------------
+template <typename T>
+__global__ void __launch_bounds__(CONSTRUCT_WARPS * 32)
+twellpy_csr_to_twell(const long long* __restrict__ indptr, const int* __restrict__ cols,
+                     const T* __restrict__ data, T* __restrict__ values, int* __restrict__ indices,
+                     int* __restrict__ counts, int* __restrict__ row_max, int* __restrict__ bad,
+                     int M, int n_cols, int tile, int slots, int n_tiles) {
+    const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= M) return;
+    const unsigned lt = lanes_below(lane);
+    const long long crow = row * n_tiles;
+    for (int t = lane; t < n_tiles; t += 32) counts[crow + t] = 0;
+    __syncwarp();
+
+    const long long start = indptr[row], end = indptr[row + 1];
+    int carry_tile = -1, carry_count = 0;  // open tile continued from the previous chunk
+    int prev_col = -1;                     // last column of the previous chunk
+    for (long long e0 = start; e0 < end; e0 += 32) {
+        const long long e = e0 + lane;
+        const bool in = e < end;
+        const int col = in ? cols[e] : 0x7fffffff;
+        int before = __shfl_up_sync(FULL_MASK, col, 1);
+        if (lane == 0) before = prev_col;
+        const bool ok = in && col > before && col < n_cols;  // col > before >= -1 also gives col >= 0
+        const unsigned okmask = __ballot_sync(FULL_MASK, ok);
+        const unsigned badmask = __ballot_sync(FULL_MASK, in && !ok);
+        if (badmask && lane == 0) atomicAdd(bad, __popc(badmask));
+        const int t = ok ? col / tile : -1;
+        const unsigned same = __match_any_sync(FULL_MASK, t) & okmask;
+        const int pos = __popc(same & lt) + (t == carry_tile ? carry_count : 0);
+        if (ok) {
+            if (pos < slots) {
+                const long long dst = (crow + t) * slots + pos;
+                values[dst] = data[e];
+                indices[dst] = col;
+            }
+            // The last entry of its tile in this chunk records the running count;
+            // a later chunk continuing the tile overwrites it (ordered by __syncwarp).
+            if ((same >> lane) == 1u) counts[crow + t] = pos + 1;
+        }
+        if (okmask) {
+            const int hi = 31 - __clz(okmask);
+            carry_tile = __shfl_sync(FULL_MASK, t, hi);
+            carry_count = __shfl_sync(FULL_MASK, pos, hi) + 1;
+        }
+        prev_col = __shfl_sync(FULL_MASK, col, 31);  // only used when the chunk was full
+        __syncwarp();
+    }
+    // Padding, clamped counts and the row's largest true count.
+    int best = 0;
+    for (int t = 0; t < n_tiles; ++t) {
+        const int c = counts[crow + t];
+        __syncwarp();
+        const int stored = min(c, slots);
+        const long long base = (crow + t) * slots;
+        for (int s = stored + lane; s < slots; s += 32) {
+            values[base + s] = zero_value<T>();
+            indices[base + s] = -1;
+        }
+        if (lane == 0 && c > slots) counts[crow + t] = slots;
+        best = max(best, c);
+    }
+    if (lane == 0) row_max[row] = best;
+}
+
+// ---------------------------------------------------------------------------
+// twellpy_csr_to_ell<T>: CSR (sorted, unique columns per row) -> ELL of width W.
+//   indptr   (M+1,)   int64
+//   cols     (nnz,)   int32
+//   data     (nnz,)   T
+//   values   (M, W)   T      out
+//   indices  (M, W)   int32  out, -1 in padding
+//   row_nnz  (M,)     int32  out: true entries of the row (rows with more than W are padding)
+//   bad      (1,)     int32  in/out: entries with a column out of range or not increasing
+// One warp per row; grid.x = ceil(M / warps per block).
+// ---------------------------------------------------------------------------
+template <typename T>
+__global__ void __launch_bounds__(CONSTRUCT_WARPS * 32)
+twellpy_csr_to_ell(const long long* __restrict__ indptr, const int* __restrict__ cols,
+                   const T* __restrict__ data, T* __restrict__ values, int* __restrict__ indices,
+                   int* __restrict__ row_nnz, int* __restrict__ bad, int M, int n_cols, int width) {
+    const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= M) return;
+    const long long start = indptr[row], end = indptr[row + 1];
+    const long long n = end - start;
+    const long long base = row * (long long)width;
+    int stored = 0;
+    if (n <= width) {
+        for (long long e0 = start; e0 < end; e0 += 32) {
+            const long long e = e0 + lane;
+            const bool in = e < end;
+            const int col = in ? cols[e] : 0x7fffffff;
+            int before = __shfl_up_sync(FULL_MASK, col, 1);
+            if (lane == 0) before = e0 > start ? cols[e0 - 1] : -1;
+            const bool ok = in && col > before && col < n_cols;
+            const unsigned badmask = __ballot_sync(FULL_MASK, in && !ok);
+            if (badmask && lane == 0) atomicAdd(bad, __popc(badmask));
+            if (in) {
+                const long long dst = base + (e - start);
+                values[dst] = ok ? data[e] : zero_value<T>();
+                indices[dst] = ok ? col : -1;
+            }
+        }
+        stored = (int)n;
+    } else {
+        // Too wide for the ELL part: only validate the columns.
+        for (long long e0 = start; e0 < end; e0 += 32) {
+            const long long e = e0 + lane;
+            const bool in = e < end;
+            const int col = in ? cols[e] : 0x7fffffff;
+            const int before = in ? (e > start ? cols[e - 1] : -1) : -1;
+            const unsigned badmask = __ballot_sync(FULL_MASK, in && !(col > before && col < n_cols));
+            if (badmask && lane == 0) atomicAdd(bad, __popc(badmask));
+        }
+    }
+    for (int s = stored + lane; s < width; s += 32) {
+        values[base + s] = zero_value<T>();
+        indices[base + s] = -1;
+    }
+    if (lane == 0) row_nnz[row] = (int)n;
+}

@@ -1,0 +1,85 @@
+// ffn_pack.cu -- helpers of the fused FFN: TwELL packing of an activation and
+// the element-wise steps of the dense path.
+#include "common.cuh"
+
+#ifndef FFN_PACK_WARPS
+#define FFN_PACK_WARPS 8
+#endif
+
+// twellpy_ffn_pack<T>: dense (M, N) -> TwELL slots, one warp per (row, tile).
+//   src       (M, N)            row stride lds   activation (stored entries = non-zero bit patterns)
+//   values    (M, n_tiles, S)   value dtype      written in full (padding value 0)
+//   indices   (M, n_tiles, S)   int32            global column, -1 in padding
+//   counts    (M, n_tiles)      int32            stored entries = min(true count, S)
+//   row_max   (M,)              int32            largest true tile count of the row (zeroed by the caller)
+// Entries are packed in column order: the slot of an entry is the number of
+// non-zeros before it in the tile (warp ballot + popc, no atomics), so the
+// output is deterministic. Grid: x = ceil(M * n_tiles / FFN_PACK_WARPS) blocks.
+template <typename T>
+__global__ void twellpy_ffn_pack(const T* __restrict__ src, long long lds, int M, int N,
+                                 int tile, int slots, int n_tiles,
+                                 T* __restrict__ values, int* __restrict__ indices,
+                                 int* __restrict__ counts, int* __restrict__ row_max) {
+    const int lane = threadIdx.x & 31;
+    const long long wid = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (wid >= (long long)M * n_tiles) return;
+    const long long row = wid / n_tiles;
+    const int t = (int)(wid - row * n_tiles);
+    const int c_begin = t * tile;
+    const int c_end = min(N, c_begin + tile);
+    const T* s = src + row * lds;
+    T* vout = values + wid * slots;
+    int* iout = indices + wid * slots;
+    int found = 0;  // true count so far (identical in every lane)
+    for (int c0 = c_begin; c0 < c_end; c0 += 32) {
+        const int col = c0 + lane;
+        T v = twellpy::zero_value<T>();
+        bool nz = false;
+        if (col < c_end) {
+            v = s[col];
+            nz = twellpy::nonzero(v);
+        }
+        const unsigned ball = __ballot_sync(0xffffffffu, nz);
+        const int pos = found + __popc(ball & ((1u << lane) - 1u));
+        if (nz && pos < slots) {
+            vout[pos] = v;
+            iout[pos] = col;
+        }
+        found += __popc(ball);
+    }
+    const int stored = min(found, slots);
+    for (int p = stored + lane; p < slots; p += 32) {
+        vout[p] = twellpy::zero_value<T>();
+        iout[p] = -1;
+    }
+    if (lane == 0) {
+        counts[wid] = stored;
+        if (found > 0) atomicMax(&row_max[row], found);  // max is order independent
+    }
+}
+
+// twellpy_ffn_gate_mul<T>: h = relu(g) * u element-wise, fp32 math.
+//   g, u, h   (n,) contiguous    relu(NaN) = NaN (relu_active), so NaN propagates
+template <typename T>
+__global__ void twellpy_ffn_gate_mul(const T* __restrict__ g, const T* __restrict__ u,
+                                     T* __restrict__ h, long long n) {
+    typedef typename twellpy::accum<T>::type A;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const A gv = twellpy::to_acc<A, T>(g[i]);
+        const A r = (gv <= A(0)) ? A(0) : gv * twellpy::to_acc<A, T>(u[i]);
+        h[i] = twellpy::from_acc<T, A>(r);
+    }
+}
+
+// twellpy_ffn_relu<T>: h = relu(g) element-wise (NaN kept).
+//   g, h      (n,) contiguous
+template <typename T>
+__global__ void twellpy_ffn_relu(const T* __restrict__ g, T* __restrict__ h, long long n) {
+    typedef typename twellpy::accum<T>::type A;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const A gv = twellpy::to_acc<A, T>(g[i]);
+        h[i] = (gv <= A(0)) ? twellpy::zero_value<T>() : g[i];
+    }
+}

@@ -1,0 +1,272 @@
+// ffn_sparse.cu -- fused sparse up/down projection of a ReLU (gated or plain) FFN.
+//
+// The dense gate GEMM has already produced g = x @ w_gate.T (gated FFN) or
+// g = x @ w_up.T (plain ReLU FFN). For every token (row) this kernel
+//   1. scans the row of g once and compacts the active neurons (relu_active:
+//      g > 0 or NaN) into a shared-memory list in column order, with a
+//      deterministic block-wide prefix count (no atomics);
+//   2. for the active neurons only, computes the up-projection dot product
+//      u_j = x . w_up[j] (gated FFN), h_j = g_j * u_j (or h_j = g_j), and the
+//      down-projection axpy y += h_j * w_down[:, j], reading the transposed
+//      down weights w_downT[j] = w_down[:, j] as one contiguous row.
+// h never goes to DRAM (unless the caller asks for it through h_out).
+// Accumulation is fp32 (fp64 for double data); the summation order is fixed,
+// so the same input always gives the same bits.
+//
+// Rows whose active count exceeds `heavy_limit` are not computed here: the
+// kernel sets heavy[row] = 1 and the host recomputes those rows exactly with a
+// dense sub-GEMM (a token firing thousands of neurons is cheaper that way and
+// never stalls one block for milliseconds).
+//
+// Work layout: one block (NWARPS = blockDim.x / 32 warps) per token at a time
+// (grid-stride over rows). D is cut into 16-byte vectors; thread t owns vectors
+// t, t + blockDim.x, ... (NV of them), so x and the y accumulators live in
+// registers and every weight-row load is coalesced and 16 bytes wide. KB
+// neurons are in flight at once (KB*NV independent 16-byte loads per thread).
+#include "common.cuh"
+
+#ifndef FFN_MAX_WARPS
+#define FFN_MAX_WARPS 8
+#endif
+#ifndef FFN_LIST_CAP
+#define FFN_LIST_CAP 2048
+#endif
+
+namespace twellpy_ffn {
+using namespace twellpy;
+
+template <typename T> struct vec_of { static constexpr int n = 16 / (int)sizeof(T); };
+
+template <typename A> __device__ __forceinline__ bool active_acc(A v) { return !(v <= A(0)); }
+
+// Unpack a 16-byte vector of T into accumulator values.
+template <typename T, typename A>
+__device__ __forceinline__ void unpack16(const uint4& v, A* out) {
+    const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+    for (int i = 0; i < vec_of<T>::n; ++i) out[i] = to_acc<A, T>(e[i]);
+}
+
+template <typename A> __device__ __forceinline__ A warp_sum(A v) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+
+__device__ __forceinline__ uint4 zero4() { return make_uint4(0u, 0u, 0u, 0u); }
+
+}  // namespace twellpy_ffn
+
+// twellpy_ffn_sparse<T, NV, KB, GATED, WRITE_H>
+//   x        (M, D)   row stride ldx   token activations
+//   g        (M, H)   row stride ldg   gate pre-activation (x @ w_gate.T or x @ w_up.T)
+//   w_up     (H, D)   contiguous       up weights (read only when GATED)
+//   w_downT  (H, D)   contiguous       w_down transposed: row j is w_down[:, j]
+//   y        (M, D)   row stride ldy   output (rows marked heavy are left untouched)
+//   h_out    (M, H)   row stride ldh   optional (WRITE_H): h written at active positions only
+//   heavy    (M,)     int32            set to 1 for rows with more than heavy_limit active neurons
+//   counters (2,)     uint64           [0] += active neurons seen, [1] += heavy rows (may be null)
+// Requirements (checked on the host): D % (16/sizeof(T)) == 0, H % (16/sizeof(T)) == 0,
+// 16-byte aligned rows, NV * blockDim.x * (16/sizeof(T)) >= D, blockDim.x a multiple of 32
+// and <= 32 * FFN_MAX_WARPS, heavy_limit <= FFN_LIST_CAP.
+template <typename T, int NV, int KB, bool GATED, bool WRITE_H>
+__global__ void __launch_bounds__(FFN_MAX_WARPS * 32)
+twellpy_ffn_sparse(const T* __restrict__ x, long long ldx,
+                   const T* __restrict__ g, long long ldg,
+                   const T* __restrict__ w_up,
+                   const T* __restrict__ w_downT,
+                   T* __restrict__ y, long long ldy,
+                   T* __restrict__ h_out, long long ldh,
+                   int* __restrict__ heavy, unsigned long long* __restrict__ counters,
+                   int M, int D, int H, int heavy_limit) {
+    using namespace twellpy_ffn;
+    typedef typename twellpy::accum<T>::type A;
+    constexpr int VEC = vec_of<T>::n;
+    static_assert(VEC * FFN_MAX_WARPS * 32 <= FFN_LIST_CAP, "one scan step must fit in the list");
+    static_assert(NV >= 1 && KB >= 1, "bad tile constants");
+
+    __shared__ int s_idx[FFN_LIST_CAP];
+    __shared__ A s_gval[FFN_LIST_CAP];
+    __shared__ A s_red[2][FFN_MAX_WARPS][KB];
+    __shared__ int s_warp_tot[FFN_MAX_WARPS];
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int nwarps = blockDim.x >> 5;
+    const int DV = D / VEC;            // 16-byte vectors per row of x / weights
+    const int step = blockDim.x * VEC; // columns of g scanned per step
+    unsigned long long seen_total = 0;
+    unsigned long long heavy_total = 0;
+    int parity = 0;
+
+    for (long long row = blockIdx.x; row < M; row += gridDim.x) {
+        const T* grow = g + row * ldg;
+
+        // ---- 1. scan g and compact the active neurons (column order) ----
+        int n = 0;          // list length, identical in every thread
+        int row_count = 0;  // true active count of the row, identical in every thread
+        for (int c0 = 0; c0 < H; c0 += step) {
+            const int col = c0 + tid * VEC;
+            unsigned mask = 0u;
+            A gv[VEC];
+            if (col < H) {
+                const uint4 raw = __ldcs(reinterpret_cast<const uint4*>(grow + col));
+                unpack16<T, A>(raw, gv);
+#pragma unroll
+                for (int i = 0; i < VEC; ++i)
+                    if (active_acc(gv[i])) mask |= 1u << i;
+            }
+            const int c = __popc(mask);
+            int incl = c;
+#pragma unroll
+            for (int off = 1; off < 32; off <<= 1) {
+                const int t = __shfl_up_sync(0xffffffffu, incl, off);
+                if (lane >= off) incl += t;
+            }
+            if (lane == 31) s_warp_tot[warp] = incl;
+            __syncthreads();
+            int warp_off = 0, total = 0;
+            for (int w = 0; w < nwarps; ++w) {
+                const int t = s_warp_tot[w];
+                warp_off += (w < warp) ? t : 0;
+                total += t;
+            }
+            row_count += total;
+            if (row_count <= heavy_limit) {
+                int pos = n + warp_off + (incl - c);
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) {
+                    if (mask & (1u << i)) {
+                        s_idx[pos] = col + i;
+                        s_gval[pos] = gv[i];
+                        ++pos;
+                    }
+                }
+                n += total;
+            }
+            __syncthreads();  // list visible; s_warp_tot free for the next step
+        }
+        seen_total += (unsigned long long)row_count;
+        if (row_count > heavy_limit) {
+            if (tid == 0) heavy[row] = 1;
+            ++heavy_total;
+            continue;  // uniform branch: every thread has the same row_count
+        }
+        if (tid == 0) heavy[row] = 0;
+
+        // ---- 2. up dot products and down axpys for the listed neurons ----
+        uint4 xr[NV];
+        if (GATED) {
+            const uint4* xv = reinterpret_cast<const uint4*>(x + row * ldx);
+#pragma unroll
+            for (int k = 0; k < NV; ++k) {
+                const int v = k * blockDim.x + tid;
+                xr[k] = (v < DV) ? __ldcs(xv + v) : zero4();
+            }
+        }
+        A acc[NV][VEC];
+#pragma unroll
+        for (int k = 0; k < NV; ++k)
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) acc[k][i] = A(0);
+
+        for (int b = 0; b < n; b += KB) {
+            int jk[KB];
+            A hk[KB];
+#pragma unroll
+            for (int k = 0; k < KB; ++k) {
+                const int i = b + k;
+                jk[k] = (i < n) ? s_idx[i] : -1;
+                hk[k] = (i < n) ? s_gval[i] : A(0);
+            }
+            if (GATED) {
+                uint4 wv[KB][NV];
+#pragma unroll
+                for (int k = 0; k < KB; ++k) {
+                    const uint4* wr = reinterpret_cast<const uint4*>(w_up + (long long)(jk[k] < 0 ? 0 : jk[k]) * D);
+#pragma unroll
+                    for (int q = 0; q < NV; ++q) {
+                        const int v = q * blockDim.x + tid;
+                        wv[k][q] = (jk[k] >= 0 && v < DV) ? __ldg(wr + v) : zero4();
+                    }
+                }
+                A part[KB];
+#pragma unroll
+                for (int k = 0; k < KB; ++k) {
+                    A s = A(0);
+#pragma unroll
+                    for (int q = 0; q < NV; ++q) {
+                        A xa[VEC], wa[VEC];
+                        unpack16<T, A>(xr[q], xa);
+                        unpack16<T, A>(wv[k][q], wa);
+#pragma unroll
+                        for (int i = 0; i < VEC; ++i) s += xa[i] * wa[i];
+                    }
+                    part[k] = warp_sum(s);
+                }
+                if (lane == 0) {
+#pragma unroll
+                    for (int k = 0; k < KB; ++k) s_red[parity][warp][k] = part[k];
+                }
+                // One barrier per batch: s_red is double-buffered, so a fast
+                // warp writing batch b+1 cannot clobber what a slow warp still
+                // reads for batch b (it would have to pass batch b+1's barrier).
+                __syncthreads();
+#pragma unroll
+                for (int k = 0; k < KB; ++k) {
+                    A u = A(0);
+                    for (int w = 0; w < nwarps; ++w) u += s_red[parity][w][k];
+                    hk[k] = (jk[k] >= 0) ? hk[k] * u : A(0);
+                }
+                parity ^= 1;
+            }
+            if (WRITE_H && tid == 0) {
+#pragma unroll
+                for (int k = 0; k < KB; ++k)
+                    if (jk[k] >= 0) h_out[row * ldh + jk[k]] = from_acc<T, A>(hk[k]);
+            }
+            uint4 dv[KB][NV];
+#pragma unroll
+            for (int k = 0; k < KB; ++k) {
+                const uint4* wr = reinterpret_cast<const uint4*>(w_downT + (long long)(jk[k] < 0 ? 0 : jk[k]) * D);
+#pragma unroll
+                for (int q = 0; q < NV; ++q) {
+                    const int v = q * blockDim.x + tid;
+                    dv[k][q] = (jk[k] >= 0 && v < DV) ? __ldg(wr + v) : zero4();
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < KB; ++k) {
+                if (jk[k] < 0) continue;  // padding lanes of the last batch add nothing
+#pragma unroll
+                for (int q = 0; q < NV; ++q) {
+                    A wa[VEC];
+                    unpack16<T, A>(dv[k][q], wa);
+#pragma unroll
+                    for (int i = 0; i < VEC; ++i) acc[q][i] += hk[k] * wa[i];
+                }
+            }
+        }
+
+        // ---- 3. write the output row ----
+        uint4* yv = reinterpret_cast<uint4*>(y + row * ldy);
+#pragma unroll
+        for (int k = 0; k < NV; ++k) {
+            const int v = k * blockDim.x + tid;
+            if (v < DV) {
+                uint4 out;
+                T* e = reinterpret_cast<T*>(&out);
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) e[i] = from_acc<T, A>(acc[k][i]);
+                __stcs(yv + v, out);
+            }
+        }
+        __syncthreads();  // the list is rewritten by the next row's scan
+    }
+    if (counters != nullptr && tid == 0) {
+        // integer sums are order independent, so these atomics stay deterministic
+        atomicAdd(&counters[0], seen_total);
+        atomicAdd(&counters[1], heavy_total);
+    }
+}

@@ -1,0 +1,612 @@
+// train_ffn.cu -- kernels of the sparse FFN training step and of the public
+// training primitives (twellpy.ops): ReLU pattern extraction straight from the
+// gate GEMM output, CSR -> Hybrid packing, fused forward (SDDMM + SpMM),
+// fused backward (SDDMM + L1 injection + SpMM), a deterministic transpose by
+// counting sort, and gather-based SpMM^T / weight gradients.
+//
+// Layout conventions (see docs/internals.md):
+//   * dense matrices are row-major, C-contiguous;
+//   * the ELL part of a Hybrid is (M, W) values + (M, W) int32 column ids,
+//     padding = (0, -1), plus (M,) int32 stored counts (0 for backup rows);
+//   * "combined" value buffers hold the ELL values (M*W) followed by the
+//     dense backup rows (R*N); a transposed entry's `pos` indexes them.
+//
+// Determinism: no kernel here uses floating-point atomics. Integer atomics
+// are only used on counters that one warp owns for a row at a time, so every
+// output (padding included) is the same bit pattern on every run.
+#include "common.cuh"
+
+#ifndef TW_WARPS
+#define TW_WARPS 8  // warps per block of the warp-per-row kernels
+#endif
+#ifndef TW_GATHER_THREADS
+#define TW_GATHER_THREADS 128  // threads per block of the gather (SpMM^T) kernels
+#endif
+
+static_assert(TW_WARPS >= 1 && TW_WARPS <= 32, "TW_WARPS must be in [1, 32]");
+static_assert(TW_GATHER_THREADS % 32 == 0 && TW_GATHER_THREADS <= 1024,
+              "TW_GATHER_THREADS must be a multiple of 32, at most 1024");
+
+namespace twellpy_train {
+using namespace twellpy;
+
+// Elements of T in one 16-byte vector load.
+template <typename T> struct VecN { static constexpr int N = 16 / (int)sizeof(T); };
+
+template <typename T, typename A>
+__device__ __forceinline__ void load_vec(const T* p, A* out) {
+    uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < VecN<T>::N; ++i) out[i] = to_acc<A, T>(e[i]);
+}
+
+template <typename T, typename A>
+__device__ __forceinline__ void store_vec(T* p, const A* v) {
+    uint4 raw;
+    T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < VecN<T>::N; ++i) e[i] = from_acc<T, A>(v[i]);
+    *reinterpret_cast<uint4*>(p) = raw;
+}
+
+// relu(v) != 0, decided on bits so that -ftz cannot hide a positive denormal:
+// strictly positive (denormals included) or NaN.
+__device__ __forceinline__ bool relu_on(float v) {
+    unsigned b = __float_as_uint(v), m = b & 0x7fffffffu;
+    return m > 0x7f800000u || (m != 0u && !(b >> 31));
+}
+__device__ __forceinline__ bool relu_on(double v) {
+    unsigned long long b = (unsigned long long)__double_as_longlong(v);
+    unsigned long long m = b & 0x7fffffffffffffffull;
+    return m > 0x7ff0000000000000ull || (m != 0ull && !(b >> 63));
+}
+__device__ __forceinline__ bool relu_on(__half v) {
+    unsigned short b = __half_as_ushort(v), m = b & 0x7fffu;
+    return m > 0x7c00u || (m != 0u && !(b >> 15));
+}
+__device__ __forceinline__ bool relu_on(__nv_bfloat16 v) {
+    unsigned short b = __bfloat16_as_ushort(v), m = b & 0x7fffu;
+    return m > 0x7f80u || (m != 0u && !(b >> 15));
+}
+
+template <typename A> __device__ __forceinline__ A sign_of(A h) {
+    return h > A(0) ? A(1) : (h < A(0) ? A(-1) : (h == h ? A(0) : h));
+}
+
+// h = g * u rounded to the storage type (as a dense bf16 forward would), or
+// the stored ReLU value itself for the non-gated FFN.
+template <typename T, typename A, int GATED>
+__device__ __forceinline__ A h_value(T g, T u) {
+    if (GATED) return to_acc<A, T>(from_acc<T, A>(to_acc<A, T>(g) * to_acc<A, T>(u)));
+    return to_acc<A, T>(g);
+}
+
+// Warp-wide dot product of two length-D rows; every lane gets the sum. The
+// reduction order is fixed, so the result is deterministic.
+template <typename T, typename A>
+__device__ __forceinline__ A warp_dot(const T* __restrict__ a, const T* __restrict__ b, int D, int vec,
+                                      int lane) {
+    A s = A(0);
+    if (vec) {
+        constexpr int N = VecN<T>::N;
+        for (int c = lane * N; c < D; c += 32 * N) {
+            A av[N], bv[N];
+            load_vec<T, A>(a + c, av);
+            load_vec<T, A>(b + c, bv);
+#pragma unroll
+            for (int i = 0; i < N; ++i) s += av[i] * bv[i];
+        }
+    } else {
+        for (int c = lane; c < D; c += 32) s += to_acc<A, T>(a[c]) * to_acc<A, T>(b[c]);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+    return s;
+}
+
+}  // namespace twellpy_train
+
+using namespace twellpy;
+using namespace twellpy_train;
+
+// ---------------------------------------------------------------------------
+// twellpy_train_relu_count<T>: stored entries of relu(z) per row.
+//   z        (rows, H) T     gate GEMM output (one row chunk)
+//   row_nnz  (rows,)   int   out
+// One warp per row.
+template <typename T>
+__global__ void __launch_bounds__(32 * TW_WARPS)
+twellpy_train_relu_count(const T* __restrict__ z, long long rows, int H, int* __restrict__ row_nnz) {
+    const int lane = threadIdx.x & 31;
+    const long long r = (long long)blockIdx.x * TW_WARPS + (threadIdx.x >> 5);
+    if (r >= rows) return;
+    const T* zr = z + r * (long long)H;
+    int n = 0;
+    for (int c = lane; c < H; c += 32) n += relu_on(zr[c]) ? 1 : 0;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) n += __shfl_xor_sync(0xffffffffu, n, off);
+    if (lane == 0) row_nnz[r] = n;
+}
+
+// twellpy_train_relu_pack<T>: CSR of relu(z), columns ascending; slot
+// positions come from a warp ballot prefix count (deterministic).
+//   z        (rows, H) T
+//   indptr   (rows+1,) long long   row starts in col/val (exclusive scan of row_nnz)
+//   col      (nnz,)    int   out
+//   val      (nnz,)    T     out (relu(z) = z on the pattern; NaN kept)
+template <typename T>
+__global__ void __launch_bounds__(32 * TW_WARPS)
+twellpy_train_relu_pack(const T* __restrict__ z, long long rows, int H, const long long* __restrict__ indptr,
+                        int* __restrict__ col, T* __restrict__ val) {
+    const int lane = threadIdx.x & 31;
+    const long long r = (long long)blockIdx.x * TW_WARPS + (threadIdx.x >> 5);
+    if (r >= rows) return;
+    const T* zr = z + r * (long long)H;
+    long long pos = indptr[r];
+    const unsigned below = (1u << lane) - 1u;
+    for (int c0 = 0; c0 < H; c0 += 32) {
+        const int c = c0 + lane;
+        T v = c < H ? zr[c] : zero_value<T>();
+        const bool on = c < H && relu_on(v);
+        const unsigned mask = __ballot_sync(0xffffffffu, on);
+        if (on) {
+            const long long p = pos + __popc(mask & below);
+            col[p] = c;
+            val[p] = v;
+        }
+        pos += __popc(mask);
+    }
+}
+
+// twellpy_train_csr_to_hybrid<T>: split a CSR (sorted columns) into the ELL
+// part (rows with row_map < 0) and dense backup rows (row_map >= 0).
+//   indptr  (M+1,)  long long;  col (nnz,) int;  val (nnz,) T
+//   row_map (M,)    int    -1, or the row's position in backup
+//   ell_val (M, W)  T      out (padding 0)
+//   ell_idx (M, W)  int    out (padding -1)
+//   ell_nnz (M,)    int    out (0 for backup rows)
+//   backup  (R, N)  T      out, must be zero-filled by the caller
+template <typename T>
+__global__ void __launch_bounds__(32 * TW_WARPS)
+twellpy_train_csr_to_hybrid(const long long* __restrict__ indptr, const int* __restrict__ col,
+                            const T* __restrict__ val, const int* __restrict__ row_map, long long M, int W,
+                            int N, T* __restrict__ ell_val, int* __restrict__ ell_idx,
+                            int* __restrict__ ell_nnz, T* __restrict__ backup) {
+    const int lane = threadIdx.x & 31;
+    const long long r = (long long)blockIdx.x * TW_WARPS + (threadIdx.x >> 5);
+    if (r >= M) return;
+    const long long start = indptr[r];
+    const long long n = indptr[r + 1] - start;
+    const int rm = row_map[r];
+    const long long base = r * (long long)W;
+    int kept = 0;
+    if (rm >= 0) {
+        T* br = backup + (long long)rm * N;
+        for (long long e = lane; e < n; e += 32) {
+            const int c = col[start + e];
+            if (c >= 0 && c < N) br[c] = val[start + e];
+        }
+    } else {
+        kept = (int)(n < W ? n : W);  // the caller sends every row with n > W to backup
+        for (int s = lane; s < kept; s += 32) {
+            ell_val[base + s] = val[start + s];
+            ell_idx[base + s] = col[start + s];
+        }
+    }
+    for (int s = kept + lane; s < W; s += 32) {
+        ell_val[base + s] = zero_value<T>();
+        ell_idx[base + s] = -1;
+    }
+    if (lane == 0) ell_nnz[r] = kept;
+}
+
+// ---------------------------------------------------------------------------
+// twellpy_train_fwd<T, GATED>: ELL part of the FFN forward, one warp per row.
+//   x       (M, D) T     input rows
+//   w_up    (H, D) T     up projection (GATED only)
+//   w_downT (H, D) T     w_down transposed
+//   idx     (M, W) int   pattern (active neurons), -1 padding
+//   nnz     (M,)   int   stored slots (0 for backup rows)
+//   gval    (M, W) T     g = relu(x w_gate^T) on the pattern (ReLU FFN: h)
+//   uval    (M, W) T     out (GATED): u = x w_up^T on the pattern, padding 0
+//   y       (M, D) T     out: (g*u) @ w_down^T for the ELL rows, 0 for backup rows
+template <typename T, int GATED>
+__global__ void __launch_bounds__(32 * TW_WARPS)
+twellpy_train_fwd(const T* __restrict__ x, const T* __restrict__ w_up, const T* __restrict__ w_downT,
+                  const int* __restrict__ idx, const int* __restrict__ nnz, const T* __restrict__ gval,
+                  T* __restrict__ uval, T* __restrict__ y, long long M, int W, int D, int vec) {
+    typedef typename accum<T>::type A;
+    const int lane = threadIdx.x & 31;
+    const long long r = (long long)blockIdx.x * TW_WARPS + (threadIdx.x >> 5);
+    if (r >= M) return;
+    const int n = min(nnz[r], W);
+    const long long base = r * (long long)W;
+    if (GATED) {
+        const T* xr = x + r * (long long)D;
+        for (int s = 0; s < n; ++s) {
+            const int k = idx[base + s];
+            const A u = warp_dot<T, A>(xr, w_up + (long long)k * D, D, vec, lane);
+            if (lane == 0) uval[base + s] = from_acc<T, A>(u);
+        }
+        for (int s = n + lane; s < W; s += 32) uval[base + s] = zero_value<T>();
+        __syncwarp();
+    }
+    T* yr = y + r * (long long)D;
+    if (vec) {
+        constexpr int N = VecN<T>::N;
+        for (int c = lane * N; c < D; c += 32 * N) {
+            A acc[N];
+#pragma unroll
+            for (int i = 0; i < N; ++i) acc[i] = A(0);
+            for (int s = 0; s < n; ++s) {
+                const int k = idx[base + s];
+                const A h = h_value<T, A, GATED>(gval[base + s], GATED ? uval[base + s] : gval[base + s]);
+                A wv[N];
+                load_vec<T, A>(w_downT + (long long)k * D + c, wv);
+#pragma unroll
+                for (int i = 0; i < N; ++i) acc[i] += h * wv[i];
+            }
+            store_vec<T, A>(yr + c, acc);
+        }
+    } else {
+        for (int c = lane; c < D; c += 32) {
+            A acc = A(0);
+            for (int s = 0; s < n; ++s) {
+                const int k = idx[base + s];
+                const A h = h_value<T, A, GATED>(gval[base + s], GATED ? uval[base + s] : gval[base + s]);
+                acc += h * to_acc<A, T>(w_downT[(long long)k * D + c]);
+            }
+            yr[c] = from_acc<T, A>(acc);
+        }
+    }
+}
+
+// twellpy_train_bwd<T, GATED>: ELL part of the FFN backward, one warp per row.
+// dh = (dy @ w_down) on the pattern + l1s * sign(h)  (fused L1 injection);
+// GATED: du = dh * g, dg = dh * u, dx = du @ w_up + dg @ w_gate;
+// ReLU : da = dh, dx = dh @ w_up.
+//   dy      (M, D) T;  w_downT (H, D) T;  w_a (H, D) T = w_up;  w_b (H, D) T = w_gate (GATED)
+//   idx, nnz, gval, uval as in twellpy_train_fwd (uval GATED only)
+//   da      (M, W) T   out: du (GATED) or dh (ReLU), padding 0
+//   db      (M, W) T   out: dg (GATED), padding 0
+//   dx      (M, D) T   out: ELL rows; 0 for backup rows
+template <typename T, int GATED>
+__global__ void __launch_bounds__(32 * TW_WARPS)
+twellpy_train_bwd(const T* __restrict__ dy, const T* __restrict__ w_downT, const T* __restrict__ w_a,
+                  const T* __restrict__ w_b, const int* __restrict__ idx, const int* __restrict__ nnz,
+                  const T* __restrict__ gval, const T* __restrict__ uval, T* __restrict__ da,
+                  T* __restrict__ db, T* __restrict__ dx, long long M, int W, int D, float l1s, int vec) {
+    typedef typename accum<T>::type A;
+    const int lane = threadIdx.x & 31;
+    const long long r = (long long)blockIdx.x * TW_WARPS + (threadIdx.x >> 5);
+    if (r >= M) return;
+    const int n = min(nnz[r], W);
+    const long long base = r * (long long)W;
+    const T* dyr = dy + r * (long long)D;
+    for (int s = 0; s < n; ++s) {
+        const int k = idx[base + s];
+        A dh = warp_dot<T, A>(dyr, w_downT + (long long)k * D, D, vec, lane);
+        const T g = gval[base + s];
+        const T u = GATED ? uval[base + s] : g;
+        dh += A(l1s) * sign_of<A>(h_value<T, A, GATED>(g, u));
+        if (lane == 0) {
+            if (GATED) {
+                da[base + s] = from_acc<T, A>(dh * to_acc<A, T>(g));
+                db[base + s] = from_acc<T, A>(dh * to_acc<A, T>(u));
+            } else {
+                da[base + s] = from_acc<T, A>(dh);
+            }
+        }
+    }
+    for (int s = n + lane; s < W; s += 32) {
+        da[base + s] = zero_value<T>();
+        if (GATED) db[base + s] = zero_value<T>();
+    }
+    __syncwarp();
+    T* dxr = dx + r * (long long)D;
+    if (vec) {
+        constexpr int N = VecN<T>::N;
+        for (int c = lane * N; c < D; c += 32 * N) {
+            A acc[N];
+#pragma unroll
+            for (int i = 0; i < N; ++i) acc[i] = A(0);
+            for (int s = 0; s < n; ++s) {
+                const long long k = idx[base + s];
+                const A a = to_acc<A, T>(da[base + s]);
+                A wv[N];
+                load_vec<T, A>(w_a + k * D + c, wv);
+#pragma unroll
+                for (int i = 0; i < N; ++i) acc[i] += a * wv[i];
+                if (GATED) {
+                    const A b = to_acc<A, T>(db[base + s]);
+                    load_vec<T, A>(w_b + k * D + c, wv);
+#pragma unroll
+                    for (int i = 0; i < N; ++i) acc[i] += b * wv[i];
+                }
+            }
+            store_vec<T, A>(dxr + c, acc);
+        }
+    } else {
+        for (int c = lane; c < D; c += 32) {
+            A acc = A(0);
+            for (int s = 0; s < n; ++s) {
+                const long long k = idx[base + s];
+                acc += to_acc<A, T>(da[base + s]) * to_acc<A, T>(w_a[k * D + c]);
+                if (GATED) acc += to_acc<A, T>(db[base + s]) * to_acc<A, T>(w_b[k * D + c]);
+            }
+            dxr[c] = from_acc<T, A>(acc);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Deterministic transpose by counting sort. Rows are cut into nb blocks of
+// rpb consecutive rows; one warp owns one block and walks its rows in order.
+// Pass 1 counts entries per (block, column); the host turns the counts into
+// start offsets (column-major exclusive scan); pass 2 places every entry.
+// Inside a column, entries end up sorted by row, so the transpose is the same
+// bit pattern on every run (a row holds each column at most once, so each
+// counter is bumped by at most one lane per row).
+//   idx     (M, K) int   slot columns, -1 (or out of [0, N)) = skip
+//   row_map (M,)   int   -1: the row lives in the slots; else its backup row
+//   backup  (R, N) T     dense backup rows; their non-zeros are the entries
+//   counts  (nb, N) int  out (zero-filled by the caller)
+template <typename T>
+__global__ void __launch_bounds__(32 * TW_WARPS)
+twellpy_train_tr_count(const int* __restrict__ idx, const int* __restrict__ row_map,
+                       const T* __restrict__ backup, long long M, int K, int N, int rpb, int nb,
+                       int* __restrict__ counts) {
+    const int lane = threadIdx.x & 31;
+    const long long b = (long long)blockIdx.x * TW_WARPS + (threadIdx.x >> 5);
+    if (b >= nb) return;
+    int* cb = counts + b * (long long)N;
+    const long long r_end = min((b + 1) * (long long)rpb, M);
+    for (long long r = b * (long long)rpb; r < r_end; ++r) {
+        const int rm = row_map[r];
+        if (rm >= 0) {
+            const T* br = backup + (long long)rm * N;
+            for (int c = lane; c < N; c += 32)
+                if (nonzero(br[c])) atomicAdd(cb + c, 1);
+        } else {
+            const int* ir = idx + r * (long long)K;
+            for (int s = lane; s < K; s += 32) {
+                const int c = ir[s];
+                if (c >= 0 && c < N) atomicAdd(cb + c, 1);
+            }
+        }
+    }
+}
+
+//   cursor  (nb, N) int  in: start offset of each (block, column); consumed
+//   out_row (nnz,)  int  out: row of each entry of the transpose (sorted per column)
+//   out_pos (nnz,)  int  out: position in the combined value buffer
+//                          (r*K + s for slots, M*K + rm*N + c for backup)
+template <typename T>
+__global__ void __launch_bounds__(32 * TW_WARPS)
+twellpy_train_tr_place(const int* __restrict__ idx, const int* __restrict__ row_map,
+                       const T* __restrict__ backup, long long M, int K, int N, int rpb, int nb,
+                       int* __restrict__ cursor, int* __restrict__ out_row, int* __restrict__ out_pos) {
+    const int lane = threadIdx.x & 31;
+    const long long b = (long long)blockIdx.x * TW_WARPS + (threadIdx.x >> 5);
+    if (b >= nb) return;
+    int* cb = cursor + b * (long long)N;
+    const long long r_end = min((b + 1) * (long long)rpb, M);
+    const long long backup_base = M * (long long)K;
+    for (long long r = b * (long long)rpb; r < r_end; ++r) {
+        const int rm = row_map[r];
+        if (rm >= 0) {
+            const T* br = backup + (long long)rm * N;
+            for (int c = lane; c < N; c += 32) {
+                if (nonzero(br[c])) {
+                    const int p = atomicAdd(cb + c, 1);
+                    out_row[p] = (int)r;
+                    out_pos[p] = (int)(backup_base + (long long)rm * N + c);
+                }
+            }
+        } else {
+            const int* ir = idx + r * (long long)K;
+            for (int s = lane; s < K; s += 32) {
+                const int c = ir[s];
+                if (c >= 0 && c < N) {
+                    const int p = atomicAdd(cb + c, 1);
+                    out_row[p] = (int)r;
+                    out_pos[p] = (int)(r * K + s);
+                }
+            }
+        }
+        __syncwarp();  // the next row's bumps of a counter come after this row's
+    }
+}
+
+// ---------------------------------------------------------------------------
+// twellpy_train_wgrad<T, GATED>: weight gradients from the transposed pattern,
+// one block per (neuron, column chunk); no atomics, fixed summation order.
+//   indptr (H+1,) int; rows (nnz,) int; pos (nnz,) int   transposed pattern
+//   x (M, D) T; dy (M, D) T
+//   da, db, gval, uval: combined value buffers (ELL M*W then backup R*H)
+//   dw_a     (H, D) T  out: dw_up   = da^T @ x
+//   dw_b     (H, D) T  out: dw_gate = db^T @ x   (GATED)
+//   dw_downT (H, D) T  out: (dy^T @ h)^T = h^T @ dy
+// grid = (H, ceil(D / (TW_GATHER_THREADS * VecN))), block = TW_GATHER_THREADS
+template <typename T, int GATED>
+__global__ void __launch_bounds__(TW_GATHER_THREADS)
+twellpy_train_wgrad(const int* __restrict__ indptr, const int* __restrict__ rows, const int* __restrict__ pos,
+                    const T* __restrict__ x, const T* __restrict__ dy, const T* __restrict__ da,
+                    const T* __restrict__ db, const T* __restrict__ gval, const T* __restrict__ uval,
+                    T* __restrict__ dw_a, T* __restrict__ dw_b, T* __restrict__ dw_downT, int H, int D,
+                    int vec) {
+    typedef typename accum<T>::type A;
+    constexpr int N = VecN<T>::N;
+    const long long k = blockIdx.x;
+    const int e0 = indptr[k], e1 = indptr[k + 1];
+    A acc_a[N], acc_b[N], acc_h[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) acc_a[i] = acc_b[i] = acc_h[i] = A(0);
+    if (vec) {
+        const int c = (blockIdx.y * TW_GATHER_THREADS + threadIdx.x) * N;
+        if (c >= D) return;
+        for (int e = e0; e < e1; ++e) {
+            const long long m = rows[e];
+            const int p = pos[e];
+            const A a = to_acc<A, T>(da[p]);
+            const A h = h_value<T, A, GATED>(gval[p], GATED ? uval[p] : gval[p]);
+            A xv[N], dv[N];
+            load_vec<T, A>(x + m * D + c, xv);
+            load_vec<T, A>(dy + m * D + c, dv);
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                acc_a[i] += a * xv[i];
+                acc_h[i] += h * dv[i];
+            }
+            if (GATED) {
+                const A bb = to_acc<A, T>(db[p]);
+#pragma unroll
+                for (int i = 0; i < N; ++i) acc_b[i] += bb * xv[i];
+            }
+        }
+        store_vec<T, A>(dw_a + k * D + c, acc_a);
+        store_vec<T, A>(dw_downT + k * D + c, acc_h);
+        if (GATED) store_vec<T, A>(dw_b + k * D + c, acc_b);
+    } else {
+        const int c0 = blockIdx.y * TW_GATHER_THREADS * N + threadIdx.x;
+        for (int e = e0; e < e1; ++e) {
+            const long long m = rows[e];
+            const int p = pos[e];
+            const A a = to_acc<A, T>(da[p]);
+            const A h = h_value<T, A, GATED>(gval[p], GATED ? uval[p] : gval[p]);
+            const A bb = GATED ? to_acc<A, T>(db[p]) : A(0);
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                const int c = c0 + i * TW_GATHER_THREADS;
+                if (c < D) {
+                    const A xv = to_acc<A, T>(x[m * D + c]);
+                    acc_a[i] += a * xv;
+                    acc_h[i] += h * to_acc<A, T>(dy[m * D + c]);
+                    if (GATED) acc_b[i] += bb * xv;
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            const int c = c0 + i * TW_GATHER_THREADS;
+            if (c < D) {
+                dw_a[k * D + c] = from_acc<T, A>(acc_a[i]);
+                dw_downT[k * D + c] = from_acc<T, A>(acc_h[i]);
+                if (GATED) dw_b[k * D + c] = from_acc<T, A>(acc_b[i]);
+            }
+        }
+    }
+}
+
+// twellpy_train_gather_t<T>: out = A^T @ B from the transposed pattern of A.
+//   indptr (N+1,) int; rows (nnz,) int; pos (nnz,) int;  vals: combined values of A
+//   B   (M, Kc) T;   out (N, Kc) T
+// grid = (N, ceil(Kc / (TW_GATHER_THREADS * VecN))), block = TW_GATHER_THREADS
+template <typename T>
+__global__ void __launch_bounds__(TW_GATHER_THREADS)
+twellpy_train_gather_t(const int* __restrict__ indptr, const int* __restrict__ rows, const int* __restrict__ pos,
+                       const T* __restrict__ vals, const T* __restrict__ B, T* __restrict__ out, int Kc,
+                       int vec) {
+    typedef typename accum<T>::type A;
+    constexpr int N = VecN<T>::N;
+    const long long k = blockIdx.x;
+    const int e0 = indptr[k], e1 = indptr[k + 1];
+    A acc[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) acc[i] = A(0);
+    if (vec) {
+        const int c = (blockIdx.y * TW_GATHER_THREADS + threadIdx.x) * N;
+        if (c >= Kc) return;
+        for (int e = e0; e < e1; ++e) {
+            const A a = to_acc<A, T>(vals[pos[e]]);
+            A bv[N];
+            load_vec<T, A>(B + (long long)rows[e] * Kc + c, bv);
+#pragma unroll
+            for (int i = 0; i < N; ++i) acc[i] += a * bv[i];
+        }
+        store_vec<T, A>(out + k * Kc + c, acc);
+    } else {
+        const int c0 = blockIdx.y * TW_GATHER_THREADS * N + threadIdx.x;
+        for (int e = e0; e < e1; ++e) {
+            const A a = to_acc<A, T>(vals[pos[e]]);
+            const long long m = rows[e];
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                const int c = c0 + i * TW_GATHER_THREADS;
+                if (c < Kc) acc[i] += a * to_acc<A, T>(B[m * Kc + c]);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            const int c = c0 + i * TW_GATHER_THREADS;
+            if (c < Kc) out[k * Kc + c] = from_acc<T, A>(acc[i]);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// twellpy_train_slots_spmm<T>: out = A @ B for the slot part of A, one warp per row.
+//   vals (M, K) T; idx (M, K) int (-1 or out of [0, N) = skip); B (N, Kc) T; out (M, Kc) T
+template <typename T>
+__global__ void __launch_bounds__(32 * TW_WARPS)
+twellpy_train_slots_spmm(const T* __restrict__ vals, const int* __restrict__ idx, const T* __restrict__ B,
+                         T* __restrict__ out, long long M, int K, int N, int Kc, int vec) {
+    typedef typename accum<T>::type A;
+    const int lane = threadIdx.x & 31;
+    const long long r = (long long)blockIdx.x * TW_WARPS + (threadIdx.x >> 5);
+    if (r >= M) return;
+    const long long base = r * (long long)K;
+    T* outr = out + r * (long long)Kc;
+    if (vec) {
+        constexpr int NV = VecN<T>::N;
+        for (int c = lane * NV; c < Kc; c += 32 * NV) {
+            A acc[NV];
+#pragma unroll
+            for (int i = 0; i < NV; ++i) acc[i] = A(0);
+            for (int s = 0; s < K; ++s) {
+                const int k = idx[base + s];
+                if (k < 0 || k >= N) continue;
+                const A a = to_acc<A, T>(vals[base + s]);
+                A bv[NV];
+                load_vec<T, A>(B + (long long)k * Kc + c, bv);
+#pragma unroll
+                for (int i = 0; i < NV; ++i) acc[i] += a * bv[i];
+            }
+            store_vec<T, A>(outr + c, acc);
+        }
+    } else {
+        for (int c = lane; c < Kc; c += 32) {
+            A acc = A(0);
+            for (int s = 0; s < K; ++s) {
+                const int k = idx[base + s];
+                if (k < 0 || k >= N) continue;
+                acc += to_acc<A, T>(vals[base + s]) * to_acc<A, T>(B[(long long)k * Kc + c]);
+            }
+            outr[c] = from_acc<T, A>(acc);
+        }
+    }
+}
+
+// twellpy_train_slots_sddmm<T>: out[r, s] = X[r] . Y[idx[r, s]] (0 in padding).
+//   X (M, D) T; Y (N, D) T; idx (M, K) int; out (M, K) T
+template <typename T>
+__global__ void __launch_bounds__(32 * TW_WARPS)
+twellpy_train_slots_sddmm(const T* __restrict__ X, const T* __restrict__ Y, const int* __restrict__ idx,
+                          T* __restrict__ out, long long M, int K, int N, int D, int vec) {
+    typedef typename accum<T>::type A;
+    const int lane = threadIdx.x & 31;
+    const long long r = (long long)blockIdx.x * TW_WARPS + (threadIdx.x >> 5);
+    if (r >= M) return;
+    const long long base = r * (long long)K;
+    const T* xr = X + r * (long long)D;
+    for (int s = 0; s < K; ++s) {
+        const int k = idx[base + s];
+        if (k < 0 || k >= N) {
+            if (lane == 0) out[base + s] = zero_value<T>();
+            continue;
+        }
+        const A v = warp_dot<T, A>(xr, Y + (long long)k * D, D, vec, lane);
+        if (lane == 0) out[base + s] = from_acc<T, A>(v);
+    }
+}

@@ -1,0 +1,397 @@
+"""twellpy.dask on a real dask.distributed LocalCluster (worker processes, CPU backend).
+
+One module-scoped cluster of two single-threaded worker processes serves every
+distributed test; tests that kill a worker wait for the nanny to restart it.
+"""
+import os
+import pickle
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+da = pytest.importorskip("dask.array")
+distributed = pytest.importorskip("distributed")
+
+import dask  # noqa: E402
+
+import twellpy as tw  # noqa: E402
+import twellpy.dask as twd  # noqa: E402
+from conftest import RTOL, rel_err  # noqa: E402
+
+FORMAT_PARAMS = [
+    ("twell", {"tile": 16, "slots": 4}),
+    ("ell", {}),
+    ("hybrid", {"width": "auto"}),
+]
+
+
+# ----------------------------------------------------------------------------
+# inputs
+# ----------------------------------------------------------------------------
+def sparse_rows(m, n, seed, density=0.08, dtype=np.float32):
+    """Random sparse matrix with uneven rows: a few hot rows overflow any tile."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, n)).astype(dtype)
+    keep = rng.random((m, n)) < density
+    hot = rng.choice(m, size=max(1, m // 20), replace=False)
+    keep[hot] = rng.random((hot.size, n)) < 0.7  # rows that overflow TwELL slots and ELL width
+    x[~keep] = 0
+    if m > 3:
+        x[3] = 0  # an all-zero row
+    return x
+
+
+def ffn_problem(m, d, h, seed, active=12, dtype=np.float32):
+    """x, w_gate, w_up, w_down per BENCHMARKS.md, about ``active`` gate positives per row."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, d)).astype(np.float64)
+    x[:, 0] = 1.0
+    w_gate = rng.standard_normal((h, d)) / np.sqrt(d - 1)
+    w_up = rng.standard_normal((h, d)) / np.sqrt(d)
+    w_down = rng.standard_normal((d, h)) / np.sqrt(h)
+    pre = x[:, 1:] @ w_gate[:, 1:].T
+    t = np.quantile(pre, 1.0 - active / h)  # threshold that leaves ~active positives per row
+    w_gate[:, 0] = -t
+    return tuple(a.astype(dtype) for a in (x, w_gate, w_up, w_down))
+
+
+def slow_identity(block, delay):
+    """Identity that takes ``delay`` seconds: keeps a task running while a worker is killed."""
+    time.sleep(delay)
+    return block
+
+
+# ----------------------------------------------------------------------------
+# cluster
+# ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def client():
+    from distributed import Client, LocalCluster
+
+    cluster = LocalCluster(n_workers=2, processes=True, threads_per_worker=1,
+                           dashboard_address=None, silence_logs=40)
+    c = Client(cluster)
+    try:
+        yield c
+    finally:
+        c.close()
+        cluster.close()
+
+
+def _wait_for_two_workers(client):
+    client.wait_for_workers(2, timeout=60)
+
+
+# ----------------------------------------------------------------------------
+# import hygiene
+# ----------------------------------------------------------------------------
+def test_import_twellpy_does_not_import_dask():
+    code = "import sys, twellpy; bad = [m for m in ('dask', 'distributed') if m in sys.modules]; print(bad)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+# ----------------------------------------------------------------------------
+# containers
+# ----------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt,params", FORMAT_PARAMS)
+def test_from_dask_round_trip_uneven_chunks(client, fmt, params):
+    x = sparse_rows(103, 40, seed=1)
+    dx = da.from_array(x, chunks=(17, 40))  # 103 = 6*17 + 1: a 1-row last chunk
+    A = twd.from_dask(dx, fmt, **params)
+    assert A.shape == x.shape and A.dtype == x.dtype and A.format == fmt
+    assert A.chunks[0] == dx.chunks[0] and A.npartitions == 7
+    meta_class = {"twell": tw.TwELL, "ell": tw.ELL, "hybrid": tw.Hybrid}[fmt]
+    assert isinstance(A.blocks._meta, meta_class) and A.blocks._meta.shape == (0, 40)
+
+    dense = A.to_dense()
+    assert dense.chunks == dx.chunks and dense.dtype == x.dtype and type(dense._meta) is np.ndarray
+    np.testing.assert_array_equal(dense.compute(), x)
+
+    whole = A.compute()
+    assert type(whole).format == fmt and whole.shape == x.shape
+    whole.check_format(full_check=True)
+    np.testing.assert_array_equal(whole.toarray(), x)
+    direct = type(whole).from_dense(x, **params)
+    assert whole.nnz == direct.nnz == np.count_nonzero(x)
+    if fmt != "hybrid":  # row-local layout: chunked build == direct build, bit for bit
+        for name, arr in direct.components().items():
+            got = whole.components()[name]
+            if isinstance(arr, np.ndarray):
+                np.testing.assert_array_equal(got, arr, err_msg=name)
+
+    mats = dask.compute(*A.to_scipy("csr"))
+    assert len(mats) == 7 and all(sp.issparse(m) for m in mats)
+    np.testing.assert_array_equal(sp.vstack(mats).toarray(), x)
+
+
+def test_container_chunks_through_dask_dispatch(client):
+    """concatenate_lookup and tensordot_lookup registrations: plain dask.array code works."""
+    x = sparse_rows(50, 33, seed=2)
+    w = np.random.default_rng(3).standard_normal((33, 5)).astype(np.float32)
+    A = twd.from_dask(da.from_array(x, chunks=(12, 33)), "twell", tile=8, slots=2)
+    whole = A.blocks.compute()  # dask concatenates container chunks through concatenate_lookup
+    assert isinstance(whole, tw.TwELL)
+    np.testing.assert_array_equal(whole.toarray(), x)
+    y = da.tensordot(A.blocks, w, axes=1).compute()
+    np.testing.assert_allclose(y, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt,params", FORMAT_PARAMS)
+def test_matmul_equals_single_process(client, fmt, params):
+    x = sparse_rows(91, 48, seed=4)
+    w = np.random.default_rng(5).standard_normal((48, 7)).astype(np.float32)
+    A = twd.from_dask(da.from_array(x, chunks=(20, 48)), fmt, **params)
+    y = A @ w
+    assert y.shape == (91, 7) and y.chunks == ((20, 20, 20, 20, 11), (7,))
+    assert y.dtype == np.float32 and type(y._meta) is np.ndarray
+    got = y.compute()
+    # chunk by chunk, the same calls as a single process: identical bits
+    cls = type(A.compute())
+    want = np.concatenate([cls.from_dense(x[s:s + 20], **params) @ w for s in range(0, 91, 20)])
+    np.testing.assert_array_equal(got, want)
+    assert rel_err(got, x.astype(np.float64) @ w) < RTOL[np.dtype(np.float32)]
+
+
+def test_persist_keeps_chunks_on_workers(client):
+    x = sparse_rows(60, 30, seed=6)
+    A = twd.from_dask(da.from_array(x, chunks=(25, 30)), "hybrid").persist()
+    assert isinstance(A, twd.SparseDaskArray)
+    futures = [v for v in dict(A.__dask_graph__()).values()]
+    assert len(futures) == 3 and all(isinstance(f, distributed.Future) for f in futures)
+    np.testing.assert_array_equal(A.to_dense().compute(), x)
+
+
+# ----------------------------------------------------------------------------
+# FFN inference
+# ----------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["gated", "relu"])
+def test_ffn_equals_single_process(client, kind):
+    x, w_gate, w_up, w_down = ffn_problem(157, 32, 96, seed=7)
+    dx = da.from_array(x, chunks=(40, 32))  # 157 = 3*40 + 37
+    if kind == "gated":
+        y = twd.gated_forward(dx, w_gate, w_up, w_down)
+        direct = tw.ffn.gated_forward(x, w_gate, w_up, w_down)
+        per_chunk = [tw.ffn.gated_forward(x[s:s + 40], w_gate, w_up, w_down) for s in range(0, 157, 40)]
+        x64 = x.astype(np.float64)
+        ref = (np.maximum(x64 @ w_gate.T.astype(np.float64), 0) * (x64 @ w_up.T.astype(np.float64))) @ w_down.T
+    else:
+        y = twd.relu_forward(dx, w_up, w_down)
+        direct = tw.ffn.relu_forward(x, w_up, w_down)
+        per_chunk = [tw.ffn.relu_forward(x[s:s + 40], w_up, w_down) for s in range(0, 157, 40)]
+        ref = np.maximum(x.astype(np.float64) @ w_up.T, 0) @ w_down.T.astype(np.float64)
+    assert y.shape == (157, 32) and y.chunks == ((40, 40, 40, 37), (32,))
+    assert y.dtype == direct.dtype and type(y._meta) is np.ndarray
+    got = y.compute()
+    np.testing.assert_array_equal(got, np.concatenate(per_chunk))
+    assert rel_err(got, direct) < RTOL[np.dtype(np.float32)]
+    assert rel_err(got, ref) < RTOL[np.dtype(np.float32)]
+
+
+def test_weights_reach_each_worker_once(client):
+    x, w_gate, w_up, w_down = ffn_problem(240, 32, 128, seed=8)
+    shared = [twd.share(w, name) for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down))]
+    assert all(isinstance(s.ref, distributed.Future) for s in shared)
+    workers = set(client.scheduler_info()["workers"])
+    for s in shared:  # broadcast: every worker holds a copy before any task runs
+        assert set(client.who_has(s.ref)[s.key]) == workers
+    dx = da.from_array(x, chunks=(20, 32))  # 12 chunk tasks for 2 workers
+    y = twd.gated_forward(dx, *shared)
+    graph = y.__dask_graph__()
+    deps = graph.get_all_dependencies()
+    ffn_keys = [k for k in deps if isinstance(k, tuple) and "gated-forward" in k[0]]
+    assert len(ffn_keys) == 12
+    for k in ffn_keys:  # every chunk task depends on the one shared key of each weight
+        assert {s.key for s in shared} <= set(deps[k])
+    for k, task in dict(graph).items():  # and no task carries a copy of a weight
+        assert len(pickle.dumps(task)) < w_up.nbytes // 2, k
+    want = np.concatenate([tw.ffn.gated_forward(x[s:s + 20], w_gate, w_up, w_down)
+                           for s in range(0, 240, 20)])
+    np.testing.assert_array_equal(y.compute(), want)
+    # the weights were never fetched from a peer during the computation
+    fetched = client.run(lambda dask_worker: [k for ev in dask_worker.transfer_incoming_log
+                                              for k in ev["keys"]])
+    weight_keys = {s.key for s in shared}
+    assert not any(k in weight_keys for keys in fetched.values() for k in keys), fetched
+    # sharing the same data again reuses the same key (hash=True): no second broadcast
+    assert twd.share(w_up, "w_up").key == shared[1].key
+
+
+def test_weights_are_one_graph_key_without_client(client):
+    x, w_gate, w_up, w_down = ffn_problem(90, 16, 64, seed=9)
+    dx = da.from_array(x, chunks=(10, 16))
+    y = twd.gated_forward(dx, w_gate, w_up, w_down, client=False)
+    graph = dict(y.__dask_graph__())
+    holders = [k for k, t in graph.items() if getattr(t, "value", None) is w_up]
+    assert len(holders) == 1
+    for k, task in graph.items():
+        if getattr(task, "value", None) is None:
+            assert len(pickle.dumps(task)) < w_up.nbytes // 2, k
+    got = y.compute(scheduler="sync")
+    want = np.concatenate([tw.ffn.gated_forward(x[s:s + 10], w_gate, w_up, w_down) for s in range(0, 90, 10)])
+    np.testing.assert_array_equal(got, want)
+
+
+# ----------------------------------------------------------------------------
+# failures
+# ----------------------------------------------------------------------------
+def _kill_a_busy_worker(client, prefix, timeout=20.0):
+    """Wait until a worker is running a task whose key starts with ``prefix``; kill it."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for addr, keys in client.processing().items():
+            if any(prefix in str(k) for k in keys):
+                time.sleep(0.2)  # let the task start running
+                client.run(os._exit, 1, workers=[addr], on_error="ignore", wait=False)
+                return addr
+        time.sleep(0.02)
+    raise AssertionError(f"no task with prefix {prefix!r} started within {timeout} s")
+
+
+def test_worker_killed_mid_computation_completes(client):
+    _wait_for_two_workers(client)
+    x, w_gate, w_up, w_down = ffn_problem(120, 16, 64, seed=10)
+    dx = da.from_array(x, chunks=(20, 16)).map_blocks(slow_identity, 0.6, dtype=x.dtype)
+    y = twd.gated_forward(dx, w_gate, w_up, w_down)
+    future = client.compute(y)
+    killed = _kill_a_busy_worker(client, "slow_identity")
+    got = future.result(timeout=60)
+    assert killed not in client.scheduler_info()["workers"]  # the kill really happened
+    want = np.concatenate([tw.ffn.gated_forward(x[s:s + 20], w_gate, w_up, w_down) for s in range(0, 120, 20)])
+    np.testing.assert_array_equal(got, want)
+    _wait_for_two_workers(client)
+
+
+def test_worker_killed_without_retries_fails_clearly(client):
+    _wait_for_two_workers(client)
+    from distributed.scheduler import KilledWorker
+
+    def set_allowed(dask_scheduler, n):
+        old = dask_scheduler.allowed_failures
+        dask_scheduler.allowed_failures = n
+        return old
+
+    old = client.run_on_scheduler(set_allowed, n=0)
+    try:
+        x = sparse_rows(80, 24, seed=11)
+        dx = da.from_array(x, chunks=(20, 24)).map_blocks(slow_identity, 0.6, dtype=x.dtype)
+        dense = twd.from_dask(dx, "twell", tile=8, slots=2).to_dense()
+        future = client.compute(dense)
+        _kill_a_busy_worker(client, "slow_identity")
+        with pytest.raises(KilledWorker, match="died"):
+            future.result(timeout=60)
+    finally:
+        client.run_on_scheduler(set_allowed, n=old)
+        _wait_for_two_workers(client)
+
+
+def test_bad_chunk_data_raises_on_compute(client):
+    x = sparse_rows(40, 16, seed=12)
+    x[33, 5] = np.nan
+    A = twd.from_dask(da.from_array(x, chunks=(10, 16)), "ell")
+    with pytest.raises(ValueError, match="NaN"):
+        A.to_dense().compute()
+    B = twd.from_dask(da.from_array(x, chunks=(10, 16)), "ell", check_finite=False)
+    got = B.to_dense().compute()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(x))
+
+
+# ----------------------------------------------------------------------------
+# bad input (no cluster needed)
+# ----------------------------------------------------------------------------
+def test_bad_input_messages():
+    x = sparse_rows(30, 12, seed=13)
+    with pytest.raises(TypeError, match="dask.array.Array"):
+        twd.from_dask(x)
+    with pytest.raises(ValueError, match="2-D"):
+        twd.from_dask(da.zeros((5,), chunks=2, dtype=np.float32))
+    multi = da.from_array(x, chunks=(10, 5))
+    with pytest.raises(ValueError, match="3 column chunks"):
+        twd.from_dask(multi, rechunk=False)
+    A = twd.from_dask(multi, "ell")  # rechunked to one column chunk
+    assert A.chunks == ((10, 10, 10), (12,))
+    np.testing.assert_array_equal(A.to_dense().compute(scheduler="sync"), x)
+    with pytest.raises(ValueError, match="unknown format 'csr'"):
+        twd.from_dask(da.from_array(x), "csr")
+    with pytest.raises(TypeError, match="x has dtype int64"):
+        twd.from_dask(da.from_array(np.zeros((4, 4), np.int64)))
+    with pytest.raises(ValueError, match="unknown chunk sizes"):
+        dx = da.from_array(x, chunks=(10, 12))
+        twd.from_dask(dx[dx[:, 0] > 0])
+    with pytest.raises(TypeError):
+        twd.from_dask(da.from_array(x), "twell", no_such_parameter=1)
+    with pytest.raises(ValueError, match="w has shape"):
+        A @ np.zeros((11, 3), np.float32)
+
+    xf, w_gate, w_up, w_down = ffn_problem(20, 8, 16, seed=14)
+    dxf = da.from_array(xf, chunks=(5, 8))
+    with pytest.raises(ValueError, match="w_up has shape"):
+        twd.gated_forward(dxf, w_gate, w_up[:, :7], w_down, client=False)
+    with pytest.raises(ValueError, match="w_down has shape"):
+        twd.relu_forward(dxf, w_up, w_down[:, :15], client=False)
+    with pytest.raises(ValueError, match="w_gate must be 2-D"):
+        twd.gated_forward(dxf, w_gate[0], w_up, w_down, client=False)
+    with pytest.raises(TypeError, match="w_down has dtype int32"):
+        twd.relu_forward(dxf, w_up, w_down.astype(np.int32), client=False)
+
+
+def test_concatenate_checks_parts():
+    x = sparse_rows(20, 12, seed=15)
+    a = tw.ELL.from_dense(x[:10])
+    b = tw.TwELL.from_dense(x[10:], tile=4, slots=2)
+    with pytest.raises(TypeError, match="format 'twell', expected 'ell'"):
+        twd.concatenate([a, b])
+    with pytest.raises(ValueError, match="columns"):
+        twd.concatenate([a, tw.ELL.from_dense(x[10:, :11])])
+    with pytest.raises(ValueError, match="axis"):
+        twd.concatenate([a, a], axis=1)
+    with pytest.raises(ValueError, match="empty"):
+        twd.concatenate([])
+    c = twd.concatenate([b, tw.TwELL.from_dense(x[:10], tile=4, slots=5)])  # slots padded to 5
+    np.testing.assert_array_equal(c.toarray(), np.concatenate([x[10:], x[:10]]))
+    c.check_format(full_check=True)
+
+
+# ----------------------------------------------------------------------------
+# GPU (cupy chunks, threaded scheduler)
+# ----------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,params", FORMAT_PARAMS)
+def test_cupy_chunks(fmt, params):
+    import cupy as cp
+
+    x = sparse_rows(203, 70, seed=16)
+    w = np.random.default_rng(17).standard_normal((70, 9)).astype(np.float32)
+    dx = da.from_array(cp.asarray(x), chunks=(64, 70), asarray=False)
+    A = twd.from_dask(dx, fmt, **params)
+    dense = A.to_dense()
+    assert type(dense._meta) is cp.ndarray
+    np.testing.assert_array_equal(cp.asnumpy(dense.compute(scheduler="threads")), x)
+    y = A.matmul(cp.asarray(w), client=False)
+    assert type(y._meta) is cp.ndarray
+    assert rel_err(y.compute(scheduler="threads"), x.astype(np.float64) @ w) < RTOL[np.dtype(np.float32)]
+    whole = A.compute(scheduler="threads")
+    assert whole.device.startswith("cuda")
+    np.testing.assert_array_equal(cp.asnumpy(whole.toarray()), x)
+
+
+@pytest.mark.gpu
+def test_cupy_ffn():
+    import cupy as cp
+
+    x, w_gate, w_up, w_down = ffn_problem(300, 64, 256, seed=18)
+    xg, wg = cp.asarray(x), [cp.asarray(w) for w in (w_gate, w_up, w_down)]
+    # poison: the device result must not depend on leftover memory
+    cp.full((300, 64), cp.nan, cp.float32)
+    y = twd.gated_forward(da.from_array(xg, chunks=(128, 64), asarray=False), *wg, client=False)
+    assert type(y._meta) is cp.ndarray
+    got = y.compute(scheduler="threads")
+    want = tw.ffn.gated_forward(xg, *wg)
+    assert rel_err(got, want) < RTOL[np.dtype(np.float32)]
+    x64 = x.astype(np.float64)
+    ref = (np.maximum(x64 @ w_gate.T, 0) * (x64 @ w_up.T)) @ w_down.T.astype(np.float64)
+    assert rel_err(got, ref) < RTOL[np.dtype(np.float32)]

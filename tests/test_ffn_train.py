@@ -1,0 +1,213 @@
+"""CPU tests of the sparse FFN training step against a float64 dense reference."""
+import numpy as np
+import pytest
+
+from twellpy import _ffn_train as T
+from twellpy._array import bfloat16
+
+from _train_ref import dense_gated, dense_relu, f64, make_problem
+
+TOL = {np.dtype(np.float64): 1e-10, np.dtype(np.float32): 1e-5, bfloat16: 1e-2,
+       np.dtype(np.float16): 1e-2}
+
+
+def rel(got, ref):
+    got, ref = f64(got), f64(ref)
+    den = np.linalg.norm(ref)
+    return float(np.linalg.norm(got - ref) / den) if den else float(np.linalg.norm(got))
+
+
+CASES = {
+    "uniform": dict(M=96, D=40, H=256, nnz=12),
+    "uneven": dict(M=80, D=40, H=256, nnz=12, sigma=0.6),
+    "hot2000": dict(M=48, D=24, H=2304, nnz=10, hot=(5, 2000)),
+    "empty_rows": dict(M=40, D=24, H=128, nnz=6, empty=(0, 7, 39)),
+    "M1": dict(M=1, D=24, H=128, nnz=10),
+}
+
+
+def _cast(arrs, dt):
+    return [a.astype(dt) for a in arrs]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float64), bfloat16])
+@pytest.mark.parametrize("width", ["auto", 3, "min_storage", "quantile:0.5"])
+def test_gated_matches_dense(case, dtype, width):
+    x, wg, wu, wd, dy = _cast(make_problem(**CASES[case], seed=1), dtype)
+    l1 = 0.05
+    y, ctx = T.gated_forward_train(x, wg, wu, wd, l1=l1, width=width)
+    dx, dwg, dwu, dwd = T.gated_backward(ctx, dy)
+    ref = dense_gated(x, wg, wu, wd, dy, l1)
+    tol = TOL[dtype]
+    for name, got in (("y", y), ("dx", dx), ("dw_gate", dwg), ("dw_up", dwu), ("dw_down", dwd)):
+        assert got.dtype == dtype, name
+        assert got.shape == ref[name].shape, name
+        assert rel(got, ref[name]) <= tol, (name, rel(got, ref[name]))
+    st = ctx.stats
+    if dtype != bfloat16:  # bf16 rounding of z may move a borderline neuron
+        np.testing.assert_array_equal(f64(st["token_counts"]), ref["token_counts"])
+        np.testing.assert_array_equal(f64(st["neuron_counts"]), ref["neuron_counts"])
+        assert st["l0"] == pytest.approx(ref["token_counts"].mean())
+    assert st["l1"] == pytest.approx(ref["l1"], rel=max(tol, 1e-9))
+    assert st["n_backup_rows"] == int((f64(st["token_counts"]) > st["width"]).sum())
+    assert st["deterministic"] is True
+
+
+def test_hot_token_goes_to_backup_and_nothing_is_dropped():
+    x, wg, wu, wd, dy = make_problem(**CASES["hot2000"], seed=3)
+    y, ctx = T.gated_forward_train(x, wg, wu, wd, width="auto")
+    assert int(ctx.stats["token_counts"][5]) >= 2000
+    assert 5 in set(ctx.backup_rows.tolist())
+    assert ctx.stats["width"] < 2000
+    ref = dense_gated(x, wg, wu, wd, dy, 0.0)
+    assert rel(y, ref["y"]) < 1e-10
+
+
+def test_fixed_width_sends_every_wide_row_to_backup():
+    x, wg, wu, wd, dy = make_problem(**CASES["uneven"], seed=4)
+    y, ctx = T.gated_forward_train(x, wg, wu, wd, width="fixed:2")
+    counts = f64(ctx.stats["token_counts"])
+    assert ctx.width == 2
+    np.testing.assert_array_equal(ctx.backup_rows, np.flatnonzero(counts > 2))
+    grads = T.gated_backward(ctx, dy)
+    ref = dense_gated(x, wg, wu, wd, dy, 0.0)
+    for got, name in zip(grads, ("dx", "dw_gate", "dw_up", "dw_down")):
+        assert rel(got, ref[name]) < 1e-10, name
+
+
+@pytest.mark.parametrize("case", ["uniform", "uneven", "hot2000", "empty_rows", "M1"])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float64), bfloat16])
+def test_relu_matches_dense(case, dtype):
+    x, wu, wd, dy = _cast(make_problem(**CASES[case], seed=2, gated=False), dtype)
+    l1 = 0.1
+    y, ctx = T.relu_forward_train(x, wu, wd, l1=l1)
+    dx, dwu, dwd = T.relu_backward(ctx, dy)
+    ref = dense_relu(x, wu, wd, dy, l1)
+    for name, got in (("y", y), ("dx", dx), ("dw_up", dwu), ("dw_down", dwd)):
+        assert got.dtype == dtype
+        assert rel(got, ref[name]) <= TOL[dtype], (name, rel(got, ref[name]))
+    assert ctx.stats["l1"] == pytest.approx(ref["l1"], rel=max(TOL[dtype], 1e-9))
+
+
+def test_ctx_keeps_no_dense_hidden_array():
+    M, D, H = 64, 16, 512
+    x, wg, wu, wd, dy = make_problem(M, D, H, 8, seed=5)
+    _, ctx = T.gated_forward_train(x, wg, wu, wd)
+    for k, v in vars(ctx).items():
+        if hasattr(v, "shape"):
+            assert v.size < M * H, (k, v.shape)
+    for k, v in ctx.stats.items():
+        if hasattr(v, "shape"):
+            assert v.size < M * H, (k, v.shape)
+
+
+def test_ctx_hybrids_hold_the_activations():
+    x, wg, wu, wd, dy = make_problem(**CASES["uneven"], seed=6)
+    _, ctx = T.gated_forward_train(x, wg, wu, wd, width=3)
+    z = x @ wg.T
+    g = np.maximum(z, 0)
+    u = x @ wu.T
+    np.testing.assert_allclose(ctx.g.toarray(), g, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(ctx.u.toarray(), u * (z > 0), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(ctx.h.toarray(), g * u, rtol=1e-12, atol=1e-12)
+    assert ctx.g.format == "hybrid" and ctx.g.n_backup == ctx.R
+
+
+def test_deterministic_bits():
+    x, wg, wu, wd, dy = _cast(make_problem(**CASES["uneven"], seed=7), np.float32)
+    outs = []
+    for _ in range(2):
+        y, ctx = T.gated_forward_train(x, wg, wu, wd, l1=0.01, deterministic=True)
+        outs.append((y,) + T.gated_backward(ctx, dy))
+    for a, b in zip(*outs):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_l1_gradient_is_injected_on_the_pattern_only():
+    x, wg, wu, wd, dy = make_problem(**CASES["uniform"], seed=8)
+    _, c0 = T.gated_forward_train(x, wg, wu, wd, l1=0.0)
+    _, c1 = T.gated_forward_train(x, wg, wu, wd, l1=3.0)
+    g0 = T.gated_backward(c0, dy)
+    g1 = T.gated_backward(c1, dy)
+    M = x.shape[0]
+    z = x @ wg.T
+    pat = z > 0
+    h = np.where(pat, z, 0) * (x @ wu.T)
+    extra = (3.0 / M) * np.sign(h) * pat
+    np.testing.assert_allclose(g1[2] - g0[2], (extra * np.maximum(z, 0)).T @ x, atol=1e-10)
+
+
+def test_facade_exports_training_functions():
+    import twellpy.ffn as ffn
+
+    for name in T.__all__:
+        assert getattr(ffn, name) is getattr(T, name)
+
+
+def test_bad_inputs():
+    x, wg, wu, wd, dy = make_problem(8, 6, 16, 4, seed=9)
+    with pytest.raises(ValueError, match="w_up has shape"):
+        T.gated_forward_train(x, wg, wu[:, :5], wd)
+    with pytest.raises(ValueError, match="w_down has shape"):
+        T.gated_forward_train(x, wg, wu, wd.T)
+    with pytest.raises(TypeError, match="w_gate has dtype float32"):
+        T.gated_forward_train(x, wg.astype(np.float32), wu, wd)
+    with pytest.raises(TypeError, match="x has dtype int64"):
+        T.gated_forward_train(x.astype(np.int64), wg, wu, wd)
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        T.gated_forward_train(x[0], wg, wu, wd)
+    bad = x.copy()
+    bad[0, 0] = np.nan
+    with pytest.raises(ValueError, match="x contains 1 NaN"):
+        T.gated_forward_train(bad, wg, wu, wd)
+    with pytest.raises(ValueError, match="l1 must be a finite number >= 0"):
+        T.gated_forward_train(x, wg, wu, wd, l1=-1.0)
+    with pytest.raises(ValueError, match="unknown width strategy"):
+        T.gated_forward_train(x, wg, wu, wd, width="widest")
+    _, ctx = T.gated_forward_train(x, wg, wu, wd)
+    with pytest.raises(ValueError, match="dy has shape"):
+        T.gated_backward(ctx, dy[:3])
+    with pytest.raises(TypeError, match="dy has dtype float32"):
+        T.gated_backward(ctx, dy.astype(np.float32))
+    with pytest.raises(ValueError, match="ctx comes from the gated forward"):
+        T.relu_backward(ctx, dy)
+    with pytest.raises(TypeError, match="ctx must be the TrainContext"):
+        T.gated_backward({}, dy)
+
+
+def test_choose_width_strategies():
+    counts = np.array([1, 2, 3, 4, 100])
+    assert T.choose_width(counts, 7) == 7
+    assert T.choose_width(counts, "fixed:5") == 5
+    assert T.choose_width(counts, "quantile:0.5") == 3
+    assert T.choose_width(counts, "quantile:1") == 100
+    # one 100-wide row is cheaper as a backup row than as 96 extra slots per row
+    assert T.choose_width(counts, "min_storage", slot_bytes=8, row_bytes=8 * 128) == 4
+    assert T.choose_width(counts, "auto", slot_bytes=8, row_bytes=8 * 128) == 100  # q0.9 floor
+    assert T.choose_width(np.zeros(0, int), "auto", slot_bytes=8, row_bytes=8) == 1
+    with pytest.raises(ValueError, match="quantile p must be in"):
+        T.choose_width(counts, "quantile:2")
+    with pytest.raises(TypeError, match="width must be an int"):
+        T.choose_width(counts, 2.5)
+
+
+def test_small_training_loop_reduces_loss():
+    """A few SGD steps of a ReLU-FFN regression lower the loss (the example's use case)."""
+    rng = np.random.default_rng(10)
+    M, D, H = 512, 32, 128
+    x = rng.standard_normal((M, D)).astype(np.float32)
+    target = np.tanh(x @ rng.standard_normal((D, D)).astype(np.float32) / np.sqrt(D))
+    wg = (rng.standard_normal((H, D)) / np.sqrt(D)).astype(np.float32)
+    wu = (rng.standard_normal((H, D)) / np.sqrt(D)).astype(np.float32)
+    wd = (rng.standard_normal((D, H)) / np.sqrt(H)).astype(np.float32)
+    losses = []
+    for _ in range(15):
+        y, ctx = T.gated_forward_train(x, wg, wu, wd, l1=1e-3)
+        err = y - target
+        losses.append(float((err ** 2).mean()))
+        _, dwg, dwu, dwd = T.gated_backward(ctx, (2.0 / err.size) * err)
+        wg -= 0.5 * dwg
+        wu -= 0.5 * dwu
+        wd -= 0.5 * dwd
+    assert losses[-1] < 0.8 * losses[0], losses

@@ -1,0 +1,875 @@
+"""Shared base of the padded sparse containers (ELL, TwELL, Hybrid).
+
+Everything that does not depend on the storage layout lives here: conversions
+through the CSR hub, products with dense arrays, element-wise value maps
+(written once through :meth:`SparseArray._with_data`), device moves,
+persistence hooks and the two levels of validation.
+
+A format subclass provides:
+
+* ``format`` (name), ``_array_names`` (component arrays, in order);
+* ``_params()`` -> dict of scalar parameters (``tile``, ``width`` ...);
+* ``_slots()`` -> ``(values, indices)`` flattened to (M, K) slot lists;
+* ``_row_counts()`` -> stored slot entries per row, (M,) int32;
+* ``_from_csr(indptr, indices, data, shape, **params)`` (classmethod);
+* ``_from_dense_xp(x, **params)`` (classmethod, numpy/cupy input);
+* ``_check_slots_full()`` (format-specific content scan);
+* ``_init_from_components(d, check, check_finite)`` (classmethod).
+
+Formats with dense backup rows keep them in ``backup`` (R, N),
+``backup_rows`` (R,) and ``row_map`` (M,); ELL has R = 0 always.
+"""
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from . import _array
+from ._array import FLOAT_DTYPES, INDEX_DTYPE, bfloat16
+from . import backends
+
+INT32_MAX = 2**31 - 1
+
+_BITS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+_MASK = {2: 0x7FFF, 4: 0x7FFFFFFF, 8: 0x7FFFFFFFFFFFFFFF}
+
+
+class TileOverflowError(ValueError):
+    """A TwELL (row, tile) holds more non-zeros than ``slots`` and ``overflow="raise"``.
+
+    The message names the worst (row, tile), its count and a ``slots`` value
+    that is sufficient for the whole matrix.
+    """
+
+
+# ----------------------------------------------------------------------------
+# small helpers (numpy and cupy alike)
+# ----------------------------------------------------------------------------
+def _bits(a):
+    return a.view(_BITS[a.dtype.itemsize])
+
+
+def nonzero_mask(a):
+    """Boolean array: ``a != 0`` on the bit pattern (NaN true, -0.0 false)."""
+    xp = _array.xp_of(a)
+    b = _bits(a)
+    return (b & b.dtype.type(_MASK[a.dtype.itemsize])) != 0
+
+
+def _count_nonzero(a) -> int:
+    if a is None or a.size == 0:
+        return 0
+    xp = _array.xp_of(a)
+    return int(xp.count_nonzero(nonzero_mask(a)))
+
+
+def result_dtype(a, b):
+    """Dtype of a product of ``a`` and ``b`` values (bfloat16 aware).
+
+    Equal dtypes stay; float64 wins; any other mix (two different 16-bit
+    types, or 16-bit with float32) gives float32.
+    """
+    a, b = np.dtype(a), np.dtype(b)
+    if a == b:
+        return a
+    if np.dtype(np.float64) in (a, b):
+        return np.dtype(np.float64)
+    return np.dtype(np.float32)
+
+
+def _acc(dtype):
+    return _array.accum_dtype(dtype)
+
+
+def _as_host(a):
+    if a is None:
+        return None
+    return a.get() if _array.is_cupy(a) else np.asarray(a)
+
+
+def _to_int(v, name):
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
+    return int(v)
+
+
+def check_shape(shape, name="shape"):
+    """Validate a 2-D shape; returns a tuple of two Python ints."""
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise TypeError(f"{name} must be a tuple (M, N), got {shape!r}") from None
+    if len(dims) != 2:
+        raise ValueError(f"{name} must have 2 entries (M, N), got {dims!r}")
+    m, n = (_to_int(d, name) for d in dims)
+    if m < 0 or n < 0:
+        raise ValueError(f"{name} must be non-negative, got {(m, n)}")
+    if n > INT32_MAX or m > INT32_MAX:
+        raise ValueError(f"{name}={(m, n)} exceeds the int32 index range (max {INT32_MAX})")
+    return (m, n)
+
+
+def positive_int(v, name):
+    v = _to_int(v, name)
+    if v <= 0:
+        raise ValueError(f"{name} must be a positive int, got {v}")
+    return v
+
+
+def check_index_array(a, name, ndim, shape=None):
+    """Validate an int32 index component (dtype, ndim, shape)."""
+    a, _ = _array.as_array(a, name, ndim=ndim)
+    if a.dtype != INDEX_DTYPE:
+        raise TypeError(f"{name} has dtype {a.dtype}, expected int32")
+    if shape is not None and tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {tuple(shape)}")
+    return _array.contiguous(a, name)
+
+
+def check_value_array(a, name, ndim, shape=None, dtype=None):
+    """Validate a value component (float dtype, ndim, shape, dtype match)."""
+    a, _ = _array.as_array(a, name, ndim=ndim)
+    _array.check_float(a, name)
+    if dtype is not None and a.dtype != dtype:
+        raise TypeError(f"{name} has dtype {a.dtype}, expected {dtype} (the dtype of values)")
+    if shape is not None and tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {tuple(shape)}")
+    return _array.contiguous(a, name)
+
+
+def backup_parts(xp, values_dtype, n_rows, n_cols, backup, backup_rows, row_map=None):
+    """Validate or default the backup triple; returns ``(backup, backup_rows, row_map)``.
+
+    The row ids are checked always (O(R), and ``row_map`` is built from them):
+    sorted, unique, within [0, M).
+    """
+    if backup is None and backup_rows is None:
+        backup = xp.zeros((0, n_cols), values_dtype)
+        backup_rows = xp.zeros(0, INDEX_DTYPE)
+    elif backup is None or backup_rows is None:
+        missing = "backup" if backup is None else "backup_rows"
+        raise ValueError(f"{missing} is None but the other backup array was given; "
+                         f"pass both backup and backup_rows or neither")
+    else:
+        backup_rows = check_index_array(backup_rows, "backup_rows", 1)
+        r = backup_rows.shape[0]
+        backup = check_value_array(backup, "backup", 2, shape=(r, n_cols), dtype=values_dtype)
+        if r:
+            br = _as_host(backup_rows)
+            if br.min() < 0 or br.max() >= n_rows:
+                bad = int(br[(br < 0) | (br >= n_rows)][0])
+                raise ValueError(f"backup_rows holds row id {bad}, expected ids in [0, {n_rows})")
+            if r > 1 and not (np.diff(br) > 0).all():
+                k = int(np.nonzero(np.diff(br) <= 0)[0][0])
+                raise ValueError(f"backup_rows must be sorted ascending without repeats, "
+                                 f"got backup_rows[{k}]={br[k]} then backup_rows[{k + 1}]={br[k + 1]}")
+    xp_b = _array.xp_of(backup_rows)
+    computed = xp_b.full(n_rows, -1, INDEX_DTYPE)
+    if backup_rows.shape[0]:
+        computed[backup_rows] = xp_b.arange(backup_rows.shape[0], dtype=INDEX_DTYPE)
+    if row_map is not None:
+        row_map = check_index_array(row_map, "row_map", 1, shape=(n_rows,))
+        if not bool((row_map == computed).all()):
+            raise ValueError("row_map is inconsistent with backup_rows: row_map[r] must be the "
+                             "position of row r in backup_rows, or -1")
+    return backup, backup_rows, computed
+
+
+def _first_true(mask):
+    """Index tuple of the first True entry of ``mask`` (host ints)."""
+    xp = _array.xp_of(mask)
+    pos = _as_host(xp.argwhere(mask)[0])
+    return tuple(int(p) for p in pos)
+
+
+def _prepare_scipy(m, name="m"):
+    """CSR arrays from any scipy.sparse array/matrix: duplicates summed, explicit zeros dropped."""
+    import scipy.sparse as sp
+
+    if not sp.issparse(m):
+        raise TypeError(f"{name} must be a scipy.sparse array or matrix, got {type(m).__module__}.{type(m).__name__}")
+    if m.ndim != 2:
+        raise ValueError(f"{name} must be 2-D, got {m.ndim}-D")
+    if m.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} has dtype {m.dtype}, expected one of float16, bfloat16, float32, float64 "
+                        f"(convert first, e.g. {name}.astype(numpy.float32))")
+    csr = sp.csr_array(m, copy=True)
+    csr.sum_duplicates()   # also sorts the column indices
+    csr.eliminate_zeros()  # exact: an explicit zero adds nothing to the matrix
+    return csr
+
+
+# ----------------------------------------------------------------------------
+# the base class
+# ----------------------------------------------------------------------------
+class SparseArray:
+    """Base of :class:`twellpy.ELL`, :class:`twellpy.TwELL` and :class:`twellpy.Hybrid`.
+
+    Containers are immutable by convention: every operation returns a new
+    container (component arrays may be shared between containers, so do not
+    write into the arrays returned by :meth:`components`).
+    """
+
+    format: str = ""
+    _array_names: tuple = ()
+    # numpy defers ``ndarray @ container`` to __rmatmul__; cupy checks the priority.
+    __array_ufunc__ = None
+    __array_priority__ = 100.0
+
+    backup = None
+    backup_rows = None
+    row_map = None
+
+    # -- basic attributes -----------------------------------------------------
+    @property
+    def shape(self) -> tuple:
+        """(M, N)."""
+        return self._shape
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    @property
+    def dtype(self):
+        """Value dtype."""
+        return self.values.dtype
+
+    @property
+    def xp(self):
+        """numpy or cupy: the module owning the component arrays."""
+        return _array.xp_of(self.values)
+
+    @property
+    def device(self) -> str:
+        """``"cpu"`` or ``"cuda:N"``."""
+        return _array.device_of(self.values)
+
+    @property
+    def n_backup(self) -> int:
+        """Number R of rows stored densely in ``backup``."""
+        return 0 if self.backup_rows is None else int(self.backup_rows.shape[0])
+
+    @property
+    def nnz(self) -> int:
+        """Stored non-zeros: slot entries (sum of counts) plus non-zeros of the backup rows."""
+        if self._nnz is None:
+            self._nnz = int(self._row_counts().sum()) + _count_nonzero(self.backup)
+        return self._nnz
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all component arrays (padding and backup included)."""
+        return int(sum(getattr(self, k).nbytes for k in self._array_names))
+
+    def _backend(self):
+        return backends.get(self.values)
+
+    def __repr__(self):
+        m, n = self.shape
+        extra = ", ".join(f"{k}={v!r}" for k, v in self._params().items())
+        if self.backup is not None:
+            extra += f", backup_rows={self.n_backup}"
+        return (f"<{type(self).__name__} {m}x{n} {self.dtype}, nnz={self.nnz}, device={self.device}, "
+                f"{extra}>")
+
+    def __len__(self):
+        raise TypeError(f"len() of a {type(self).__name__} is ambiguous; use .shape")
+
+    # -- components / construction ------------------------------------------
+    def components(self) -> dict:
+        """Component arrays and parameters.
+
+        Returns
+        -------
+        dict
+            ``{"format", "shape", <arrays by name>, <params>}``; accepted by
+            :meth:`from_components` and :func:`twellpy.save`. The arrays are
+            the container's own (not copies).
+        """
+        d = {"format": self.format, "shape": self.shape}
+        for k in self._array_names:
+            d[k] = getattr(self, k)
+        d.update(self._params())
+        return d
+
+    @classmethod
+    def from_components(cls, d, *, check=True, check_finite=True):
+        """Rebuild a container from :meth:`components` output.
+
+        Parameters
+        ----------
+        d : dict
+            Must hold ``"format"``; the format's arrays and parameters.
+        check : bool or "full"
+            ``True``: O(1) validation; ``"full"``: also scan the contents
+            (:meth:`check_format` with ``full_check=True``); ``False``: trust.
+        check_finite : bool
+            Reject NaN/Inf in the value arrays.
+        """
+        from . import ell, hybrid, twell
+
+        fmt = d.get("format") if isinstance(d, dict) else None
+        if not isinstance(d, dict):
+            raise TypeError(f"d must be a dict from components(), got {type(d).__name__}")
+        classes = {"ell": ell.ELL, "twell": twell.TwELL, "hybrid": hybrid.Hybrid}
+        if fmt not in classes:
+            raise ValueError(f"unknown format {fmt!r}; expected one of {sorted(classes)}")
+        target = classes[fmt]
+        if cls is not SparseArray and cls is not target:
+            raise ValueError(f"components describe format {fmt!r}, not {cls.format!r}")
+        return target._init_from_components(d, check=check, check_finite=check_finite)
+
+    @staticmethod
+    def _validate_check(check):
+        if check not in (True, False, "full"):
+            raise ValueError(f"check must be True, False or 'full', got {check!r}")
+
+    def _finish_init(self, check, check_finite):
+        self._nnz = None
+        if check_finite:
+            _array.check_finite(self.values, "values")
+            if self.backup is not None:
+                _array.check_finite(self.backup, "backup")
+        if check == "full":
+            self.check_format(full_check=True, check_finite=False)
+
+    @classmethod
+    def from_dense(cls, x, *, check_finite=True, **params):
+        """Build from a dense 2-D array (numpy, cupy, or any ``__dlpack__`` object).
+
+        Only non-zero entries are stored (NaN counts as non-zero, -0.0 as
+        zero). The container lives on the device of ``x``. Format parameters
+        are documented on the subclass.
+        """
+        x, _ = _array.as_array(x, "x", ndim=2)
+        _array.check_float(x, "x")
+        check_shape(x.shape, "x.shape")
+        x = _array.contiguous(x, "x")
+        if check_finite:
+            _array.check_finite(x, "x")
+        return cls._from_dense_xp(x, **params)
+
+    @classmethod
+    def from_scipy(cls, m, *, dtype=None, check_finite=True, **params):
+        """Build from any ``scipy.sparse`` array or matrix (result on the CPU).
+
+        Exact: duplicate entries are summed first, then explicit zeros
+        (stored entries equal to 0, including sums that cancel) are dropped;
+        neither changes the matrix. Column order in the input does not
+        matter. ``dtype`` casts the values (scipy has no 16-bit types, so
+        this is how float16/bfloat16 containers are made from scipy);
+        values that the cast rounds to zero are dropped too.
+        """
+        csr = _prepare_scipy(m)
+        shape = check_shape(csr.shape, "m.shape")
+        data = np.ascontiguousarray(csr.data)
+        if check_finite:
+            _array.check_finite(data, "m")
+        if csr.nnz > INT32_MAX:
+            raise ValueError(f"m has {csr.nnz} non-zeros, more than the int32 index range allows")
+        indptr = np.ascontiguousarray(csr.indptr, dtype=np.int64)
+        indices = np.ascontiguousarray(csr.indices, dtype=np.int32)
+        if dtype is not None:
+            try:
+                dtype = np.dtype(dtype)
+            except TypeError:
+                raise TypeError(f"dtype {dtype!r} is not a dtype") from None
+            _array.check_float(np.empty(0, dtype), "dtype")
+            data = data.astype(dtype)
+            keep = nonzero_mask(data)
+            if not keep.all():
+                # Entries that underflowed to zero in the cast are dropped.
+                kept_per_row = np.add.reduceat(keep.astype(np.int64), indptr[:-1]) if data.size else None
+                counts = np.where(np.diff(indptr) > 0, kept_per_row, 0) if data.size else np.zeros(shape[0], np.int64)
+                indptr = np.concatenate([[0], np.cumsum(counts)])
+                data, indices = np.ascontiguousarray(data[keep]), np.ascontiguousarray(indices[keep])
+        return cls._from_csr(indptr.astype(np.int32), indices, data, shape, **params)
+
+    @classmethod
+    def from_cupyx(cls, m, *, check_finite=True, **params):
+        """Build from a ``cupyx.scipy.sparse`` matrix (result on its GPU).
+
+        Duplicates are summed and explicit zeros dropped, as in :meth:`from_scipy`.
+        """
+        try:
+            import cupyx.scipy.sparse as csp
+        except Exception as e:  # pragma: no cover - needs cupy
+            raise TypeError(f"from_cupyx needs CuPy: {e}") from None
+        if not csp.issparse(m):
+            raise TypeError(f"m must be a cupyx.scipy.sparse matrix, got {type(m).__module__}.{type(m).__name__}")
+        if m.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"m has dtype {m.dtype}, expected a float dtype")
+        csr = m.tocsr(copy=True)
+        csr.sum_duplicates()
+        csr.eliminate_zeros()
+        if not csr.has_sorted_indices:
+            csr.sort_indices()
+        shape = check_shape(csr.shape, "m.shape")
+        import cupy
+
+        data = cupy.ascontiguousarray(csr.data)
+        if check_finite:
+            _array.check_finite(data, "m")
+        indptr = cupy.ascontiguousarray(csr.indptr.astype(np.int32))
+        indices = cupy.ascontiguousarray(csr.indices.astype(np.int32))
+        return cls._from_csr(indptr, indices, data, shape, **params)
+
+    # -- the CSR hub ----------------------------------------------------------
+    def _csr(self):
+        """CSR arrays ``(indptr, col, data)`` (int32, int32, dtype) on the container's device."""
+        vals, idx = self._slots()
+        indptr, col, data = self._backend().slots_to_csr(vals, idx, self._row_counts())
+        if self.n_backup == 0:
+            return indptr, col, data
+        xp = self.xp
+        m, n = self.shape
+        # Backup rows have no slot entries, so the two parts are merged by row.
+        rb, cb = xp.nonzero(nonzero_mask(self.backup))
+        rows_b = self.backup_rows[rb].astype(np.int64)
+        rows_s = (xp.searchsorted(indptr, xp.arange(col.shape[0]), side="right") - 1).astype(np.int64)
+        rows = xp.concatenate([rows_s, rows_b])
+        cols = xp.concatenate([col.astype(np.int64), cb.astype(np.int64)])
+        datas = xp.concatenate([data, self.backup[rb, cb]])
+        return _coo_to_csr(xp, rows, cols, datas, m, n)
+
+    def to_scipy(self, fmt="csr"):
+        """Copy to a ``scipy.sparse`` array (``csr_array`` family) on the host.
+
+        Parameters
+        ----------
+        fmt : str
+            Any scipy format name (``"csr"``, ``"csc"``, ``"coo"`` ...).
+
+        Notes
+        -----
+        scipy.sparse has no bfloat16/float16 kernels, so 16-bit values come
+        back as float32 (lossless).
+        """
+        import scipy.sparse as sp
+
+        indptr, col, data = (_as_host(a) for a in self._csr())
+        if data.dtype.itemsize == 2:
+            data = data.astype(np.float32)
+        m = sp.csr_array((data, col, indptr), shape=self.shape)
+        return m.asformat(fmt)
+
+    def to_cupyx(self, fmt="csr"):
+        """Copy to a ``cupyx.scipy.sparse`` matrix on the GPU (16-bit values become float32)."""
+        import cupyx.scipy.sparse as csp
+
+        a = self if self.device != "cpu" else self.to_device("cuda")
+        indptr, col, data = a._csr()
+        if data.dtype.itemsize == 2:
+            data = data.astype(np.float32)
+        return csp.csr_matrix((data, col, indptr), shape=self.shape).asformat(fmt)
+
+    def toarray(self):
+        """Dense (M, N) numpy or cupy array (the container's device)."""
+        vals, idx = self._slots()
+        out = self._backend().slots_to_dense(vals, idx, self.shape[1])
+        if self.n_backup:
+            out[self.backup_rows] = self.backup
+        return out
+
+    def asformat(self, fmt, **params):
+        """Convert to another twellpy format (through CSR).
+
+        Parameters
+        ----------
+        fmt : {"ell", "twell", "hybrid"}
+        **params
+            Parameters of the target format (``tile``, ``slots``, ``width`` ...).
+            Converting to the same format with no parameters returns ``self``.
+        """
+        from . import ell, hybrid, twell
+
+        classes = {"ell": ell.ELL, "twell": twell.TwELL, "hybrid": hybrid.Hybrid}
+        if fmt not in classes:
+            raise ValueError(f"unknown format {fmt!r}; expected one of 'ell', 'twell', 'hybrid' "
+                             f"(use to_scipy(fmt) for scipy formats)")
+        if fmt == self.format and not params:
+            return self
+        indptr, col, data = self._csr()
+        return classes[fmt]._from_csr(indptr, col, data, self.shape, **params)
+
+    def _transpose_params(self):
+        return {}
+
+    def transpose(self):
+        """The transpose (N, M), in the same format; deterministic."""
+        m, n = self.shape
+        if self.n_backup == 0:
+            vals, idx = self._slots()
+            indptr, col, data = self._backend().transpose_slots(vals, idx, n)
+        else:
+            xp = self.xp
+            indptr0, col0, data0 = self._csr()
+            rows = (xp.searchsorted(indptr0, xp.arange(col0.shape[0]), side="right") - 1).astype(np.int64)
+            indptr, col, data = _coo_to_csr(xp, col0.astype(np.int64), rows, data0, n, m)
+        return type(self)._from_csr(indptr, col, data, (n, m), **self._transpose_params())
+
+    @property
+    def T(self):
+        """The transpose, see :meth:`transpose`."""
+        return self.transpose()
+
+    # -- value maps, written once --------------------------------------------
+    def _with_data(self, values, backup=None):
+        """Same structure, new values (and backup). Padding slots are re-zeroed."""
+        xp = self.xp
+        idx = self.indices
+        values = xp.where(idx >= 0, values, xp.zeros((), values.dtype)).astype(values.dtype)
+        d = self.components()
+        d["values"] = values
+        if "backup" in d:
+            d["backup"] = backup if backup is not None else self.backup.astype(values.dtype)
+        return type(self)._init_from_components(d, check=False, check_finite=False)
+
+    def with_values(self, values, backup=None, *, check_finite=True):
+        """A container with the same pattern and new values.
+
+        Parameters
+        ----------
+        values : array
+            Same shape as ``self.values``; any supported float dtype. Values in
+            padding slots are ignored (stored as 0).
+        backup : array, optional
+            (R, N) dense backup rows, same dtype as ``values``. Required when
+            this container has backup rows (R > 0).
+        """
+        xp = self.xp
+        values, _ = _array.as_array(values, "values")
+        _array.check_float(values, "values")
+        if tuple(values.shape) != tuple(self.values.shape):
+            raise ValueError(f"values has shape {tuple(values.shape)}, expected {tuple(self.values.shape)}")
+        _array.same_device([("values", values), ("self.values", self.values)])
+        if self.backup is not None:
+            if backup is None:
+                if self.n_backup:
+                    raise ValueError(f"backup is required: this {type(self).__name__} has "
+                                     f"{self.n_backup} backup rows")
+                backup = xp.zeros((0, self.shape[1]), values.dtype)
+            backup = check_value_array(backup, "backup", 2, shape=(self.n_backup, self.shape[1]),
+                                       dtype=values.dtype)
+            _array.same_device([("backup", backup), ("self.values", self.values)])
+        elif backup is not None:
+            raise ValueError(f"backup must be None for format {self.format!r} (it has no backup rows)")
+        if check_finite:
+            _array.check_finite(values, "values")
+            if backup is not None:
+                _array.check_finite(backup, "backup")
+        return self._with_data(_array.contiguous(values, "values"), backup)
+
+    def astype(self, dtype):
+        """Copy with values cast to ``dtype`` (float16, bfloat16, float32, float64).
+
+        A cast may round small values to zero; those entries stay stored.
+        """
+        try:
+            dtype = np.dtype(dtype)
+        except TypeError:
+            raise TypeError(f"dtype {dtype!r} is not a dtype") from None
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(f"dtype {dtype} is not supported; expected one of "
+                            f"{', '.join(str(d) for d in FLOAT_DTYPES)}")
+        b = self.backup.astype(dtype) if self.backup is not None else None
+        return self._with_data(self.values.astype(dtype), b)
+
+    def copy(self):
+        """Deep copy (every component array copied)."""
+        d = self.components()
+        for k in self._array_names:
+            d[k] = d[k].copy()
+        return type(self)._init_from_components(d, check=False, check_finite=False)
+
+    def _map(self, fn):
+        b = None if self.backup is None else fn(self.backup)
+        return self._with_data(fn(self.values), b)
+
+    def __neg__(self):
+        # "+ 0" turns -0.0 in the dense backup into +0.0 (same bits as before).
+        return self._map(lambda a: (-a + a.dtype.type(0)).astype(a.dtype))
+
+    def __pos__(self):
+        return self
+
+    def abs(self):
+        """Element-wise absolute value."""
+        xp = self.xp
+        return self._map(lambda a: xp.abs(a))
+
+    __abs__ = abs
+
+    def __mul__(self, other):
+        """Scalar multiply, or element-wise product with a container of identical pattern."""
+        if isinstance(other, SparseArray):
+            return self._mul_same_pattern(other)
+        if isinstance(other, numbers.Number) and not isinstance(other, (bool, complex)):
+            s = float(other)
+            if not np.isfinite(s):
+                raise ValueError(f"scalar factor must be finite, got {other!r}")
+            xp = self.xp
+
+            def scale(a):
+                acc = _acc(a.dtype)
+                return (a.astype(acc) * acc.type(s) + acc.type(0)).astype(a.dtype)
+
+            return self._map(scale)
+        return NotImplemented
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, other):
+        if isinstance(other, numbers.Number) and not isinstance(other, (bool, complex)):
+            if other == 0:
+                raise ZeroDivisionError("division of a sparse container by zero")
+            return self * (1.0 / float(other))
+        return NotImplemented
+
+    def _mul_same_pattern(self, other):
+        if other.format != self.format or other.shape != self.shape:
+            raise ValueError(f"other must have the same format and shape: got {other.format!r} "
+                             f"{other.shape}, expected {self.format!r} {self.shape}")
+        _array.same_device([("other", other.values), ("self", self.values)])
+        xp = self.xp
+        for k in self._array_names:
+            if k in ("values", "backup"):
+                continue
+            a, b = getattr(self, k), getattr(other, k)
+            if a.shape != b.shape or not bool(xp.array_equal(a, b)):
+                raise ValueError(f"other has a different sparsity pattern ({k} differ); "
+                                 f"element-wise products need identical patterns")
+        if self._params() != other._params():
+            raise ValueError(f"other has parameters {other._params()}, expected {self._params()}")
+        res = result_dtype(self.dtype, other.dtype)
+        acc = _acc(res)
+
+        def prod(a, b):
+            return (a.astype(acc) * b.astype(acc)).astype(res)
+
+        b = None if self.backup is None else prod(self.backup, other.backup)
+        return self._with_data(prod(self.values, other.values), b)
+
+    # -- products with dense arrays -------------------------------------------
+    def _dense_operand(self, w, name):
+        if isinstance(w, SparseArray):
+            raise TypeError(f"{name} must be a dense array; sparse @ sparse is not supported "
+                            f"(convert one side with .toarray())")
+        arr, kind = _array.as_array(w, name)
+        if arr.ndim not in (1, 2):
+            raise ValueError(f"{name} must be 1-D or 2-D, got {arr.ndim}-D array of shape {tuple(arr.shape)}")
+        _array.check_float(arr, name)
+        _array.same_device([(name, arr), ("A", self.values)])
+        return arr, kind
+
+    def __matmul__(self, w):
+        """``A @ W`` for a dense ``W`` of shape (N,) or (N, K).
+
+        Accumulates in float32 (float64 if either side is float64); the
+        result has the promoted dtype and the caller's array type (numpy,
+        cupy, torch ...). No NaN/Inf check is made on ``W`` (IEEE semantics).
+        """
+        w, kind = self._dense_operand(w, "W")
+        m, n = self.shape
+        vec = w.ndim == 1
+        b = w[:, None] if vec else w
+        if b.shape[0] != n:
+            raise ValueError(f"W has shape {tuple(w.shape)}, expected ({n}, K) to multiply a "
+                             f"{m}x{n} {type(self).__name__}")
+        b = _array.contiguous(b, "W")
+        vals, idx = self._slots()
+        out = self._backend().slots_spmm(vals, idx, b)
+        if self.n_backup:
+            acc = _acc(out.dtype)
+            out[self.backup_rows] = (self.backup.astype(acc) @ b.astype(acc)).astype(out.dtype)
+        if vec:
+            out = out[:, 0]
+        return _array.to_caller(out, kind)
+
+    def __rmatmul__(self, w):
+        """``W @ A`` for a dense ``W`` of shape (M,) or (P, M); see :meth:`__matmul__`."""
+        w, kind = self._dense_operand(w, "W")
+        m, n = self.shape
+        vec = w.ndim == 1
+        wt = w[:, None] if vec else w.T  # (M, P)
+        if wt.shape[0] != m:
+            raise ValueError(f"W has shape {tuple(w.shape)}, expected (P, {m}) to multiply a "
+                             f"{m}x{n} {type(self).__name__} from the left")
+        wt = _array.contiguous(wt, "W")
+        vals, idx = self._slots()
+        out_t = self._backend().slots_spmm_t(vals, idx, wt, n)  # (N, P)
+        if self.n_backup:
+            acc = _acc(out_t.dtype)
+            extra = self.backup.astype(acc).T @ wt[self.backup_rows].astype(acc)
+            out_t = (out_t.astype(acc) + extra).astype(out_t.dtype)
+        out = out_t[:, 0] if vec else self.xp.ascontiguousarray(out_t.T)
+        return _array.to_caller(out, kind)
+
+    def dot(self, w):
+        """Same as ``self @ w``."""
+        return self.__matmul__(w)
+
+    # -- devices --------------------------------------------------------------
+    def to_device(self, device):
+        """Copy to ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; returns ``self`` if already there."""
+        if not isinstance(device, str):
+            raise TypeError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+        if device == "cpu":
+            if self.device == "cpu":
+                return self
+            move = _as_host
+        elif device == "cuda" or device.startswith("cuda:"):
+            cp = _array.cupy_module()
+            if cp is None or not _array.gpu_available():
+                raise ValueError(f"device {device!r} requested but no CUDA GPU is available")
+            dev_id = cp.cuda.Device().id if device == "cuda" else None
+            if dev_id is None:
+                try:
+                    dev_id = int(device.split(":", 1)[1])
+                except ValueError:
+                    raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+            if self.device == f"cuda:{dev_id}":
+                return self
+
+            def move(a):
+                with cp.cuda.Device(dev_id):
+                    if _array.is_cupy(a):
+                        return a.copy()
+                    return cp.asarray(a)
+        else:
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+        d = self.components()
+        for k in self._array_names:
+            d[k] = move(d[k])
+        return type(self)._init_from_components(d, check=False, check_finite=False)
+
+    # -- validation -----------------------------------------------------------
+    def check_format(self, full_check=False, *, check_finite=True):
+        """Validate the container.
+
+        Parameters
+        ----------
+        full_check : bool
+            ``False``: O(1) checks (shapes, dtypes, devices). ``True``: also
+            scan the contents: counts within [0, slots], indices in range and
+            in the right tile, sorted and packed at the front, padding exactly
+            (0, -1), backup rows consistent with ``row_map`` and free of slot
+            entries.
+        check_finite : bool
+            With ``full_check``, also reject NaN/Inf values.
+
+        Raises
+        ------
+        ValueError, TypeError
+            Naming the offending array and the first bad position.
+        """
+        d = self.components()
+        type(self)._init_from_components(d, check=True, check_finite=False)
+        if not full_check:
+            return
+        self._check_slots_full()
+        if self.n_backup:
+            cnt = self._row_counts()[self.backup_rows]
+            if bool((cnt != 0).any()):
+                k = _first_true(cnt != 0)[0]
+                r = int(_as_host(self.backup_rows[k]))
+                raise ValueError(f"row {r} is stored in backup (backup_rows[{k}]) but also has "
+                                 f"{int(_as_host(cnt[k]))} slot entries; backup rows must have none")
+        if check_finite:
+            _array.check_finite(self.values, "values")
+            if self.backup is not None:
+                _array.check_finite(self.backup, "backup")
+
+    def _check_slot_lists(self, vals, idx, counts, lo, hi, label, count_name):
+        """Shared content scan of slot lists.
+
+        ``vals``/``idx`` are (..., S); ``counts`` (...,) entries used; the valid
+        column range of each list is [lo, hi) (broadcast against counts).
+        ``label(pos)`` renders a position for messages.
+        """
+        xp = self.xp
+        s = vals.shape[-1]
+        if counts.size and (bool((counts < 0).any()) or bool((counts > s).any())):
+            bad = (counts < 0) | (counts > s)
+            p = _first_true(bad)
+            raise ValueError(f"{count_name}{list(p)} = {int(_as_host(counts[p]))} ({label(p)}), "
+                             f"expected a value in [0, {s}]")
+        if vals.size == 0:
+            return
+        slot = xp.arange(s, dtype=np.int32)
+        used = slot < counts[..., None]
+        lo_b = lo[..., None]
+        hi_b = hi[..., None]
+        bad = used & ((idx < lo_b) | (idx >= hi_b))
+        if bool(bad.any()):
+            p = _first_true(bad)
+            raise ValueError(f"indices{list(p)} = {int(_as_host(idx[p]))} is out of range: expected a "
+                             f"column in [{int(_as_host(lo[p[:-1]]))}, {int(_as_host(hi[p[:-1]]))}) "
+                             f"for {label(p[:-1])}")
+        pad = ~used
+        bad = pad & ((idx != -1) | (_bits(vals) != 0))
+        if bool(bad.any()):
+            p = _first_true(bad)
+            raise ValueError(f"padding slot {list(p)} (beyond the count of {label(p[:-1])}) holds index "
+                             f"{int(_as_host(idx[p]))} and a value with bits "
+                             f"{int(_as_host(_bits(vals)[p]))}; padding must be index -1 with value 0")
+        if s > 1:
+            unsorted = used[..., 1:] & (idx[..., 1:] <= idx[..., :-1])
+            if bool(unsorted.any()):
+                p = _first_true(unsorted)
+                q = p[:-1] + (p[-1] + 1,)
+                raise ValueError(f"indices are not sorted ascending (without repeats) within "
+                                 f"{label(p[:-1])}: indices{list(q)} = {int(_as_host(idx[q]))} follows "
+                                 f"{int(_as_host(idx[p]))}")
+
+
+def _coo_to_csr(xp, rows, cols, data, n_rows, n_cols):
+    """CSR from COO arrays with unique (row, col) pairs; int64 rows/cols in."""
+    key = rows * max(n_cols, 1) + cols
+    order = xp.argsort(key)
+    col = cols[order].astype(np.int32)
+    data = data[order]
+    counts = xp.bincount(rows, minlength=n_rows)[:n_rows] if rows.size else xp.zeros(n_rows, np.int64)
+    indptr = xp.zeros(n_rows + 1, np.int64)
+    indptr[1:] = xp.cumsum(counts)
+    if col.shape[0] > INT32_MAX:
+        raise ValueError(f"the matrix has {col.shape[0]} stored entries, more than int32 indexing allows")
+    return indptr.astype(np.int32), col, xp.ascontiguousarray(data)
+
+
+def csr_rows_to_dense(indptr, cols, data, row_map, n_backup, n_cols):
+    """Dense (R, n_cols) block holding the CSR rows ``r`` with ``row_map[r] >= 0``.
+
+    Works on numpy and cupy; values are moved as bit patterns (exact, and
+    independent of 16-bit arithmetic support).
+    """
+    xp = _array.xp_of(data)
+    out = xp.zeros((n_backup, n_cols), data.dtype)
+    if n_backup == 0 or cols.shape[0] == 0:
+        return out
+    ent_rows = xp.searchsorted(indptr, xp.arange(cols.shape[0]), side="right") - 1
+    pos = row_map[ent_rows]
+    sel = pos >= 0
+    _bits(out)[pos[sel], cols[sel]] = _bits(data)[sel]
+    return out
+
+
+def zero_rows(rows, *arrays_and_fill):
+    """Set ``a[rows] = fill`` for each ``(a, fill)``; values are written as bits."""
+    for a, fill in arrays_and_fill:
+        if a.dtype.kind == "f" or a.dtype == bfloat16:
+            _bits(a)[rows] = 0
+        else:
+            a[rows] = fill
+
+
+def worst_tile(cols, tile):
+    """(tile index, count) of the fullest tile given one row's column ids (host)."""
+    cols = np.asarray(cols, dtype=np.int64)
+    if cols.size == 0:
+        return 0, 0
+    cnt = np.bincount(cols // tile)
+    t = int(np.argmax(cnt))
+    return t, int(cnt[t])

@@ -1,0 +1,462 @@
+"""Sparse FFN training step: forward with a saved sparse context, and backward.
+
+Gated FFN (the non-gated ReLU FFN drops ``u``)::
+
+    g = relu(x @ w_gate.T)          pattern P = {g > 0}  (NaN counts as active)
+    u = x @ w_up.T                  needed on P only
+    h = g * u
+    y = h @ w_down.T                penalty  l1 * sum|h| / M
+
+    dh      = (dy @ w_down) on P + (l1 / M) * sign(h)
+    du, dg  = dh * g, dh * u
+    dw_down = dy.T @ h;  dw_up = du.T @ x;  dw_gate = dg.T @ x
+    dx      = du @ w_up + dg @ w_gate
+
+Only the gate GEMM is dense. Its output is consumed in row chunks and turned
+into a CSR of the pattern (so the M x H gate output never exists whole), then
+into a Hybrid: an ELL part of width W for ordinary rows and dense backup rows
+for every row with more than W active neurons, so nothing is ever dropped.
+Every other M x H product runs on the pattern only. The context keeps g and u
+on the pattern (ELL values + backup rows), the pattern's indices, x and the
+weights -- never an M x H dense array.
+
+Determinism: all kernels (CPU and GPU) are deterministic; no floating-point
+atomics are used anywhere, so ``deterministic=True`` costs nothing and the
+same inputs always give the same bits.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import backends
+from ._array import (as_array, check_finite as _check_finite, check_float, contiguous, device_of,
+                     same_device, to_caller, xp_of)
+
+__all__ = ["gated_forward_train", "gated_backward", "relu_forward_train", "relu_backward",
+           "TrainContext", "choose_width"]
+
+#: Bytes of gate-GEMM output handled at once while extracting the pattern.
+GATE_CHUNK_BYTES = 64 << 20
+
+
+# ---------------------------------------------------------------------------
+def choose_width(token_counts, spec="auto", *, slot_bytes=8, row_bytes=None, n_cols=None):
+    """Width W of the ELL part of a Hybrid from the per-row non-zero counts.
+
+    Parameters
+    ----------
+    token_counts : numpy.ndarray of int
+        Non-zeros per row (host array).
+    spec : int or str
+        ``n`` or ``"fixed:n"``; ``"quantile:p"`` (row count at fraction ``p``
+        of the rows, rounded up); ``"min_storage"`` (W minimising the bytes of
+        ELL slots plus dense backup rows); ``"auto"`` (the larger of
+        ``min_storage`` and ``quantile:0.9``).
+    slot_bytes : int
+        Bytes of one ELL slot (values plus index).
+    row_bytes : int, optional
+        Bytes of one dense backup row; defaults to ``n_cols * slot_bytes``.
+    n_cols : int, optional
+        Row length N (needed when ``row_bytes`` is not given).
+
+    Returns
+    -------
+    int
+        W >= 1. Rows with more than W non-zeros become backup rows.
+    """
+    counts = np.asarray(token_counts, dtype=np.int64)
+    M = counts.size
+    if isinstance(spec, (bool, np.bool_)):
+        raise TypeError(f"width must be an int or a strategy string, got {spec!r}")
+    if isinstance(spec, (int, np.integer)):
+        if spec < 0:
+            raise ValueError(f"width must be >= 0, got {spec}")
+        return max(int(spec), 1)
+    if not isinstance(spec, str):
+        raise TypeError(f"width must be an int or a strategy string, got {type(spec).__name__}")
+    name, _, arg = spec.partition(":")
+    if name == "fixed":
+        try:
+            n = int(arg)
+        except ValueError:
+            raise ValueError(f"width {spec!r}: expected 'fixed:<int>'") from None
+        return choose_width(counts, n)
+    if M == 0:
+        return 1
+    if name == "quantile":
+        try:
+            p = float(arg)
+        except ValueError:
+            raise ValueError(f"width {spec!r}: expected 'quantile:<p>' with 0 <= p <= 1") from None
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"width {spec!r}: quantile p must be in [0, 1], got {p}")
+        return max(int(np.ceil(np.quantile(counts, p, method="higher"))), 1)
+    if name in ("min_storage", "auto"):
+        if row_bytes is None:
+            if n_cols is None:
+                raise ValueError("choose_width needs row_bytes or n_cols for min_storage")
+            row_bytes = n_cols * slot_bytes
+        hist = np.bincount(counts)
+        rows_wider = M - np.cumsum(hist)  # rows_wider[w] = rows with count > w
+        ws = np.arange(hist.size, dtype=np.int64)
+        cost = M * ws * float(slot_bytes) + rows_wider * float(row_bytes)
+        w = int(np.argmin(cost))
+        if name == "auto":
+            w = max(w, int(np.ceil(np.quantile(counts, 0.9, method="higher"))))
+        return max(w, 1)
+    raise ValueError(f"unknown width strategy {spec!r}; expected an int, 'fixed:n', 'quantile:p', "
+                     f"'min_storage' or 'auto'")
+
+
+class TrainContext:
+    """What the forward pass keeps for the backward pass.
+
+    Attributes
+    ----------
+    gated : bool
+        Gated FFN (g and u saved) or ReLU FFN (h saved as ``g``).
+    width : int
+        ELL width W of the saved Hybrid activations.
+    backup_rows : array of int32, shape (R,)
+        Rows kept as dense backup rows (more than W active neurons).
+    stats : dict
+        ``"l0"`` mean active neurons per token; ``"l1"`` the penalty value
+        ``l1 * sum|h| / M``; ``"l1_coef"`` the coefficient; ``"n_backup_rows"``;
+        ``"width"``; ``"token_counts"`` (M,) int32 active neurons per token;
+        ``"neuron_counts"`` (H,) int32 tokens firing each neuron (0 = dead in
+        this batch); ``"deterministic"`` (always True: no kernel uses fp32
+        atomics).
+
+    Notes
+    -----
+    Memory: ``g`` and ``u`` values on the pattern ((M, W) each plus (R, H) each),
+    the (M, W) int32 pattern, (M,) counts, ``w_down`` transposed, and references
+    to x and the weights. The M x H gate output is never kept.
+    """
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+    def _hybrid(self, vals):
+        from .hybrid import Hybrid  # containers are optional for the training step
+
+        ell, bk = self._be.split_combined(vals, self.M, self.width, self.R, self.H)
+        return Hybrid(ell, self.idx, self.ell_nnz, shape=(self.M, self.H), backup=bk,
+                      backup_rows=self.backup_rows, check=False)
+
+    @property
+    def g(self):
+        """``relu(x @ w_gate.T)`` (gated) or ``h`` (ReLU FFN) as a :class:`twellpy.Hybrid`."""
+        return self._hybrid(self.gvals)
+
+    @property
+    def u(self):
+        """``x @ w_up.T`` on g's pattern as a :class:`twellpy.Hybrid` (gated only)."""
+        if not self.gated:
+            raise AttributeError("u exists only for the gated FFN")
+        return self._hybrid(self.uvals)
+
+    @property
+    def h(self):
+        """The hidden activations ``h`` as a :class:`twellpy.Hybrid`."""
+        if not self.gated:
+            return self._hybrid(self.gvals)
+        xp = self.xp
+        h = (self.gvals.astype(np.float32) * self.uvals.astype(np.float32)).astype(self.dtype)
+        return self._hybrid(xp.ascontiguousarray(h))
+
+    def __repr__(self):
+        return (f"TrainContext(gated={self.gated}, M={self.M}, D={self.D}, H={self.H}, "
+                f"width={self.width}, backup_rows={self.R}, dtype={self.dtype}, device={self.device})")
+
+
+# ---------------------------------------------------------------------------
+def _prep(arr, name, ndim, kind_from=None):
+    a, kind = as_array(arr, name, ndim=ndim)
+    check_float(a, name)
+    return contiguous(a, name), kind
+
+
+def _check_shape(a, name, want):
+    if tuple(a.shape) != tuple(want):
+        raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {tuple(want)}")
+
+
+def _check_l1(l1):
+    try:
+        l1f = float(l1)
+    except (TypeError, ValueError):
+        raise TypeError(f"l1 must be a real number, got {type(l1).__name__}") from None
+    if not np.isfinite(l1f) or l1f < 0:
+        raise ValueError(f"l1 must be a finite number >= 0, got {l1f}")
+    return l1f
+
+
+def _f32(a):
+    return a.astype(np.float64 if a.dtype == np.float64 else np.float32)
+
+
+def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, gated):
+    names = ("x", "w_gate", "w_up", "w_down") if gated else ("x", "w_up", "w_down")
+    raw = (x, w_gate, w_up, w_down) if gated else (x, w_up, w_down)
+    arrs, kinds = [], []
+    for nm, a in zip(names, raw):
+        a2, k = _prep(a, nm, 2)
+        arrs.append(a2)
+        kinds.append(k)
+    kind = kinds[0]
+    same_device(list(zip(names, arrs)))
+    x = arrs[0]
+    dt = x.dtype
+    for nm, a in zip(names[1:], arrs[1:]):
+        if a.dtype != dt:
+            raise TypeError(f"{nm} has dtype {a.dtype}, expected {dt} (the dtype of x)")
+    if gated:
+        w_gate, w_up, w_down = arrs[1:]
+    else:
+        w_up, w_down = arrs[1:]
+        w_gate = None
+    M, D = x.shape
+    H = w_up.shape[0]
+    _check_shape(w_up, "w_up", (H, D))
+    if gated:
+        _check_shape(w_gate, "w_gate", (H, D))
+    _check_shape(w_down, "w_down", (D, H))
+    l1 = _check_l1(l1)
+    if check_finite:
+        for nm, a in zip(names, arrs):
+            _check_finite(a, nm)
+    be = backends.get(x, "train")
+    xp = xp_of(x)
+
+    # 1) pattern: dense GEMM of the activation that is ReLU'd, in row chunks
+    w_act = w_gate if gated else w_up
+    chunk = max(256, GATE_CHUNK_BYTES // max(1, H * dt.itemsize))
+    counts, cols, vals = [], [], []
+    for a in range(0, M, chunk):
+        z = be.gemm(x[a:a + chunk], w_act.T, dt)
+        c, _, col, val = be.relu_csr(z)
+        del z
+        counts.append(c)
+        cols.append(col)
+        vals.append(val)
+    if M:
+        token_counts = xp.concatenate(counts) if len(counts) > 1 else counts[0]
+        col = xp.concatenate(cols) if len(cols) > 1 else cols[0]
+        val = xp.concatenate(vals) if len(vals) > 1 else vals[0]
+    else:
+        token_counts = xp.zeros(0, dtype=np.int32)
+        col = xp.zeros(0, dtype=np.int32)
+        val = xp.zeros(0, dtype=dt)
+    del counts, cols, vals
+    indptr = xp.zeros(M + 1, dtype=np.int64)
+    if M:
+        xp.cumsum(token_counts, dtype=np.int64, out=indptr[1:])
+
+    # 2) Hybrid layout: width from the counts, backup rows for wider rows
+    counts_host = token_counts.get() if hasattr(token_counts, "get") else token_counts
+    n_vals = 2 if gated else 1
+    W = choose_width(counts_host, width, slot_bytes=n_vals * dt.itemsize + 4,
+                     row_bytes=n_vals * dt.itemsize * H)
+    backup_host = np.flatnonzero(counts_host > W).astype(np.int32)
+    R = int(backup_host.size)
+    row_map_host = np.full(M, -1, dtype=np.int32)
+    row_map_host[backup_host] = np.arange(R, dtype=np.int32)
+    backup_rows = xp.asarray(backup_host)
+    row_map = xp.asarray(row_map_host)
+    gvals, idx, ell_nnz = be.csr_to_hybrid(indptr, col, val, row_map, W, H, R)
+    neuron_counts = (xp.bincount(col, minlength=H) if col.size else xp.zeros(H, dtype=np.int64))
+    neuron_counts = neuron_counts.astype(np.int32)
+    del col, val, indptr
+    g_ell, g_bk = be.split_combined(gvals, M, W, R, H)
+
+    # 3) forward on the pattern: ELL rows in one fused kernel, backup rows dense
+    w_downT = xp.ascontiguousarray(w_down.T)
+    uvals = xp.empty_like(gvals) if gated else None
+    u_ell, u_bk = be.split_combined(uvals, M, W, R, H) if gated else (None, None)
+    y = be.ffn_forward_ell(x, w_up, w_downT, idx, ell_nnz, g_ell, u_ell, gated)
+    if R:
+        xb = x[backup_rows]
+        gb = _f32(g_bk)
+        if gated:
+            ub = _f32(be.gemm(xb, w_up.T, dt))
+            ub = xp.where(gb != 0, ub, 0)
+            u_bk[...] = ub.astype(dt)
+            hb = (gb * _f32(u_bk)).astype(dt)
+        else:
+            hb = g_bk
+        y[backup_rows] = be.gemm(xp.ascontiguousarray(hb), w_down.T, dt)
+
+    # 4) statistics
+    if gated:
+        h_abs = float(xp.abs(_f32((_f32(gvals) * _f32(uvals)).astype(dt))).sum()) if gvals.size else 0.0
+    else:
+        h_abs = float(xp.abs(_f32(gvals)).sum()) if gvals.size else 0.0
+    stats = {
+        "l0": float(counts_host.sum()) / M if M else 0.0,
+        "l1": l1 * h_abs / M if M else 0.0,
+        "l1_coef": l1,
+        "n_backup_rows": R,
+        "width": W,
+        "token_counts": token_counts,
+        "neuron_counts": neuron_counts,
+        "deterministic": True,
+    }
+    ctx = TrainContext(gated=gated, kind=kind, xp=xp, _be=be, device=device_of(x),
+                       dtype=dt, M=M, D=D, H=H, width=W, R=R, x=x, w_gate=w_gate, w_up=w_up,
+                       w_down=w_down, w_downT=w_downT, idx=idx, ell_nnz=ell_nnz, row_map=row_map,
+                       backup_rows=backup_rows, gvals=gvals, uvals=uvals, l1_coef=l1,
+                       check_finite=check_finite, deterministic=bool(deterministic), stats=stats)
+    return to_caller(y, kind), ctx
+
+
+def _backward(ctx, dy, gated):
+    if not isinstance(ctx, TrainContext):
+        raise TypeError(f"ctx must be the TrainContext returned by the forward pass, got {type(ctx).__name__}")
+    if ctx.gated != gated:
+        want = "gated_forward_train" if gated else "relu_forward_train"
+        raise ValueError(f"ctx comes from the {'gated' if ctx.gated else 'ReLU'} forward; "
+                         f"this backward needs a ctx from {want}")
+    dy, kind = _prep(dy, "dy", 2)
+    _check_shape(dy, "dy", (ctx.M, ctx.D))
+    if dy.dtype != ctx.dtype:
+        raise TypeError(f"dy has dtype {dy.dtype}, expected {ctx.dtype} (the dtype of x)")
+    same_device([("x", ctx.x), ("dy", dy)])
+    if ctx.check_finite:
+        _check_finite(dy, "dy")
+    be, xp, dt = ctx._be, ctx.xp, ctx.dtype
+    M, D, H, W, R = ctx.M, ctx.D, ctx.H, ctx.width, ctx.R
+    l1s = ctx.l1_coef / M if M else 0.0
+
+    # 1) dh on the pattern (+ fused L1), du/dg, and the ELL rows of dx
+    da = xp.empty(M * W + R * H, dtype=dt)
+    db = xp.empty_like(da) if gated else None
+    da_ell, da_bk = be.split_combined(da, M, W, R, H)
+    db_ell, db_bk = be.split_combined(db, M, W, R, H) if gated else (None, None)
+    g_ell, g_bk = be.split_combined(ctx.gvals, M, W, R, H)
+    u_ell, u_bk = be.split_combined(ctx.uvals, M, W, R, H) if gated else (None, None)
+    dx = be.ffn_backward_ell(dy, ctx.w_downT, ctx.w_up, ctx.w_gate, ctx.idx, ctx.ell_nnz, g_ell, u_ell,
+                             l1s, gated, da_ell, db_ell)
+
+    # 2) backup rows: dense products restricted to those rows
+    if R:
+        br = ctx.backup_rows
+        dyb = dy[br]
+        dhb = _f32(be.gemm(dyb, ctx.w_down, dt))
+        gb = _f32(g_bk)
+        mask = gb != 0
+        if gated:
+            ub = _f32(u_bk)
+            hb = _f32((gb * ub).astype(dt))
+        else:
+            hb = gb
+        if l1s:
+            dhb = dhb + hb.dtype.type(l1s) * xp.sign(hb)
+        dhb = xp.where(mask, dhb, 0)
+        if gated:
+            da_bk[...] = (dhb * gb).astype(dt)
+            db_bk[...] = (dhb * ub).astype(dt)
+            dxb = _f32(be.gemm(da_bk, ctx.w_up, dt)) + _f32(be.gemm(db_bk, ctx.w_gate, dt))
+            dx[br] = dxb.astype(dt)
+        else:
+            da_bk[...] = dhb.astype(dt)
+            dx[br] = be.gemm(da_bk, ctx.w_up, dt)
+
+    # 3) weight gradients from the deterministic transpose of the pattern
+    indptr, rows, pos = be.transpose_pattern(ctx.idx, ctx.row_map, g_bk, H)
+    dw_up, dw_gate, dw_downT = be.ffn_weight_grads(indptr, rows, pos, ctx.x, dy, da, db, ctx.gvals,
+                                                   ctx.uvals, H, gated)
+    dw_down = xp.ascontiguousarray(dw_downT.T)
+    out_kind = kind if kind not in (None, "numpy", "cupy") else ctx.kind
+    if gated:
+        return tuple(to_caller(a, out_kind) for a in (dx, dw_gate, dw_up, dw_down))
+    return tuple(to_caller(a, out_kind) for a in (dx, dw_up, dw_down))
+
+
+# ---------------------------------------------------------------------------
+def gated_forward_train(x, w_gate, w_up, w_down, l1=0.0, width="auto", deterministic=False,
+                        check_finite=True):
+    """Forward pass of the gated ReLU FFN that keeps a sparse context for backward.
+
+    Parameters
+    ----------
+    x : array_like, shape (M, D)
+        Tokens; numpy, cupy, torch, jax or any DLPack array.
+    w_gate, w_up : array_like, shape (H, D)
+        Gate and up projections (``nn.Linear`` layout).
+    w_down : array_like, shape (D, H)
+        Down projection.
+    l1 : float
+        L1 coefficient on h; the penalty ``l1 * sum|h| / M`` is reported in
+        ``ctx.stats["l1"]`` and its gradient is injected in the backward.
+    width : int or str
+        ELL width strategy of the saved activations (see :func:`choose_width`).
+        Rows with more active neurons become dense backup rows.
+    deterministic : bool
+        Accepted for API stability: every kernel is already deterministic.
+    check_finite : bool
+        Raise ``ValueError`` on NaN/Inf in the inputs (and in dy later).
+
+    Returns
+    -------
+    y : array, shape (M, D)
+        ``(relu(x w_gate^T) * (x w_up^T)) w_down^T`` in the caller's array type.
+    ctx : TrainContext
+        Sparse activations, the pattern, references to x and the weights, and
+        ``ctx.stats``.
+
+    Raises
+    ------
+    TypeError
+        Non-float dtypes, or arrays of different dtypes.
+    ValueError
+        Mismatched shapes, different devices, NaN/Inf, negative ``l1``.
+    """
+    return _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, gated=True)
+
+
+def gated_backward(ctx, dy):
+    """Backward pass of :func:`gated_forward_train`.
+
+    Parameters
+    ----------
+    ctx : TrainContext
+        From :func:`gated_forward_train`.
+    dy : array_like, shape (M, D)
+        Gradient of the loss with respect to y.
+
+    Returns
+    -------
+    dx : array, shape (M, D)
+    dw_gate, dw_up : arrays, shape (H, D)
+    dw_down : array, shape (D, H)
+        Gradients including the L1 term ``(l1 / M) * sign(h)`` on h's pattern,
+        in the dtype of x and the caller's array type.
+    """
+    return _backward(ctx, dy, gated=True)
+
+
+def relu_forward_train(x, w_up, w_down, l1=0.0, width="auto", deterministic=False, check_finite=True):
+    """Forward pass of the ReLU FFN ``relu(x @ w_up.T) @ w_down.T`` keeping a sparse context.
+
+    Parameters are as in :func:`gated_forward_train` without ``w_gate``; the
+    context keeps ``h = relu(x @ w_up.T)`` on its pattern.
+
+    Returns
+    -------
+    y : array, shape (M, D)
+    ctx : TrainContext
+    """
+    return _forward(x, None, w_up, w_down, l1, width, deterministic, check_finite, gated=False)
+
+
+def relu_backward(ctx, dy):
+    """Backward pass of :func:`relu_forward_train`.
+
+    Returns
+    -------
+    dx : array, shape (M, D)
+    dw_up : array, shape (H, D)
+    dw_down : array, shape (D, H)
+    """
+    return _backward(ctx, dy, gated=False)

@@ -1,0 +1,422 @@
+"""CPU backend: Numba kernels for the container contract of docs/internals.md.
+
+Every public function here has the same name, argument order and return
+values as its twin in :mod:`twellpy.backends.cuda`. Inputs are C-contiguous
+numpy arrays; outputs are freshly allocated numpy arrays.
+
+Numba has no float16/bfloat16 arithmetic, so kernels that only *move* values
+(construction, conversion, transposition) work on the raw bit patterns: a value
+array is viewed as unsigned integers of the same width, a value is non-zero when
+``bits & 0x7f..f != 0`` (so ``-0.0`` is zero and NaN is non-zero, exactly like
+``x != 0``), and copies are bit-exact. Kernels that do arithmetic (SpMM) convert
+16-bit inputs to float32 first and accumulate in float32 (float64 for float64).
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import prange
+
+_INT32_MAX = 2**31 - 1
+
+# Unsigned "bits" dtype and the all-but-sign mask, by itemsize.
+_BITS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+_MASK = {2: np.uint16(0x7FFF), 4: np.uint32(0x7FFFFFFF), 8: np.uint64(0x7FFFFFFFFFFFFFFF)}
+
+
+def _bits(a):
+    """``a`` viewed as unsigned integers of the same width (no copy)."""
+    return a.view(_BITS[a.dtype.itemsize])
+
+
+def _accum_dtype(*dtypes):
+    """float64 if any input is float64, float32 otherwise."""
+    return np.dtype(np.float64) if any(np.dtype(d) == np.float64 for d in dtypes) else np.dtype(np.float32)
+
+
+def _result_dtype(a, b):
+    """Result dtype of a product: equal dtypes stay, float64 wins, else float32."""
+    a, b = np.dtype(a), np.dtype(b)
+    if a == b:
+        return a
+    return _accum_dtype(a, b)
+
+
+def _check_int32(n, what):
+    if n > _INT32_MAX:
+        raise ValueError(f"{what} is {n}, which does not fit the int32 index type (max {_INT32_MAX})")
+
+
+# --------------------------------------------------------------------------
+# construction from dense
+# --------------------------------------------------------------------------
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _k_dense_to_twell(xb, mask, tile, slots, vals, idx, counts, row_max):
+    m, n = xb.shape
+    n_tiles = counts.shape[1]
+    for i in prange(m):
+        pos = np.empty(max(tile, 1), np.int32)
+        row = xb[i]
+        best = 0
+        for t in range(n_tiles):
+            lo = t * tile
+            hi = min(lo + tile, n)
+            # Branch-free compaction: always store the column, advance only on
+            # a non-zero. The positions are the prefix count, so the result is
+            # deterministic and sorted.
+            c = 0
+            for j in range(lo, hi):
+                pos[c] = j
+                c += (row[j] & mask) != 0
+            k = min(c, slots)
+            for s in range(k):
+                j = pos[s]
+                vals[i, t, s] = row[j]
+                idx[i, t, s] = j
+            for s in range(k, slots):
+                vals[i, t, s] = 0
+                idx[i, t, s] = -1
+            counts[i, t] = k
+            if c > best:
+                best = c
+        row_max[i] = best
+
+
+def dense_to_twell(x, tile, slots):
+    """Pack a dense (M, N) array into TwELL slots in one pass.
+
+    Parameters
+    ----------
+    x : numpy.ndarray
+        (M, N), C-contiguous, any supported float dtype.
+    tile, slots : int
+        Tile width T and slots per (row, tile) S.
+
+    Returns
+    -------
+    values : (M, ceil(N/T), S) ndarray, dtype of ``x``
+    indices : (M, ceil(N/T), S) int32, global column, -1 in padding
+    counts : (M, ceil(N/T)) int32, entries stored (at most S)
+    row_max_count : (M,) int32, largest true tile count of each row (may be > S;
+        such a row holds only its first S entries per tile).
+    """
+    m, n = x.shape
+    _check_int32(n, "the number of columns")
+    n_tiles = -(-n // tile) if n else 0
+    vals = np.empty((m, n_tiles, slots), x.dtype)
+    idx = np.empty((m, n_tiles, slots), np.int32)
+    counts = np.empty((m, n_tiles), np.int32)
+    row_max = np.empty(m, np.int32)
+    _k_dense_to_twell(_bits(x), _MASK[x.dtype.itemsize], tile, slots, _bits(vals), idx, counts, row_max)
+    return vals, idx, counts, row_max
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _k_dense_row_nnz(xb, mask, out):
+    m, n = xb.shape
+    for i in prange(m):
+        c = 0
+        row = xb[i]
+        for j in range(n):
+            c += (row[j] & mask) != 0
+        out[i] = c
+
+
+def dense_row_nnz(x):
+    """Number of non-zeros (NaN included, -0.0 excluded) of each row: (M,) int32."""
+    _check_int32(x.shape[1], "the number of columns")
+    out = np.empty(x.shape[0], np.int32)
+    _k_dense_row_nnz(_bits(x), _MASK[x.dtype.itemsize], out)
+    return out
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _k_dense_to_ell(xb, mask, width, row_nnz, vals, idx):
+    m, n = xb.shape
+    for i in prange(m):
+        c = 0
+        if row_nnz[i] <= width:
+            row = xb[i]
+            for j in range(n):
+                v = row[j]
+                if (v & mask) != 0:
+                    vals[i, c] = v
+                    idx[i, c] = j
+                    c += 1
+                    if c == width:
+                        break
+        for s in range(c, width):
+            vals[i, s] = 0
+            idx[i, s] = -1
+
+
+def dense_to_ell(x, width, row_nnz):
+    """Pack a dense (M, N) array into ELL slots of width ``width``.
+
+    Rows with ``row_nnz > width`` are left as padding (the caller stores them
+    elsewhere). Returns ``values`` (M, width) and ``indices`` (M, width) int32.
+    """
+    m, n = x.shape
+    vals = np.empty((m, width), x.dtype)
+    idx = np.empty((m, width), np.int32)
+    _k_dense_to_ell(_bits(x), _MASK[x.dtype.itemsize], width, row_nnz, _bits(vals), idx)
+    return vals, idx
+
+
+# --------------------------------------------------------------------------
+# construction from CSR (sorted column indices, no duplicates)
+# --------------------------------------------------------------------------
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _k_csr_to_twell(indptr, cols, data, tile, slots, vals, idx, counts, row_max):
+    m = counts.shape[0]
+    n_tiles = counts.shape[1]
+    for i in prange(m):
+        for t in range(n_tiles):
+            counts[i, t] = 0
+            for s in range(slots):
+                vals[i, t, s] = 0
+                idx[i, t, s] = -1
+        for p in range(indptr[i], indptr[i + 1]):
+            j = cols[p]
+            t = j // tile
+            c = counts[i, t]
+            if c < slots:
+                vals[i, t, c] = data[p]
+                idx[i, t, c] = j
+            counts[i, t] = c + 1
+        best = 0
+        for t in range(n_tiles):
+            c = counts[i, t]
+            if c > best:
+                best = c
+            if c > slots:
+                counts[i, t] = slots
+        row_max[i] = best
+
+
+def csr_to_twell(indptr, indices, data, n_cols, tile, slots):
+    """TwELL slots from a CSR matrix with sorted, unique column indices.
+
+    Returns ``values, indices, counts, row_max_count`` as :func:`dense_to_twell`.
+    """
+    m = indptr.shape[0] - 1
+    _check_int32(n_cols, "the number of columns")
+    n_tiles = -(-n_cols // tile) if n_cols else 0
+    vals = np.empty((m, n_tiles, slots), data.dtype)
+    idx = np.empty((m, n_tiles, slots), np.int32)
+    counts = np.empty((m, n_tiles), np.int32)
+    row_max = np.empty(m, np.int32)
+    _k_csr_to_twell(indptr, indices, _bits(data), tile, slots, _bits(vals), idx, counts, row_max)
+    return vals, idx, counts, row_max
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _k_csr_to_ell(indptr, cols, data, width, vals, idx, row_nnz):
+    m = row_nnz.shape[0]
+    for i in prange(m):
+        lo = indptr[i]
+        n = indptr[i + 1] - lo
+        row_nnz[i] = n
+        c = 0
+        if n <= width:
+            for p in range(n):
+                vals[i, p] = data[lo + p]
+                idx[i, p] = cols[lo + p]
+            c = n
+        for s in range(c, width):
+            vals[i, s] = 0
+            idx[i, s] = -1
+
+
+def csr_to_ell(indptr, indices, data, width):
+    """ELL slots of width ``width`` from a CSR matrix with sorted, unique columns.
+
+    Rows wider than ``width`` are left as padding; ``row_nnz`` is the true
+    count of every row. Returns ``values, indices, row_nnz``.
+    """
+    m = indptr.shape[0] - 1
+    vals = np.empty((m, width), data.dtype)
+    idx = np.empty((m, width), np.int32)
+    row_nnz = np.empty(m, np.int32)
+    _k_csr_to_ell(indptr, indices, _bits(data), width, _bits(vals), idx, row_nnz)
+    return vals, idx, row_nnz
+
+
+# --------------------------------------------------------------------------
+# slot lists back to dense / CSR
+# --------------------------------------------------------------------------
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _k_slots_to_dense(vals, idx, out):
+    m, k = vals.shape
+    for i in prange(m):
+        for s in range(k):
+            j = idx[i, s]
+            if j >= 0:
+                out[i, j] = vals[i, s]
+
+
+def slots_to_dense(values, indices, n_cols):
+    """Dense (M, n_cols) array from flattened slot lists (index -1 = skip)."""
+    m = values.shape[0]
+    out = np.zeros((m, n_cols), values.dtype)
+    _k_slots_to_dense(_bits(values), indices, _bits(out))
+    return out
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _k_slots_to_csr(vals, idx, indptr, col, data):
+    m, k = vals.shape
+    for i in prange(m):
+        p = indptr[i]
+        end = indptr[i + 1]
+        for s in range(k):
+            if p >= end:
+                break
+            j = idx[i, s]
+            if j >= 0:
+                col[p] = j
+                data[p] = vals[i, s]
+                p += 1
+
+
+def slots_to_csr(values, indices, row_counts):
+    """CSR arrays from flattened slot lists.
+
+    Parameters
+    ----------
+    values, indices : (M, K) arrays, entries sorted by column in slot order.
+    row_counts : (M,) int32, stored entries per row.
+
+    Returns
+    -------
+    indptr : (M+1,) int32
+    col : (nnz,) int32
+    data : (nnz,) dtype of ``values``
+    """
+    m = values.shape[0]
+    indptr64 = np.zeros(m + 1, np.int64)
+    np.cumsum(row_counts, out=indptr64[1:])
+    nnz = int(indptr64[-1])
+    _check_int32(nnz, "the number of stored entries")
+    indptr = indptr64.astype(np.int32)
+    col = np.empty(nnz, np.int32)
+    data = np.empty(nnz, values.dtype)
+    _k_slots_to_csr(_bits(values), indices, indptr, col, _bits(data))
+    return indptr, col, data
+
+
+# --------------------------------------------------------------------------
+# transpose (deterministic counting sort)
+# --------------------------------------------------------------------------
+@numba.njit(cache=True, nogil=True)
+def _k_transpose_count(idx, n_cols, indptr):
+    m, k = idx.shape
+    for i in range(m):
+        for s in range(k):
+            j = idx[i, s]
+            if j >= 0:
+                indptr[j + 1] += 1
+    for j in range(n_cols):
+        indptr[j + 1] += indptr[j]
+
+
+@numba.njit(cache=True, nogil=True)
+def _k_transpose_fill(vals, idx, indptr, col, data):
+    m, k = idx.shape
+    nxt = indptr[:-1].copy()
+    # Rows are visited in increasing order, so every output row is sorted.
+    for i in range(m):
+        for s in range(k):
+            j = idx[i, s]
+            if j >= 0:
+                p = nxt[j]
+                col[p] = i
+                data[p] = vals[i, s]
+                nxt[j] = p + 1
+
+
+def _transpose(values, indices, n_cols):
+    indptr64 = np.zeros(n_cols + 1, np.int64)
+    _k_transpose_count(indices, n_cols, indptr64)
+    nnz = int(indptr64[-1])
+    _check_int32(nnz, "the number of stored entries")
+    col = np.empty(nnz, np.int32)
+    data = np.empty(nnz, values.dtype)
+    _k_transpose_fill(values, indices, indptr64, col, data)
+    return indptr64.astype(np.int32), col, data
+
+
+def transpose_slots(values, indices, n_cols):
+    """CSR arrays ``(indptr, col, data)`` of the transpose (n_cols, M).
+
+    Deterministic: a counting sort over the columns, rows visited in order.
+    """
+    _check_int32(values.shape[0], "the number of rows")
+    indptr, col, data = _transpose(_bits(values), indices, n_cols)
+    return indptr, col, data.view(values.dtype)
+
+
+# --------------------------------------------------------------------------
+# sparse @ dense
+# --------------------------------------------------------------------------
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _k_slots_spmm(vals, idx, b, out):
+    m, k = vals.shape
+    ncol = b.shape[1]
+    for i in prange(m):
+        o = out[i]
+        for c in range(ncol):
+            o[c] = 0
+        for s in range(k):
+            j = idx[i, s]
+            if j >= 0:
+                v = vals[i, s]
+                bj = b[j]
+                for c in range(ncol):
+                    o[c] += v * bj[c]
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _k_csr_spmm(indptr, col, data, b, out):
+    m = out.shape[0]
+    ncol = b.shape[1]
+    for i in prange(m):
+        o = out[i]
+        for c in range(ncol):
+            o[c] = 0
+        for p in range(indptr[i], indptr[i + 1]):
+            v = data[p]
+            bj = b[col[p]]
+            for c in range(ncol):
+                o[c] += v * bj[c]
+
+
+def _as_acc(a, acc):
+    return a if a.dtype == acc else a.astype(acc)
+
+
+def slots_spmm(values, indices, B):
+    """``A @ B`` for A given by flattened slot lists (M, K) and dense B (N, P).
+
+    Accumulates in float32 (float64 when either side is float64); the result
+    has the promoted dtype of ``values`` and ``B``.
+    """
+    res = _result_dtype(values.dtype, B.dtype)
+    acc = _accum_dtype(res)
+    out = np.empty((values.shape[0], B.shape[1]), acc)
+    _k_slots_spmm(_as_acc(values, acc), indices, np.ascontiguousarray(_as_acc(B, acc)), out)
+    return out if res == acc else out.astype(res)
+
+
+def slots_spmm_t(values, indices, B, n_cols):
+    """``A.T @ B`` for A (M, n_cols) given by slot lists and dense B (M, P).
+
+    Deterministic: A is transposed by a counting sort and each output row is
+    summed in row order. Returns (n_cols, P) in the promoted dtype.
+    """
+    res = _result_dtype(values.dtype, B.dtype)
+    acc = _accum_dtype(res)
+    indptr, col, data = _transpose(_as_acc(values, acc), indices, n_cols)
+    out = np.empty((n_cols, B.shape[1]), acc)
+    _k_csr_spmm(indptr, col, data, np.ascontiguousarray(_as_acc(B, acc)), out)
+    return out if res == acc else out.astype(res)

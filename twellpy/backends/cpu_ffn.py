@@ -1,0 +1,197 @@
+"""CPU backend of the fused FFN inference (NumPy BLAS + Numba).
+
+Per row chunk: the dense gate GEMM goes through NumPy's BLAS; then one Numba
+kernel, parallel over rows, finds each row's active neurons (ReLU active:
+``g > 0`` or NaN), does the up-projection dot products and the
+down-projection axpys for those neurons only (``w_down`` is transposed once to
+(H, D) so both weights are read as contiguous rows). There is no capacity
+limit: any number of active neurons per row is exact.
+
+16-bit weights are widened to float32 once at preparation (NumPy has no
+16-bit BLAS); the result is rounded to the input dtype.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+#: rows per chunk: keeps the (chunk, H) gate block in cache-friendly sizes
+CHUNK_ROWS = 1024
+#: rows of each chunk whose active count estimates the chunk's density
+SAMPLE_ROWS = 64
+#: "auto" runs a chunk dense when its mean active neurons per token exceed this fraction of H
+AUTO_DENSITY = 0.06
+
+
+@numba.njit(cache=True, nogil=True, parallel=True, fastmath={"reassoc", "contract"})
+def ffn_sparse_rows(x, g, w_up, w_downT, gated, y, h_out, write_h):
+    """Sparse step of the FFN for a block of rows (mirrors ``twellpy_ffn_sparse``).
+
+    x (M, D), g (M, H) gate pre-activation, w_up (H, D), w_downT (H, D),
+    y (M, D) output (overwritten), h_out (M, H) written at active positions
+    when ``write_h``. Accumulation is in the data's precision (float32 or
+    float64). ``reassoc`` only lets the dot products vectorise (the order is
+    fixed by the compiled code, so results are reproducible); there is no
+    ``nnan``/``ninf``, so IEEE NaN/Inf semantics hold.
+    """
+    M, D = x.shape
+    H = g.shape[1]
+    for i in numba.prange(M):
+        acc = np.zeros(D, y.dtype)
+        xi = x[i]
+        for j in range(H):
+            gv = g[i, j]
+            if gv <= 0:  # NaN is active: relu(NaN) = NaN
+                continue
+            if gated:
+                wu = w_up[j]
+                s = xi[0] * wu[0]  # D >= 1 (validated by the front end)
+                for d in range(1, D):
+                    s += xi[d] * wu[d]
+                hv = gv * s
+            else:
+                hv = gv
+            if write_h:
+                h_out[i, j] = hv
+            wd = w_downT[j]
+            for d in range(D):
+                acc[d] += hv * wd[d]
+        y[i] = acc
+
+
+@numba.njit(cache=True, nogil=True)
+def count_active_rows(g, n_rows):
+    """Active entries of the first ``n_rows`` rows of ``g`` (serial: a cheap sample)."""
+    total = 0
+    for i in range(min(n_rows, g.shape[0])):
+        for j in range(g.shape[1]):
+            if not (g[i, j] <= 0):
+                total += 1
+    return total
+
+
+@numba.njit(cache=True, nogil=True)
+def _pack_rows(h, tile, slots, values, indices, counts, row_max):
+    M, N = h.shape
+    n_tiles = counts.shape[1]
+    for i in range(M):
+        best = 0
+        for t in range(n_tiles):
+            c0 = t * tile
+            c1 = min(N, c0 + tile)
+            found = 0
+            for c in range(c0, c1):
+                v = h[i, c]
+                if v != 0:  # NaN != 0 is True: NaN is kept
+                    if found < slots:
+                        values[i, t, found] = v
+                        indices[i, t, found] = c
+                    found += 1
+            stored = min(found, slots)
+            for p in range(stored, slots):
+                values[i, t, p] = 0
+                indices[i, t, p] = -1
+            counts[i, t] = stored
+            if found > best:
+                best = found
+        row_max[i] = best
+
+
+def pack_activation(h, tile, slots):
+    """TwELL components ``values, indices, counts, backup, backup_rows`` of ``h``.
+
+    Rows whose largest tile holds more than ``slots`` non-zeros are kept in
+    ``backup`` entirely (counts 0, slots padding).
+    """
+    h = np.ascontiguousarray(h)
+    M, N = h.shape
+    n_tiles = (N + tile - 1) // tile
+    work = h if h.dtype in (np.float32, np.float64) else h.astype(np.float32)  # exact widening
+    vals = np.empty((M, n_tiles, slots), work.dtype)
+    indices = np.empty((M, n_tiles, slots), np.int32)
+    counts = np.empty((M, n_tiles), np.int32)
+    row_max = np.zeros((M,), np.int32)
+    if M and n_tiles:
+        _pack_rows(work, tile, slots, vals, indices, counts, row_max)
+    values = vals.astype(h.dtype)
+    backup_rows = np.nonzero(row_max > slots)[0].astype(np.int32)
+    if backup_rows.size:
+        backup = h[backup_rows]
+        values[backup_rows] = 0
+        indices[backup_rows] = -1
+        counts[backup_rows] = 0
+    else:
+        backup = np.empty((0, N), h.dtype)
+    return values, indices, counts, backup, backup_rows
+
+
+class FFNPlan:
+    """Prepared weights of one FFN on the CPU (``w_gate`` None for plain ReLU)."""
+
+    def __init__(self, w_gate, w_up, w_down):
+        self.gated = w_gate is not None
+        self.dtype = np.dtype(w_up.dtype)
+        self.cdt = np.dtype(np.float64) if self.dtype == np.float64 else np.dtype(np.float32)
+        self.H, self.D = w_up.shape
+        self.w_up = np.ascontiguousarray(w_up, dtype=self.cdt)
+        self.gate_w = np.ascontiguousarray(w_gate, dtype=self.cdt) if self.gated else self.w_up
+        self.w_downT = np.ascontiguousarray(np.asarray(w_down).T, dtype=self.cdt)
+        #: mean active neurons per token above which "auto" runs a chunk dense
+        self.auto_threshold = AUTO_DENSITY * self.H
+        self.chunk_rows = CHUNK_ROWS
+
+    def _dense_chunk(self, xc, g, yc, hc):
+        if self.gated:
+            u = xc @ self.w_up.T
+            h = np.where(g <= 0, 0, g) * u  # NaN in g stays NaN (relu(NaN) = NaN)
+        else:
+            h = np.where(g <= 0, 0, g)
+        if hc is not None:
+            hc[...] = h
+        np.matmul(h, self.w_downT, out=yc)
+
+    def forward(self, x, *, mode="auto", return_activations=False):
+        """y (M, D) in the input dtype, dense h (M, H) or None, info dict."""
+        M = x.shape[0]
+        xc_all = np.ascontiguousarray(x, dtype=self.cdt)
+        y = np.empty((M, self.D), self.cdt)
+        h_full = np.zeros((M, self.H), self.cdt) if return_activations else None
+        dummy_h = np.zeros((1, 1), self.cdt)
+        seen = 0
+        sampled = 0
+        n_dense = 0
+        with np.errstate(invalid="ignore", over="ignore"):
+            for r0 in range(0, M, self.chunk_rows):
+                r1 = min(M, r0 + self.chunk_rows)
+                xc = xc_all[r0:r1]
+                g = xc @ self.gate_w.T
+                hc = None if h_full is None else h_full[r0:r1]
+                if mode == "dense":
+                    self._dense_chunk(xc, g, y[r0:r1], hc)
+                    n_dense += 1
+                    continue
+                # the density of a sample of rows decides the chunk's path
+                n_sample = min(r1 - r0, SAMPLE_ROWS)
+                active = count_active_rows(g, n_sample)
+                seen += active
+                sampled += n_sample
+                if mode == "auto" and active > self.auto_threshold * n_sample:
+                    self._dense_chunk(xc, g, y[r0:r1], hc)
+                    n_dense += 1
+                    continue
+                ffn_sparse_rows(xc, g, self.w_up, self.w_downT, self.gated, y[r0:r1],
+                                hc if hc is not None else dummy_h, hc is not None)
+        n_chunks = -(-M // self.chunk_rows) if M else 0
+        info = {"mode": "dense" if mode == "dense" else ("sparse" if n_dense == 0 else "sparse+dense"),
+                "mean_active": (seen / sampled) if sampled else None,
+                "dense_chunks": n_dense, "chunks": n_chunks, "heavy_rows": 0}
+        if self.cdt != self.dtype:
+            y = y.astype(self.dtype)
+            if h_full is not None:
+                h_full = h_full.astype(self.dtype)
+        return y, h_full, info
+
+
+def prepare(w_gate, w_up, w_down):
+    """FFN plan for numpy weights (``w_gate`` None for the plain ReLU FFN)."""
+    return FFNPlan(w_gate, w_up, w_down)

@@ -1,0 +1,366 @@
+"""Numba kernels of the training step and of the training primitives.
+
+Free functions over raw numpy arrays with the same names, argument order and
+results as :mod:`twellpy.backends.cuda_train`. Numba has no bfloat16/float16
+arithmetic, so 16-bit data is upcast to float32 at the boundary (accumulation
+is float32, float64 for float64 data) and results are rounded back to the
+storage dtype at the same points as on the GPU (u, h, du, dg are stored
+rounded). Every kernel is deterministic: parallel loops only ever write
+disjoint outputs, and each sum runs in a fixed order.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+_INT32_MAX = 2**31 - 1
+_JIT = dict(cache=True, nogil=True)
+
+
+def compute_dtype(dtype):
+    """float64 for float64 data, float32 otherwise (Numba's working dtype)."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def _up(a):
+    """``a`` in its compute dtype, C-contiguous (no copy when already so)."""
+    return np.ascontiguousarray(a, dtype=compute_dtype(a.dtype))
+
+
+def round_to(a, dtype):
+    """Round a compute-dtype array through ``dtype`` (a no-op for fp32/fp64)."""
+    dtype = np.dtype(dtype)
+    if dtype.itemsize == 2:
+        return a.astype(dtype).astype(a.dtype)
+    return a
+
+
+# ---------------------------------------------------------------------------
+@numba.njit(parallel=True, **_JIT)
+def _relu_count(z, row_nnz):
+    rows, H = z.shape
+    for r in numba.prange(rows):
+        n = 0
+        for c in range(H):
+            v = z[r, c]
+            if v > 0 or v != v:  # relu(v) != 0: positive (denormals too) or NaN
+                n += 1
+        row_nnz[r] = n
+
+
+@numba.njit(parallel=True, **_JIT)
+def _relu_pack(z, indptr, col, val):
+    rows, H = z.shape
+    for r in numba.prange(rows):
+        p = indptr[r]
+        for c in range(H):
+            v = z[r, c]
+            if v > 0 or v != v:
+                col[p] = c
+                val[p] = v
+                p += 1
+
+
+def relu_csr(z):
+    """CSR of relu(z) (columns ascending): ``row_nnz, indptr(int64), col, val``.
+
+    ``z`` must already hold values rounded to the storage dtype; ``val`` comes
+    back in ``z``'s dtype.
+    """
+    zc = _up(z)
+    rows = zc.shape[0]
+    row_nnz = np.empty(rows, dtype=np.int32)
+    if rows:
+        _relu_count(zc, row_nnz)
+    indptr = np.zeros(rows + 1, dtype=np.int64)
+    np.cumsum(row_nnz, out=indptr[1:])
+    nnz = int(indptr[-1])
+    col = np.empty(nnz, dtype=np.int32)
+    val = np.empty(nnz, dtype=zc.dtype)
+    if nnz:
+        _relu_pack(zc, indptr, col, val)
+    return row_nnz, indptr, col, val.astype(z.dtype, copy=False)
+
+
+@numba.njit(parallel=True, **_JIT)
+def _csr_to_hybrid(indptr, col, val, row_map, ell_val, ell_idx, ell_nnz, backup):
+    M, W = ell_idx.shape
+    N = backup.shape[1]
+    for r in numba.prange(M):
+        start = indptr[r]
+        n = indptr[r + 1] - start
+        rm = row_map[r]
+        kept = 0
+        if rm >= 0:
+            for e in range(n):
+                c = col[start + e]
+                if 0 <= c < N:
+                    backup[rm, c] = val[start + e]
+        else:
+            kept = min(n, W)
+            for s in range(kept):
+                ell_val[r, s] = val[start + s]
+                ell_idx[r, s] = col[start + s]
+        for s in range(kept, W):
+            ell_val[r, s] = 0
+            ell_idx[r, s] = -1
+        ell_nnz[r] = kept
+
+
+def csr_to_hybrid(indptr, col, val, row_map, width, n_cols, n_backup):
+    """Split a CSR into an ELL part of ``width`` and dense backup rows.
+
+    Returns ``vals, ell_idx (M, W), ell_nnz (M,)`` with ``vals`` the combined
+    value buffer in ``val``'s dtype: ELL values (M*W) then backup rows (R*N).
+    Rows with ``row_map >= 0`` go to ``backup[row_map]``.
+    """
+    M = row_map.shape[0]
+    vc = _up(val)
+    vals = np.zeros(M * width + n_backup * n_cols, dtype=vc.dtype)
+    ell_val, backup = split_combined(vals, M, width, n_backup, n_cols)
+    ell_idx = np.empty((M, width), dtype=np.int32)
+    ell_nnz = np.empty(M, dtype=np.int32)
+    if M:
+        _csr_to_hybrid(indptr, col, vc, row_map, ell_val, ell_idx, ell_nnz, backup)
+    return vals.astype(val.dtype, copy=False), ell_idx, ell_nnz
+
+
+def split_combined(vals, M, W, R, N):
+    """Views ``(ell (M, W), backup (R, N))`` of a combined value buffer."""
+    return vals[:M * W].reshape(M, W), vals[M * W:M * W + R * N].reshape(R, N)
+
+
+# ---------------------------------------------------------------------------
+@numba.njit(parallel=True, **_JIT)
+def _slots_sddmm(X, Y, idx, out):
+    M, K = idx.shape
+    N, D = Y.shape
+    for r in numba.prange(M):
+        for s in range(K):
+            k = idx[r, s]
+            acc = 0.0  # float64 accumulator: at least as accurate as the GPU's fp32
+            if 0 <= k < N:
+                for c in range(D):
+                    acc += X[r, c] * Y[k, c]
+            out[r, s] = acc
+
+
+@numba.njit(parallel=True, **_JIT)
+def _slots_spmm(vals, idx, B, out):
+    M, K = idx.shape
+    N, Kc = B.shape
+    for r in numba.prange(M):
+        for c in range(Kc):
+            out[r, c] = 0
+        for s in range(K):
+            k = idx[r, s]
+            if 0 <= k < N:
+                a = vals[r, s]
+                for c in range(Kc):
+                    out[r, c] += a * B[k, c]
+
+
+@numba.njit(parallel=True, **_JIT)
+def _slots_spmm2(va, vb, idx, Ba, Bb, out):
+    M, K = idx.shape
+    N, Kc = Ba.shape
+    for r in numba.prange(M):
+        for c in range(Kc):
+            out[r, c] = 0
+        for s in range(K):
+            k = idx[r, s]
+            if 0 <= k < N:
+                a = va[r, s]
+                b = vb[r, s]
+                for c in range(Kc):
+                    out[r, c] += a * Ba[k, c] + b * Bb[k, c]
+
+
+def slots_sddmm(X, Y, idx):
+    """``out[r, s] = X[r] . Y[idx[r, s]]`` (0 in padding), in X's dtype."""
+    Xc, Yc = _up(X), _up(Y)
+    out = np.empty(idx.shape, dtype=Xc.dtype)
+    if idx.size:
+        _slots_sddmm(Xc, Yc, idx, out)
+    return out.astype(X.dtype, copy=False)
+
+
+def slots_spmm(vals, idx, B):
+    """``out (M, Kc) = A @ B`` over the slot part (padding skipped), in B's dtype."""
+    Bc = _up(B)
+    out = np.empty((idx.shape[0], B.shape[1]), dtype=Bc.dtype)
+    if out.size:
+        _slots_spmm(np.ascontiguousarray(vals, dtype=Bc.dtype), idx, Bc, out)
+    return out.astype(B.dtype, copy=False)
+
+
+# ---------------------------------------------------------------------------
+def _h_values(gval, uval, gated, dtype):
+    """h on the pattern in the compute dtype, rounded like the GPU kernels."""
+    if not gated:
+        return gval
+    return round_to(gval * uval, dtype)
+
+
+def ffn_forward_ell(x, w_up, w_downT, idx, nnz, gval, uval, gated):
+    """ELL part of the FFN forward: fills ``uval`` (M, W) when gated, returns y.
+
+    Backup rows hold padding only in ``idx``, so their y rows are 0.
+    """
+    dt = x.dtype
+    g = _up(gval)
+    u = None
+    if gated:
+        u = round_to(slots_sddmm(x, w_up, idx).astype(g.dtype, copy=False), dt)
+        uval[...] = u
+    h = _h_values(g, u, gated, dt)
+    return slots_spmm(h, idx, w_downT)
+
+
+def ffn_backward_ell(dy, w_downT, w_up, w_gate, idx, nnz, gval, uval, l1_scale, gated, da, db):
+    """ELL part of the FFN backward; fills ``da`` (du or dh) and ``db`` (dg), returns dx.
+
+    dh = (dy @ w_down) on the pattern + ``l1_scale`` * sign(h) (padding stays 0).
+    """
+    dt = dy.dtype
+    g = _up(gval)
+    u = _up(uval) if gated else None
+    h = _h_values(g, u, gated, dt)
+    dh = slots_sddmm(dy, w_downT, idx).astype(g.dtype, copy=False)
+    if l1_scale:
+        dh = dh + g.dtype.type(l1_scale) * np.sign(h)
+    if gated:
+        du = round_to(dh * g, dt)
+        dg = round_to(dh * u, dt)
+        da[...] = du
+        db[...] = dg
+        dyc = _up(dy)
+        out = np.empty(dyc.shape, dtype=dyc.dtype)
+        if out.size:
+            _slots_spmm2(du, dg, idx, _up(w_up), _up(w_gate), out)
+        return out.astype(dt, copy=False)
+    dh = round_to(dh, dt)
+    da[...] = dh
+    return slots_spmm(dh, idx, w_up)
+
+
+# ---------------------------------------------------------------------------
+@numba.njit(**_JIT)
+def _tr_count(idx, row_map, backup, col_count):
+    M, K = idx.shape
+    N = col_count.shape[0]
+    for r in range(M):
+        rm = row_map[r]
+        if rm >= 0:
+            for c in range(N):
+                if backup[rm, c] != 0 or backup[rm, c] != backup[rm, c]:
+                    col_count[c] += 1
+        else:
+            for s in range(K):
+                c = idx[r, s]
+                if 0 <= c < N:
+                    col_count[c] += 1
+
+
+@numba.njit(**_JIT)
+def _tr_place(idx, row_map, backup, cursor, rows, pos):
+    M, K = idx.shape
+    N = cursor.shape[0]
+    base = M * K
+    for r in range(M):
+        rm = row_map[r]
+        if rm >= 0:
+            for c in range(N):
+                if backup[rm, c] != 0 or backup[rm, c] != backup[rm, c]:
+                    p = cursor[c]
+                    cursor[c] = p + 1
+                    rows[p] = r
+                    pos[p] = base + rm * N + c
+        else:
+            for s in range(K):
+                c = idx[r, s]
+                if 0 <= c < N:
+                    p = cursor[c]
+                    cursor[c] = p + 1
+                    rows[p] = r
+                    pos[p] = r * K + s
+
+
+def transpose_pattern(idx, row_map, backup, n_cols):
+    """Deterministic counting-sort transpose of a slots+backup pattern.
+
+    Returns ``indptr (N+1,) int32, rows (nnz,) int32, pos (nnz,) int32``; see
+    :func:`twellpy.backends.cuda_train.transpose_pattern`.
+    """
+    M, K = idx.shape
+    R = backup.shape[0]
+    if M * K + R * n_cols > _INT32_MAX:
+        raise ValueError(f"pattern too large for int32 positions: M*K + R*N = {M * K + R * n_cols} "
+                         f"exceeds 2**31-1 (M={M}, K={K}, R={R}, N={n_cols})")
+    bk = _up(backup) if R else np.zeros((0, n_cols), dtype=np.float32)
+    col_count = np.zeros(n_cols, dtype=np.int64)
+    _tr_count(idx, row_map, bk, col_count)
+    indptr64 = np.zeros(n_cols + 1, dtype=np.int64)
+    np.cumsum(col_count, out=indptr64[1:])
+    nnz = int(indptr64[-1])
+    if nnz > _INT32_MAX:
+        raise ValueError(f"transpose has {nnz} entries, more than int32 indices can address")
+    cursor = indptr64[:-1].copy()
+    rows = np.empty(nnz, dtype=np.int32)
+    pos = np.empty(nnz, dtype=np.int32)
+    if nnz:
+        _tr_place(idx, row_map, bk, cursor, rows, pos)
+    return indptr64.astype(np.int32), rows, pos
+
+
+@numba.njit(parallel=True, **_JIT)
+def _gather_t(indptr, rows, pos, vals, B, out):
+    n_out, Kc = out.shape
+    for k in numba.prange(n_out):
+        for c in range(Kc):
+            out[k, c] = 0
+        for e in range(indptr[k], indptr[k + 1]):
+            a = vals[pos[e]]
+            m = rows[e]
+            for c in range(Kc):
+                out[k, c] += a * B[m, c]
+
+
+def gather_t(indptr, rows, pos, vals, B, n_out):
+    """``out (n_out, Kc) = A^T @ B`` from A's transposed pattern and combined values."""
+    Bc = _up(B)
+    out = np.empty((n_out, B.shape[1]), dtype=Bc.dtype)
+    if out.size:
+        _gather_t(indptr, rows, pos, np.ascontiguousarray(vals, dtype=Bc.dtype), Bc, out)
+    return out.astype(B.dtype, copy=False)
+
+
+def ffn_weight_grads(indptr, rows, pos, x, dy, da, db, gval, uval, n_neurons, gated):
+    """Weight gradients from the transposed pattern.
+
+    Returns ``dw_up (H, D), dw_gate (H, D) or None, dw_downT (H, D)``.
+    """
+    dt = x.dtype
+    H = int(n_neurons)
+    g = _up(gval)
+    h = _h_values(g, _up(uval) if gated else None, gated, dt)
+    xc, dyc = _up(x), _up(dy)
+    cd = xc.dtype
+    out_a = np.empty((H, x.shape[1]), dtype=cd)
+    out_h = np.empty_like(out_a)
+    out_b = np.empty_like(out_a) if gated else None
+    if out_a.size:
+        _gather_t(indptr, rows, pos, _up(da), xc, out_a)
+        _gather_t(indptr, rows, pos, h, dyc, out_h)
+        if gated:
+            _gather_t(indptr, rows, pos, _up(db), xc, out_b)
+    cast = lambda a: None if a is None else a.astype(dt, copy=False)  # noqa: E731
+    return cast(out_a), cast(out_b), cast(out_h)
+
+
+# ---------------------------------------------------------------------------
+def gemm(a, b, out_dtype):
+    """Dense ``a @ b`` (numpy BLAS in the compute dtype), result in ``out_dtype``."""
+    cd = compute_dtype(a.dtype)
+    out = np.matmul(a.astype(cd, copy=False), b.astype(cd, copy=False))
+    return out.astype(out_dtype, copy=False)

@@ -1,0 +1,679 @@
+"""CUDA backend: CuPy launchers for the container kernels in ``raw_kernels/``.
+
+Every public function here has the same name, argument order and return
+values as its twin in :mod:`twellpy.backends.cpu` (the contract is in
+docs/internals.md). Inputs are cupy arrays (made C-contiguous here); outputs
+are freshly allocated cupy arrays on the current device.
+
+Kernels and where they live:
+
+=====================  =================================================
+``construct.cu``       dense -> TwELL / ELL (one pass, ballot prefix
+                       counts), row non-zero counts, CSR -> TwELL / ELL
+``convert.cu``         slot lists -> dense / CSR, dtype casts
+``spmm.cu``            TwELL / slot-list / CSR times dense
+``transpose.cu``       deterministic counting-sort transpose
+=====================  =================================================
+
+Determinism: every slot position and every output position comes from a
+prefix count, and every sum is taken in a fixed order, so the same input gives
+the same bits on every run (``slots_spmm_t`` included: it transposes A by a
+counting sort, then gathers rows of B in source-row order; no atomic float
+adds anywhere).
+
+All template instantiations are declared at import with
+:func:`twellpy.backends._registry.declare`, so ``tools/check_kernels.py``
+compiles every one of them for sm_90a and sm_80 without a GPU.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .._array import FLOAT_DTYPES, bfloat16, cupy_module
+from . import _registry as reg
+
+_INT32_MAX = 2**31 - 1
+_I32 = np.dtype(np.int32)
+_I64 = np.dtype(np.int64)
+
+# ---------------------------------------------------------------------------
+# launch configuration (block sizes must not exceed the launch bounds in the
+# .cu files; tests/test_registry.py checks that)
+# ---------------------------------------------------------------------------
+#: Warps per block of the construction kernels (<= CONSTRUCT_WARPS).
+CONSTRUCT_WARPS = 8
+#: TwELL tiles of one row handled by one warp in ``dense_to_twell``.
+CONSTRUCT_TILES_PER_WARP = 8
+#: Warps per block of the warp-per-row conversion kernels (<= CONVERT_WARPS).
+CONVERT_WARPS = 8
+#: Threads per block of element-wise kernels (<= CONVERT_BLOCK, TRANSPOSE_BLOCK).
+ELEMENTWISE_BLOCK = 256
+#: Warps per block of the SpMM kernels (<= SPMM_WARPS).
+SPMM_WARPS = 4
+#: Largest number of 32*VEC-column strips one SpMM warp owns (1, 2, 4 or 8).
+#: More strips -> fewer index reads, more registers. Benchmarked in
+#: benchmarks/kernels.py.
+SPMM_MAX_ITERS = 8
+#: Grid cap of the grid-stride kernels.
+_MAX_GRID = 1 << 20
+#: Budget of (row chunk, column) counters of the transpose (int32 entries).
+_TRANSPOSE_COUNTER_BUDGET = 1 << 24
+
+_SPMM_ITERS = (1, 2, 4, 8)
+
+
+def _vec_width(dtype) -> int:
+    """Elements per 16-byte vector access."""
+    return 16 // np.dtype(dtype).itemsize
+
+
+def _ct(dtype) -> str:
+    return reg.ctype(dtype)
+
+
+# ---------------------------------------------------------------------------
+# kernel names (one function builds both the declaration and the lookup name)
+# ---------------------------------------------------------------------------
+def _name_dense(kernel, dtype, vec):
+    return f"twellpy_{kernel}<{_ct(dtype)}, {vec}>"
+
+
+def _name_t(kernel, dtype):
+    return f"twellpy_{kernel}<{_ct(dtype)}>"
+
+
+def _name_spmm(kernel, dtype, vec, iters):
+    return f"twellpy_{kernel}<{_ct(dtype)}, {vec}, {iters}>"
+
+
+def _name_cast(src, dst):
+    return f"twellpy_cast<{_ct(src)}, {_ct(dst)}>"
+
+
+def _declare_all():
+    construct, convert, spmm, transpose = [], [], [], []
+    for dt in FLOAT_DTYPES:
+        for vec in sorted({1, _vec_width(dt)}):
+            construct += [_name_dense(k, dt, vec) for k in ("dense_to_twell", "dense_row_nnz", "dense_to_ell")]
+            for iters in _SPMM_ITERS:
+                spmm += [_name_spmm(k, dt, vec, iters) for k in ("twell_spmm", "slots_spmm", "csr_spmm")]
+        construct += [_name_t("csr_to_twell", dt), _name_t("csr_to_ell", dt)]
+        convert += [_name_t("slots_to_dense", dt), _name_t("slots_to_csr", dt)]
+        convert += [_name_cast(dt, d2) for d2 in FLOAT_DTYPES if d2 != dt]
+        transpose.append(_name_t("transpose_fill", dt))
+    transpose.append("twellpy_transpose_count")
+    reg.declare("construct.cu", construct)
+    reg.declare("convert.cu", convert)
+    reg.declare("spmm.cu", spmm)
+    reg.declare("transpose.cu", transpose)
+
+
+_declare_all()
+
+
+# ---------------------------------------------------------------------------
+# small helpers
+# ---------------------------------------------------------------------------
+def _cp():
+    cp = cupy_module()
+    if cp is None:  # pragma: no cover - depends on the machine
+        raise RuntimeError("the CUDA backend needs CuPy: pip install 'twellpy[cuda]'")
+    return cp
+
+
+def _alloc(shape, dtype):
+    """Output allocation (uninitialised). Tests replace it to poison outputs."""
+    return _cp().empty(shape, dtype=dtype)
+
+
+def _zero_fill(a):
+    """Set every byte of ``a`` to 0 (+0.0 for every float dtype, 0 for ints)."""
+    if a.nbytes:
+        a.data.memset_async(0, a.nbytes)
+    return a
+
+
+def _copy(a):
+    """Byte copy of a C-contiguous cupy array."""
+    out = _alloc(a.shape, a.dtype)
+    if a.nbytes:
+        out.data.copy_from_device_async(a.data, a.nbytes)
+    return out
+
+
+def _i32(v):
+    return np.int32(v)
+
+
+def _i64(v):
+    return np.int64(v)
+
+
+def _blocks(n, per_block):
+    return max(1, -(-int(n) // int(per_block)))
+
+
+def _gridstride(n):
+    return min(_blocks(n, ELEMENTWISE_BLOCK), _MAX_GRID)
+
+
+def _check_int32(n, what):
+    if n > _INT32_MAX:
+        raise ValueError(f"{what} is {n}, which does not fit the int32 index type (max {_INT32_MAX})")
+
+
+def _gpu_array(a, name, ndim=None):
+    """``a`` as a C-contiguous cupy array (TypeError for host arrays)."""
+    cp = _cp()
+    if not isinstance(a, cp.ndarray):
+        raise TypeError(f"{name} must be a cupy array for the CUDA backend, got "
+                        f"{type(a).__module__}.{type(a).__name__}")
+    if ndim is not None and a.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got {a.ndim}-D array of shape {tuple(a.shape)}")
+    if a.flags.c_contiguous:
+        return a
+    # Copy through an unsigned view of the same width: a pure byte move that
+    # works for bfloat16 whatever CuPy's bfloat16 support is.
+    bits = np.dtype(f"u{a.dtype.itemsize}")
+    return cp.ascontiguousarray(a.view(bits)).view(a.dtype)
+
+
+def _values_array(a, name, ndim=None):
+    a = _gpu_array(a, name, ndim)
+    if a.dtype not in FLOAT_DTYPES:
+        names = ", ".join(str(d) for d in FLOAT_DTYPES)
+        raise TypeError(f"{name} has dtype {a.dtype}, expected one of {names}")
+    return a
+
+
+def _index_array(a, name, ndim=None, dtype=_I32):
+    a = _gpu_array(a, name, ndim)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} has dtype {a.dtype}, expected an integer dtype")
+    if a.dtype != dtype:
+        a = a.astype(dtype)
+    return a
+
+
+def _positive(v, name, minimum=1):
+    v = int(v)
+    if v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {v}")
+    return v
+
+
+def _aligned(*arrays):
+    return all(a.data.ptr % 16 == 0 for a in arrays)
+
+
+def _accum_dtype(*dtypes):
+    return np.dtype(np.float64) if any(np.dtype(d) == np.float64 for d in dtypes) else np.dtype(np.float32)
+
+
+def _result_dtype(a, b):
+    """Result dtype of a product: equal dtypes stay, float64 wins, else float32 (as the CPU backend)."""
+    a, b = np.dtype(a), np.dtype(b)
+    return a if a == b else _accum_dtype(a, b)
+
+
+def _raise_if_bad(bad, message):
+    n = int(bad[0])
+    if n:
+        raise ValueError(message.format(n=n))
+
+
+# ---------------------------------------------------------------------------
+# dtype conversion
+# ---------------------------------------------------------------------------
+def astype(x, dtype):
+    """Cast a cupy array to another value dtype with one rounding step.
+
+    Parameters
+    ----------
+    x : cupy.ndarray
+        Any shape, dtype float16, bfloat16, float32 or float64.
+    dtype : dtype-like
+        Target value dtype (same set).
+
+    Returns
+    -------
+    cupy.ndarray
+        New array of the same shape (a copy even when the dtype is unchanged).
+        Rounding is to nearest-even; float64 -> 16-bit rounds directly (no
+        double rounding through float32). CuPy's own ``astype`` is not used for
+        16-bit types so that bfloat16 works on every CuPy version.
+    """
+    x = _values_array(x, "x")
+    dtype = np.dtype(dtype)
+    if dtype not in FLOAT_DTYPES:
+        names = ", ".join(str(d) for d in FLOAT_DTYPES)
+        raise TypeError(f"dtype is {dtype}, expected one of {names}")
+    if dtype == x.dtype:
+        return _copy(x)
+    out = _alloc(x.shape, dtype)
+    n = x.size
+    if n:
+        k = reg.get_kernel("convert.cu", _name_cast(x.dtype, dtype))
+        k((_gridstride(n),), (ELEMENTWISE_BLOCK,), (x, out, _i64(n)))
+    return out
+
+
+def _as_dtype(a, dtype):
+    return a if a.dtype == dtype else astype(a, dtype)
+
+
+# ---------------------------------------------------------------------------
+# construction from dense
+# ---------------------------------------------------------------------------
+def _dense_vec(x, *multiples):
+    """16-byte vectors when every given extent is a multiple of the vector and x is aligned."""
+    vec = _vec_width(x.dtype)
+    if all(int(m) % vec == 0 for m in multiples) and _aligned(x):
+        return vec
+    return 1
+
+
+def dense_to_twell(x, tile, slots):
+    """Pack a dense (M, N) cupy array into TwELL slots in one pass.
+
+    Each warp owns a (row, group of tiles) span; slot positions are warp
+    ballot/popc prefix counts (no atomics), so the result is deterministic and
+    each (row, tile) is sorted by column. Padding is always written.
+
+    Parameters
+    ----------
+    x : cupy.ndarray
+        (M, N), any supported float dtype.
+    tile, slots : int
+        Tile width T and slots per (row, tile) S.
+
+    Returns
+    -------
+    values : (M, ceil(N/T), S) cupy.ndarray, dtype of ``x``
+    indices : (M, ceil(N/T), S) int32, global column, -1 in padding
+    counts : (M, ceil(N/T)) int32, entries stored (at most S)
+    row_max_count : (M,) int32, largest true tile count of each row (may be
+        larger than S; such a row holds only its first S entries per tile).
+    """
+    cp = _cp()
+    x = _values_array(x, "x", ndim=2)
+    tile = _positive(tile, "tile")
+    slots = _positive(slots, "slots")
+    m, n = x.shape
+    _check_int32(n, "the number of columns")
+    _check_int32(m, "the number of rows")
+    n_tiles = -(-n // tile) if n else 0
+    values = _alloc((m, n_tiles, slots), x.dtype)
+    indices = _alloc((m, n_tiles, slots), _I32)
+    counts = _alloc((m, n_tiles), _I32)
+    tpw = max(1, int(CONSTRUCT_TILES_PER_WARP))
+    n_groups = -(-n_tiles // tpw)
+    if m == 0 or n_tiles == 0:
+        return values, indices, counts, cp.zeros(m, _I32)
+    row_max = cp.zeros(m, _I32) if n_groups > 1 else _alloc(m, _I32)
+    vec = _dense_vec(x, n, tile)
+    k = reg.get_kernel("construct.cu", _name_dense("dense_to_twell", x.dtype, vec))
+    k((_blocks(m * n_groups, CONSTRUCT_WARPS),), (32 * CONSTRUCT_WARPS,),
+      (x, values, indices, counts, row_max, _i32(m), _i32(n), _i32(tile), _i32(slots),
+       _i32(n_tiles), _i32(tpw), _i32(n_groups)))
+    return values, indices, counts, row_max
+
+
+def dense_row_nnz(x):
+    """Non-zeros (NaN included, -0.0 excluded) of each row of a dense (M, N) array: (M,) int32."""
+    x = _values_array(x, "x", ndim=2)
+    m, n = x.shape
+    _check_int32(n, "the number of columns")
+    out = _alloc(m, _I32)
+    if m == 0:
+        return out
+    if n == 0:
+        return _zero_fill(out)
+    vec = _dense_vec(x, n)
+    k = reg.get_kernel("construct.cu", _name_dense("dense_row_nnz", x.dtype, vec))
+    k((_blocks(m, CONSTRUCT_WARPS),), (32 * CONSTRUCT_WARPS,), (x, out, _i32(m), _i32(n)))
+    return out
+
+
+def dense_to_ell(x, width, row_nnz):
+    """Pack a dense (M, N) array into ELL slots of width ``width``.
+
+    Rows with ``row_nnz > width`` are left as padding (the caller stores them
+    elsewhere). Returns ``values`` (M, width) and ``indices`` (M, width) int32.
+    """
+    x = _values_array(x, "x", ndim=2)
+    row_nnz = _index_array(row_nnz, "row_nnz", ndim=1)
+    m, n = x.shape
+    width = _positive(width, "width", minimum=0)
+    if row_nnz.shape[0] != m:
+        raise ValueError(f"row_nnz has shape {tuple(row_nnz.shape)}, expected ({m},)")
+    values = _alloc((m, width), x.dtype)
+    indices = _alloc((m, width), _I32)
+    if m == 0 or width == 0:
+        return values, indices
+    vec = _dense_vec(x, n)
+    k = reg.get_kernel("construct.cu", _name_dense("dense_to_ell", x.dtype, vec))
+    k((_blocks(m, CONSTRUCT_WARPS),), (32 * CONSTRUCT_WARPS,),
+      (x, row_nnz, values, indices, _i32(m), _i32(n), _i32(width)))
+    return values, indices
+
+
+# ---------------------------------------------------------------------------
+# construction from CSR (sorted, unique column indices per row)
+# ---------------------------------------------------------------------------
+_BAD_CSR = ("{n} CSR entries have a column index outside [0, n_cols) or not strictly "
+            "increasing within their row; canonicalise the matrix first (sum_duplicates())")
+
+
+def _csr_inputs(indptr, indices, data):
+    indptr = _index_array(indptr, "indptr", ndim=1, dtype=_I64)
+    indices = _index_array(indices, "indices", ndim=1)
+    data = _values_array(data, "data", ndim=1)
+    if indptr.shape[0] < 1:
+        raise ValueError("indptr must have at least one element (M + 1)")
+    if indices.shape[0] != data.shape[0]:
+        raise ValueError(f"indices has shape {tuple(indices.shape)}, expected {tuple(data.shape)} (as data)")
+    return indptr, indices, data
+
+
+def csr_to_twell(indptr, indices, data, n_cols, tile, slots):
+    """TwELL slots from a CSR matrix with sorted, unique column indices.
+
+    Every entry is kept (explicit zeros included: the container drops them
+    first). Returns ``values, indices, counts, row_max_count`` as
+    :func:`dense_to_twell`. Raises ValueError when a column index is out of
+    range or the columns of a row are not strictly increasing.
+    """
+    cp = _cp()
+    indptr, cols, data = _csr_inputs(indptr, indices, data)
+    n_cols = _positive(n_cols, "n_cols", minimum=0)
+    tile = _positive(tile, "tile")
+    slots = _positive(slots, "slots")
+    _check_int32(n_cols, "the number of columns")
+    m = indptr.shape[0] - 1
+    n_tiles = -(-n_cols // tile) if n_cols else 0
+    values = _alloc((m, n_tiles, slots), data.dtype)
+    out_idx = _alloc((m, n_tiles, slots), _I32)
+    counts = _alloc((m, n_tiles), _I32)
+    row_max = _alloc(m, _I32)
+    if m == 0:
+        return values, out_idx, counts, row_max
+    bad = cp.zeros(1, _I32)
+    k = reg.get_kernel("construct.cu", _name_t("csr_to_twell", data.dtype))
+    k((_blocks(m, CONSTRUCT_WARPS),), (32 * CONSTRUCT_WARPS,),
+      (indptr, cols, data, values, out_idx, counts, row_max, bad,
+       _i32(m), _i32(n_cols), _i32(tile), _i32(slots), _i32(n_tiles)))
+    _raise_if_bad(bad, _BAD_CSR)
+    return values, out_idx, counts, row_max
+
+
+def csr_to_ell(indptr, indices, data, width):
+    """ELL slots of width ``width`` from a CSR matrix with sorted, unique columns.
+
+    Rows wider than ``width`` are left as padding; ``row_nnz`` is the true
+    count of every row. Returns ``values, indices, row_nnz``.
+    """
+    cp = _cp()
+    indptr, cols, data = _csr_inputs(indptr, indices, data)
+    width = _positive(width, "width", minimum=0)
+    m = indptr.shape[0] - 1
+    values = _alloc((m, width), data.dtype)
+    out_idx = _alloc((m, width), _I32)
+    row_nnz = _alloc(m, _I32)
+    if m == 0:
+        return values, out_idx, row_nnz
+    bad = cp.zeros(1, _I32)
+    k = reg.get_kernel("construct.cu", _name_t("csr_to_ell", data.dtype))
+    k((_blocks(m, CONSTRUCT_WARPS),), (32 * CONSTRUCT_WARPS,),
+      (indptr, cols, data, values, out_idx, row_nnz, bad, _i32(m), _i32(_INT32_MAX), _i32(width)))
+    _raise_if_bad(bad, _BAD_CSR)
+    return values, out_idx, row_nnz
+
+
+# ---------------------------------------------------------------------------
+# slot lists back to dense / CSR
+# ---------------------------------------------------------------------------
+def _slot_inputs(values, indices):
+    values = _values_array(values, "values", ndim=2)
+    indices = _index_array(indices, "indices", ndim=2)
+    if indices.shape != values.shape:
+        raise ValueError(f"indices has shape {tuple(indices.shape)}, expected {tuple(values.shape)} (as values)")
+    return values, indices
+
+
+def slots_to_dense(values, indices, n_cols):
+    """Dense (M, n_cols) array from flattened slot lists (index -1 = skip)."""
+    values, indices = _slot_inputs(values, indices)
+    n_cols = _positive(n_cols, "n_cols", minimum=0)
+    m, k_slots = values.shape
+    out = _zero_fill(_alloc((m, n_cols), values.dtype))
+    total = m * k_slots
+    if total and n_cols:
+        k = reg.get_kernel("convert.cu", _name_t("slots_to_dense", values.dtype))
+        k((_gridstride(total),), (ELEMENTWISE_BLOCK,),
+          (values, indices, out, _i64(m), _i32(k_slots), _i32(n_cols)))
+    return out
+
+
+def slots_to_csr(values, indices, row_counts):
+    """CSR arrays from flattened slot lists.
+
+    Parameters
+    ----------
+    values, indices : (M, K) cupy arrays, entries sorted by column in slot order.
+    row_counts : (M,) int32, stored entries per row.
+
+    Returns
+    -------
+    indptr : (M+1,) int32
+    col : (nnz,) int32
+    data : (nnz,) dtype of ``values``
+    """
+    cp = _cp()
+    values, indices = _slot_inputs(values, indices)
+    row_counts = _index_array(row_counts, "row_counts", ndim=1)
+    m, k_slots = values.shape
+    if row_counts.shape[0] != m:
+        raise ValueError(f"row_counts has shape {tuple(row_counts.shape)}, expected ({m},)")
+    indptr64 = cp.zeros(m + 1, _I64)
+    if m:
+        indptr64[1:] = cp.cumsum(row_counts, dtype=_I64)
+    nnz = int(indptr64[-1])
+    _check_int32(nnz, "the number of stored entries")
+    col = _alloc(nnz, _I32)
+    data = _alloc(nnz, values.dtype)
+    if m:
+        bad = cp.zeros(1, _I32)
+        k = reg.get_kernel("convert.cu", _name_t("slots_to_csr", values.dtype))
+        k((_blocks(m, CONVERT_WARPS),), (32 * CONVERT_WARPS,),
+          (values, indices, indptr64, col, data, bad, _i32(m), _i32(k_slots)))
+        _raise_if_bad(bad, "{n} rows hold a number of valid slots (index >= 0) that differs "
+                           "from row_counts")
+    return indptr64.astype(_I32), col, data
+
+
+# ---------------------------------------------------------------------------
+# transpose (deterministic counting sort)
+# ---------------------------------------------------------------------------
+def _transpose_chunks(m, n_cols):
+    """(n_chunks, chunk_rows): enough row chunks to fill the GPU, within the counter budget."""
+    budget = max(1, _TRANSPOSE_COUNTER_BUDGET // max(1, n_cols))
+    n_chunks = max(1, min(-(-m // 16), 1024, budget))
+    chunk_rows = -(-m // n_chunks)
+    n_chunks = -(-m // chunk_rows)
+    return n_chunks, chunk_rows
+
+
+def transpose_slots(values, indices, n_cols):
+    """CSR arrays ``(indptr, col, data)`` of the transpose (n_cols, M).
+
+    Deterministic counting sort: per row-chunk column histograms, a prefix sum
+    over (column, chunk), then each chunk places its rows in order. Within each
+    output row the entries are sorted by source row.
+    """
+    cp = _cp()
+    values, indices = _slot_inputs(values, indices)
+    n_cols = _positive(n_cols, "n_cols", minimum=0)
+    m, k_slots = values.shape
+    _check_int32(m, "the number of rows")
+    _check_int32(n_cols, "the number of columns")
+    if m == 0 or n_cols == 0 or k_slots == 0:
+        return cp.zeros(n_cols + 1, _I32), _alloc(0, _I32), _alloc(0, values.dtype)
+    n_chunks, chunk_rows = _transpose_chunks(m, n_cols)
+    chunk_counts = cp.zeros((n_chunks, n_cols), _I32)
+    kc = reg.get_kernel("transpose.cu", "twellpy_transpose_count")
+    kc((_gridstride(m * k_slots),), (ELEMENTWISE_BLOCK,),
+       (indices, chunk_counts, _i64(m), _i32(k_slots), _i32(n_cols), _i32(chunk_rows)))
+    indptr64 = cp.zeros(n_cols + 1, _I64)
+    indptr64[1:] = cp.cumsum(chunk_counts.sum(axis=0, dtype=_I64))
+    nnz = int(indptr64[-1])
+    _check_int32(nnz, "the number of stored entries")
+    indptr = indptr64.astype(_I32)
+    # cursor[c, j] = indptr[j] + entries of column j in chunks before c
+    cursor = cp.cumsum(chunk_counts, axis=0, dtype=_I32)
+    cursor -= chunk_counts
+    cursor += indptr[None, :-1]
+    del chunk_counts
+    col = _alloc(nnz, _I32)
+    data = _alloc(nnz, values.dtype)
+    if nnz:
+        kf = reg.get_kernel("transpose.cu", _name_t("transpose_fill", values.dtype))
+        kf((n_chunks,), (ELEMENTWISE_BLOCK,),
+           (values, indices, cursor, col, data, _i32(m), _i32(k_slots), _i32(n_cols), _i32(chunk_rows)))
+    return indptr, col, data
+
+
+# ---------------------------------------------------------------------------
+# sparse @ dense
+# ---------------------------------------------------------------------------
+def _spmm_plan(k_cols, dtype, *arrays):
+    """(vec, iters, n_column_blocks) for an output with ``k_cols`` columns."""
+    vec = _vec_width(dtype)
+    if k_cols % vec or not _aligned(*arrays):
+        vec = 1
+    max_iters = max(i for i in _SPMM_ITERS if i <= max(1, int(SPMM_MAX_ITERS)))
+    need = -(-k_cols // (32 * vec))
+    iters = next((i for i in _SPMM_ITERS if i >= need and i <= max_iters), max_iters)
+    n_cb = -(-k_cols // (32 * vec * iters))
+    return vec, iters, n_cb
+
+
+def _dense_operand(B, name):
+    B = _values_array(B, name, ndim=2)
+    _check_int32(B.shape[0], f"the number of rows of {name}")
+    _check_int32(B.shape[1], f"the number of columns of {name}")
+    return B
+
+
+def _spmm_common(values, B):
+    res = _result_dtype(values.dtype, B.dtype)
+    # Kernels take one value type; mixed inputs go through the result dtype
+    # (fp32 or fp64), which is exact for every supported input type.
+    return res, _as_dtype(values, res), _as_dtype(B, res)
+
+
+def twell_spmm(values, indices, counts, B):
+    """``A @ B`` for TwELL A, reading only the stored slots (``counts``).
+
+    Parameters
+    ----------
+    values, indices : (M, n_tiles, S) cupy arrays (or (M, n_tiles*S)).
+    counts : (M, n_tiles) int32, stored entries per (row, tile).
+    B : (N, K) cupy array, dense.
+
+    Returns
+    -------
+    out : (M, K) cupy array in the promoted dtype (float32 accumulation,
+        float64 for float64). One warp per (row, column block), lanes own 8
+        consecutive bf16 columns read with 16-byte loads of the B rows of the
+        active indices; the sum order is the slot order (deterministic).
+    """
+    values = _values_array(values, "values")
+    indices = _index_array(indices, "indices")
+    counts = _index_array(counts, "counts", ndim=2)
+    B = _dense_operand(B, "B")
+    m, n_tiles = counts.shape
+    if values.ndim not in (2, 3) or values.shape[0] != m:
+        raise ValueError(f"values has shape {tuple(values.shape)}, expected ({m}, {n_tiles}, S)")
+    if indices.shape != values.shape:
+        raise ValueError(f"indices has shape {tuple(indices.shape)}, expected {tuple(values.shape)} (as values)")
+    width = values.shape[1] if values.ndim == 2 else values.shape[1] * values.shape[2]
+    if n_tiles == 0:
+        slots = 0
+    else:
+        if width % n_tiles:
+            raise ValueError(f"values has {width} slots per row, not a multiple of n_tiles={n_tiles}")
+        slots = width // n_tiles
+    res, values, B = _spmm_common(values, B)
+    n_rows_b, k_cols = B.shape
+    out = _alloc((m, k_cols), res)
+    if m == 0 or k_cols == 0:
+        return out
+    vec, iters, n_cb = _spmm_plan(k_cols, res, B, out)
+    k = reg.get_kernel("spmm.cu", _name_spmm("twell_spmm", res, vec, iters))
+    k((_blocks(m * n_cb, SPMM_WARPS),), (32 * SPMM_WARPS,),
+      (values, indices, counts, B, out, _i32(m), _i32(n_tiles), _i32(slots), _i32(n_rows_b),
+       _i32(k_cols), _i32(n_cb)))
+    return out
+
+
+def slots_spmm(values, indices, B):
+    """``A @ B`` for A given by flattened slot lists (M, K) and dense B (N, P).
+
+    Accumulates in float32 (float64 when either side is float64); the result
+    has the promoted dtype of ``values`` and ``B``. Deterministic.
+    """
+    values, indices = _slot_inputs(values, indices)
+    B = _dense_operand(B, "B")
+    res, values, B = _spmm_common(values, B)
+    m, n_slots = values.shape
+    n_rows_b, k_cols = B.shape
+    out = _alloc((m, k_cols), res)
+    if m == 0 or k_cols == 0:
+        return out
+    if n_slots == 0:
+        return _zero_fill(out)
+    vec, iters, n_cb = _spmm_plan(k_cols, res, B, out)
+    k = reg.get_kernel("spmm.cu", _name_spmm("slots_spmm", res, vec, iters))
+    k((_blocks(m * n_cb, SPMM_WARPS),), (32 * SPMM_WARPS,),
+      (values, indices, B, out, _i32(m), _i32(n_slots), _i32(n_rows_b), _i32(k_cols), _i32(n_cb)))
+    return out
+
+
+def csr_spmm(indptr, indices, data, B):
+    """``A @ B`` for CSR A (int32 ``indptr``/``indices``) and dense B (N, P).
+
+    Entries are summed in CSR order (deterministic); the result has the
+    promoted dtype of ``data`` and ``B``.
+    """
+    indptr = _index_array(indptr, "indptr", ndim=1)
+    cols = _index_array(indices, "indices", ndim=1)
+    data = _values_array(data, "data", ndim=1)
+    B = _dense_operand(B, "B")
+    res, data, B = _spmm_common(data, B)
+    r = indptr.shape[0] - 1
+    n_rows_b, k_cols = B.shape
+    out = _alloc((max(r, 0), k_cols), res)
+    if r <= 0 or k_cols == 0:
+        return out
+    vec, iters, n_cb = _spmm_plan(k_cols, res, B, out)
+    k = reg.get_kernel("spmm.cu", _name_spmm("csr_spmm", res, vec, iters))
+    k((_blocks(r * n_cb, SPMM_WARPS),), (32 * SPMM_WARPS,),
+      (indptr, cols, data, B, out, _i32(r), _i32(n_rows_b), _i32(k_cols), _i32(n_cb)))
+    return out
+
+
+def slots_spmm_t(values, indices, B, n_cols):
+    """``A.T @ B`` for A (M, n_cols) given by slot lists and dense B (M, P).
+
+    Deterministic: A is transposed by a counting sort (:func:`transpose_slots`)
+    and each output row gathers the rows of B in source-row order (no atomic
+    float adds). Returns (n_cols, P) in the promoted dtype.
+    """
+    values, indices = _slot_inputs(values, indices)
+    B = _dense_operand(B, "B")
+    if B.shape[0] != values.shape[0]:
+        raise ValueError(f"B has shape {tuple(B.shape)}, expected ({values.shape[0]}, P)")
+    res = _result_dtype(values.dtype, B.dtype)
+    indptr, col, data = transpose_slots(_as_dtype(values, res), indices, n_cols)
+    return csr_spmm(indptr, col, data, _as_dtype(B, res))

@@ -1,0 +1,432 @@
+"""CUDA backend of the fused FFN inference (CuPy + cuBLAS + RawKernels).
+
+Pipeline for one call (sparse mode), over row chunks on two streams so that
+the dense gate GEMM of chunk ``i+1`` overlaps the sparse step of chunk ``i``:
+
+1. stream A: ``g = x_c @ w_gate.T`` through cuBLAS (``gemmEx``, fp32 compute),
+   written to one of two ring buffers.
+2. stream B: ``twellpy_ffn_sparse`` (``raw_kernels/ffn_sparse.cu``) scans each
+   row of ``g`` once, compacts the active neurons in shared memory, and does
+   the up-projection dot products and down-projection axpys for those neurons
+   only; h never reaches DRAM.
+3. Rows with more than ``heavy_limit`` active neurons (a token firing hundreds
+   or thousands of neurons, or a NaN row) are flagged by the kernel and
+   recomputed exactly by a dense sub-FFN on those rows after the pipeline.
+
+``mode="auto"`` reads the active count of the first chunk (the host waits for
+that chunk only, while the GPU already runs the next gate GEMM) and switches
+the remaining chunks to the dense path when the mean active count per token
+exceeds :attr:`FFNPlan.auto_threshold`.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from .._array import bfloat16, cupy_module
+from . import _registry
+
+_SPARSE_FILE = "ffn_sparse.cu"
+_PACK_FILE = "ffn_pack.cu"
+_DTYPES = (np.dtype(np.float16), bfloat16, np.dtype(np.float32), np.dtype(np.float64))
+_NV_CHOICES = (1, 2, 4, 8)
+#: neurons in flight per batch for each NV (keeps KB*NV 16-byte loads per thread at 16)
+_KB_FOR_NV = {1: 16, 2: 8, 4: 4, 8: 2}
+_LIST_CAP = 2048
+
+
+def _sparse_name(dtype, nv, gated, write_h):
+    return (f"twellpy_ffn_sparse<{_registry.ctype(dtype)}, {nv}, {_KB_FOR_NV[nv]}, "
+            f"{'true' if gated else 'false'}, {'true' if write_h else 'false'}>")
+
+
+def _group_define(dtype, gated):
+    # One compiled module per (dtype, gated) keeps the first-call compile short.
+    return {"FFN_GROUP": f"{_DTYPES.index(np.dtype(dtype))}{int(gated)}"}
+
+
+for _dt in _DTYPES:
+    for _gated in (True, False):
+        _registry.declare(_SPARSE_FILE,
+                          [_sparse_name(_dt, nv, _gated, wh) for nv in _NV_CHOICES for wh in (False, True)],
+                          _group_define(_dt, _gated))
+_registry.declare(_PACK_FILE, [f"twellpy_ffn_{k}<{_registry.ctype(d)}>"
+                               for d in _DTYPES for k in ("pack", "gate_mul", "relu")])
+
+# cuBLAS constants (cudaDataType_t / cublasComputeType_t / cublasOperation_t)
+_CUDA_TYPE = {np.dtype(np.float16): 2, bfloat16: 14, np.dtype(np.float32): 0, np.dtype(np.float64): 1}
+_COMPUTE_32F, _COMPUTE_64F = 68, 70
+_OP_N, _OP_T = 0, 1
+_GEMM_DEFAULT = -1
+
+
+def _cublas():
+    from cupy_backends.cuda.libs import cublas
+
+    return cublas
+
+
+def gemm_nt(a, b, out, handle, stream):
+    """``out[:] = a @ b.T`` with cuBLAS on ``stream`` (fp32 compute; fp64 for fp64).
+
+    ``a`` (m, k) and ``b`` (n, k) have unit column stride; ``out`` (m, n) is
+    C-contiguous. Row strides of ``a`` may exceed k (row slices).
+    """
+    m, k = a.shape
+    n = b.shape[0]
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        out.fill(0)
+        return out
+    cublas = _cublas()
+    dt = np.dtype(a.dtype)
+    isz = dt.itemsize
+    if dt == np.float64:
+        one, zero, compute = np.array(1.0, np.float64), np.array(0.0, np.float64), _COMPUTE_64F
+    else:
+        one, zero, compute = np.array(1.0, np.float32), np.array(0.0, np.float32), _COMPUTE_32F
+    ctype = _CUDA_TYPE[dt]
+    lda = a.strides[0] // isz
+    ldb = b.strides[0] // isz
+    ldc = out.strides[0] // isz
+    old = cublas.getStream(handle)
+    cublas.setStream(handle, stream.ptr)
+    try:
+        # Row-major C = A @ B.T is column-major C^T = B @ A^T: op(B) = T, op(A) = N.
+        cublas.gemmEx(handle, _OP_T, _OP_N, n, m, k, one.ctypes.data,
+                      b.data.ptr, ctype, ldb, a.data.ptr, ctype, lda,
+                      zero.ctypes.data, out.data.ptr, ctype, ldc, compute, _GEMM_DEFAULT)
+    finally:
+        cublas.setStream(handle, old)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_id):
+    cp = cupy_module()
+    return int(cp.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
+
+
+def _n_sm():
+    return _sm_count(cupy_module().cuda.Device().id)
+
+
+def _elementwise_grid(n):
+    return (max(1, min(int(n + 255) // 256, _n_sm() * 32)),), (256,)
+
+
+def gate_mul(g, u, out, stream):
+    """``out = relu(g) * u`` (NaN-propagating ReLU), element-wise."""
+    n = g.size
+    if n == 0:
+        return out
+    k = _registry.get_kernel(_PACK_FILE, f"twellpy_ffn_gate_mul<{_registry.ctype(g.dtype)}>")
+    grid, block = _elementwise_grid(n)
+    k(grid, block, (g, u, out, np.int64(n)), stream=stream)
+    return out
+
+
+def relu(g, out, stream):
+    """``out = relu(g)`` (NaN kept), element-wise."""
+    n = g.size
+    if n == 0:
+        return out
+    k = _registry.get_kernel(_PACK_FILE, f"twellpy_ffn_relu<{_registry.ctype(g.dtype)}>")
+    grid, block = _elementwise_grid(n)
+    k(grid, block, (g, out, np.int64(n)), stream=stream)
+    return out
+
+
+def pack_activation(h, tile, slots):
+    """TwELL components of the dense activation ``h`` (M, N).
+
+    Returns ``values, indices, counts, backup, backup_rows``: rows whose
+    largest tile holds more than ``slots`` non-zeros are stored entirely in
+    ``backup`` (their counts are 0 and their slots padding).
+    """
+    cp = cupy_module()
+    h = cp.ascontiguousarray(h)
+    M, N = h.shape
+    n_tiles = (N + tile - 1) // tile
+    if M * n_tiles * slots > np.iinfo(np.int64).max // 8:
+        raise ValueError("activation too large to pack")
+    values = cp.empty((M, n_tiles, slots), h.dtype)
+    indices = cp.empty((M, n_tiles, slots), np.int32)
+    counts = cp.empty((M, n_tiles), np.int32)
+    row_max = cp.zeros((M,), np.int32)
+    if M and n_tiles:
+        warps = 8
+        grid = ((M * n_tiles + warps - 1) // warps,)
+        k = _registry.get_kernel(_PACK_FILE, f"twellpy_ffn_pack<{_registry.ctype(h.dtype)}>",
+                                 FFN_PACK_WARPS=warps)
+        k(grid, (warps * 32,), (h, np.int64(N), np.int32(M), np.int32(N), np.int32(tile),
+                                np.int32(slots), np.int32(n_tiles), values, indices, counts, row_max))
+    backup_rows = cp.nonzero(row_max > slots)[0].astype(np.int32)
+    if backup_rows.size:
+        backup = h[backup_rows]
+        values[backup_rows] = 0
+        indices[backup_rows] = -1
+        counts[backup_rows] = 0
+    else:
+        backup = cp.empty((0, N), h.dtype)
+    return values, indices, counts, backup, backup_rows
+
+
+class FFNPlan:
+    """Prepared weights, kernel choice, streams and workspaces of one FFN.
+
+    Parameters
+    ----------
+    w_gate : cupy.ndarray or None
+        (H, D) gate weights; None for the plain ReLU FFN.
+    w_up, w_down : cupy.ndarray
+        (H, D) and (D, H), same dtype and device.
+    """
+
+    #: the device-side list of active neurons of one row holds this many entries
+    LIST_CAP = _LIST_CAP
+
+    def __init__(self, w_gate, w_up, w_down):
+        cp = cupy_module()
+        self.gated = w_gate is not None
+        self.dtype = np.dtype(w_up.dtype)
+        self.H, self.D = w_up.shape
+        self.device_id = w_up.device.id
+        self.w_gate = cp.ascontiguousarray(w_gate) if self.gated else None
+        self.w_up = cp.ascontiguousarray(w_up)
+        self.w_down = cp.ascontiguousarray(w_down)
+        self.gate_w = self.w_gate if self.gated else self.w_up
+        self.config = self._choose_config()
+        self.sparse_ok = self.config is not None
+        # transposed once: row j of w_downT is column j of w_down (contiguous gathers)
+        self.w_downT = cp.ascontiguousarray(self.w_down.T) if self.sparse_ok else None
+        #: rows with more active neurons than this go to the dense sub-FFN
+        self.heavy_limit = int(min(_LIST_CAP, max(128, self.H // 16)))
+        #: mean active neurons per token above which "auto" runs the dense path
+        self.auto_threshold = self._default_threshold()
+        self._streams = None
+        self._handles = None
+        self._ws_rows = 0
+        self._ws = {}
+
+    # ---- configuration ------------------------------------------------------
+    def _choose_config(self):
+        vec = 16 // self.dtype.itemsize
+        if self.D % vec or self.H % vec or self.D == 0 or self.H == 0:
+            return None
+        dv = self.D // vec
+        for warps in (4, 8):
+            nv = -(-dv // (warps * 32))
+            for cand in _NV_CHOICES:
+                if cand >= nv:
+                    return warps, cand
+        return None  # D too large for the register-resident row: dense path
+
+    def _default_threshold(self):
+        # Cost model calibrated on the H200 (see benchmarks/ffn.py): the sparse
+        # step streams 2*D*itemsize bytes per active neuron from L2 (~8.5 TB/s);
+        # the dense up+down GEMMs cost 4*D*H flops per token. Crossover
+        # nnz ~= 2*H*L2_bw / (gemm_rate * itemsize).
+        rate = {2: 700e12, 4: 50e12, 8: 50e12}[self.dtype.itemsize]
+        return max(8.0, 2.0 * self.H * 8.5e12 / (rate * self.dtype.itemsize))
+
+    # ---- resources ----------------------------------------------------------
+    def _resources(self):
+        cp = cupy_module()
+        if self._streams is None:
+            cublas = _cublas()
+            with cp.cuda.Device(self.device_id):
+                self._streams = (cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True))
+                self._handles = (cublas.create(), cublas.create())
+        return self._streams, self._handles
+
+    def __del__(self):
+        try:
+            if self._handles is not None:
+                cublas = _cublas()
+                for h in self._handles:
+                    cublas.destroy(h)
+        except Exception:
+            pass
+
+    def _workspace(self, chunk):
+        """Grow-only ring buffers; a call with an already-seen size allocates nothing."""
+        cp = cupy_module()
+        if chunk > self._ws_rows:
+            self._ws = {"g": [cp.empty((chunk, self.H), self.dtype) for _ in range(2)],
+                        "u": None}
+            self._ws_rows = chunk
+        if "counters" not in self._ws:
+            self._ws["counters"] = cp.zeros((2,), np.uint64)
+        return self._ws
+
+    def _heavy_flags(self, M):
+        cp = cupy_module()
+        hv = self._ws.get("heavy")
+        if hv is None or hv.size < M:
+            hv = cp.zeros((max(M, 1),), np.int32)
+            self._ws["heavy"] = hv
+        return hv[:M]
+
+    def _u_buffer(self, chunk):
+        cp = cupy_module()
+        u = self._ws.get("u")
+        if u is None or u.shape[0] < chunk:
+            u = cp.empty((chunk, self.H), self.dtype)
+            self._ws["u"] = u
+        return u
+
+    @staticmethod
+    def default_chunk(M):
+        """Rows per pipeline chunk: 4 chunks (>= 256 rows, <= 16384), one when M <= 512."""
+        if M <= 512:
+            return max(M, 1)
+        c = -(-M // 4)
+        c = -(-c // 256) * 256
+        return int(min(max(c, 256), 16384))
+
+    # ---- kernels ------------------------------------------------------------
+    def _launch_sparse(self, x, g, y, h_out, heavy, counters, stream):
+        warps, nv = self.config
+        m = x.shape[0]
+        if m == 0:
+            return
+        cp = cupy_module()
+        name = _sparse_name(self.dtype, nv, self.gated, h_out is not None)
+        k = _registry.get_kernel(_SPARSE_FILE, name, **_group_define(self.dtype, self.gated))
+        grid = (int(min(m, _n_sm() * 16)),)
+        isz = self.dtype.itemsize
+        h_ptr = h_out if h_out is not None else np.uint64(0)  # null pointer
+        ldh = (h_out.strides[0] // isz) if h_out is not None else 0
+        k(grid, (warps * 32,),
+          (x, np.int64(x.strides[0] // isz), g, np.int64(g.strides[0] // isz),
+           self.w_up, self.w_downT, y, np.int64(y.strides[0] // isz),
+           h_ptr, np.int64(ldh), heavy, counters,
+           np.int32(m), np.int32(self.D), np.int32(self.H), np.int32(self.heavy_limit)),
+          stream=stream)
+
+    def _dense_stage2(self, x, g, y, h_out, handle, stream, u):
+        """Dense remainder given the gate pre-activation ``g`` of rows ``x``."""
+        if self.gated:
+            gemm_nt(x, self.w_up, u, handle, stream)
+            h = h_out if h_out is not None else u
+            gate_mul(g, u, h, stream)
+        else:
+            h = h_out if h_out is not None else g
+            relu(g, h, stream)
+        gemm_nt(h, self.w_down, y, handle, stream)
+
+    def dense_rows(self, x, y, h_out=None, *, max_chunk=16384):
+        """Dense FFN of all rows of ``x`` on the current stream (chunked workspace)."""
+        cp = cupy_module()
+        (_, _), (handle, _) = self._resources()
+        stream = cp.cuda.get_current_stream()
+        M = x.shape[0]
+        step = max(1, min(M, max_chunk))
+        g = self._workspace(step)["g"][0]
+        u = self._u_buffer(step) if self.gated else None
+        for r0 in range(0, M, step):
+            r1 = min(M, r0 + step)
+            gc = g[: r1 - r0]
+            gemm_nt(x[r0:r1], self.gate_w, gc, handle, stream)
+            self._dense_stage2(x[r0:r1], gc, y[r0:r1], None if h_out is None else h_out[r0:r1],
+                               handle, stream, None if u is None else u[: r1 - r0])
+        return y
+
+    # ---- the call -----------------------------------------------------------
+    def forward(self, x, *, mode="auto", return_activations=False, chunk_rows=None):
+        """Run the FFN on ``x`` (M, D) cupy; returns ``(y, h_dense_or_None, info)``."""
+        cp = cupy_module()
+        M = x.shape[0]
+        y = cp.empty((M, self.D), self.dtype)
+        h_full = cp.zeros((M, self.H), self.dtype) if return_activations else None
+        info = {"mode": "dense", "mean_active": None, "heavy_rows": 0}
+        if M == 0:
+            return y, h_full, info
+        x = cp.ascontiguousarray(x)
+        if x.data.ptr % 16:
+            x = x.copy()
+        if not self.sparse_ok or mode == "dense":
+            self.dense_rows(x, y, h_full)
+            return y, h_full, info
+
+        (sA, sB), (hA, hB) = self._resources()
+        chunk = int(chunk_rows) if chunk_rows else self.default_chunk(M)
+        chunk = max(1, min(chunk, M))
+        ws = self._workspace(chunk)
+        cur = cp.cuda.get_current_stream()
+        start = cur.record()
+        sA.wait_event(start)
+        sB.wait_event(start)
+        counters = ws["counters"]
+        heavy = self._heavy_flags(M)
+        with sB:
+            counters.fill(0)
+            heavy.fill(0)
+
+        chunks = [(r0, min(M, r0 + chunk)) for r0 in range(0, M, chunk)]
+        n = len(chunks)
+        gate_done = [None] * n
+        stage2_done = [None] * n
+
+        def launch_gate(ci):
+            r0, r1 = chunks[ci]
+            buf = ws["g"][ci % 2][: r1 - r0]
+            if ci >= 2:
+                sA.wait_event(stage2_done[ci - 2])  # ring buffer reuse
+            gemm_nt(x[r0:r1], self.gate_w, buf, hA, sA)
+            gate_done[ci] = sA.record()
+
+        def launch_stage2(ci, sparse):
+            r0, r1 = chunks[ci]
+            buf = ws["g"][ci % 2][: r1 - r0]
+            sB.wait_event(gate_done[ci])
+            hc = None if h_full is None else h_full[r0:r1]
+            if sparse:
+                self._launch_sparse(x[r0:r1], buf, y[r0:r1], hc, heavy[r0:r1], counters, sB)
+            else:
+                u = self._u_buffer(chunk)[: r1 - r0] if self.gated else None
+                self._dense_stage2(x[r0:r1], buf, y[r0:r1], hc, hB, sB, u)
+            stage2_done[ci] = sB.record()
+
+        launch_gate(0)
+        if n > 1:
+            launch_gate(1)
+        launch_stage2(0, True)
+        use_sparse = True
+        if mode == "auto" and n > 1:
+            stage2_done[0].synchronize()
+            seen = int(counters[0:1].get(stream=sB)[0])
+            mean0 = seen / (chunks[0][1] - chunks[0][0])
+            info["mean_active"] = mean0
+            use_sparse = mean0 <= self.auto_threshold
+        for ci in range(1, n):
+            if ci + 1 < n:
+                launch_gate(ci + 1)
+            launch_stage2(ci, use_sparse)
+        cur.wait_event(stage2_done[-1])
+        info["mode"] = "sparse" if use_sparse else "sparse+dense"
+
+        # exact path for heavy rows (the only host synchronisation of a sparse call)
+        stats = counters.get(stream=sB)
+        n_heavy = int(stats[1])
+        if info["mean_active"] is None and use_sparse:
+            info["mean_active"] = float(stats[0]) / M
+        info["heavy_rows"] = n_heavy
+        if n_heavy:
+            rows = cp.nonzero(heavy)[0]
+            xr = x[rows]
+            yr = cp.empty((rows.size, self.D), self.dtype)
+            hr = cp.zeros((rows.size, self.H), self.dtype) if h_full is not None else None
+            self.dense_rows(xr, yr, hr)
+            y[rows] = yr
+            if h_full is not None:
+                h_full[rows] = hr
+        return y, h_full, info
+
+
+def prepare(w_gate, w_up, w_down):
+    """FFN plan for cupy weights (``w_gate`` None for the plain ReLU FFN)."""
+    return FFNPlan(w_gate, w_up, w_down)

@@ -1,0 +1,759 @@
+"""Scale-out with Dask: row-chunked sparse arrays and distributed FFN inference.
+
+TwELL, ELL and Hybrid store each row (each token) on its own, so a Dask array
+chunked along rows only maps onto them chunk by chunk: every row chunk becomes
+one container, built and used on the worker that holds it. This module is
+loaded on demand (``import twellpy.dask``); ``import twellpy`` never imports
+Dask.
+
+Main entry points
+-----------------
+:func:`from_dask`
+    Row-chunked ``dask.array.Array`` (numpy or cupy chunks) -> :class:`SparseDaskArray`.
+:class:`SparseDaskArray`
+    A Dask collection whose chunks are twellpy containers: ``to_dense()``,
+    ``to_scipy()``, ``A @ W``, ``compute()``, ``persist()``.
+:func:`gated_forward`, :func:`relu_forward`
+    :func:`twellpy.ffn.gated_forward` / :func:`twellpy.ffn.relu_forward` mapped
+    over the row chunks of a dask array, with the weights placed on each worker
+    once (:func:`share`).
+
+How Dask sees the containers
+----------------------------
+The containers do not implement ``__array_function__`` and this module never
+calls a NumPy function on them. Instead it registers, for ``TwELL``, ``ELL``
+and ``Hybrid``:
+
+* ``dask.array.core.concatenate_lookup``: row-wise concatenation that keeps
+  every stored bit (used when a container-chunked dask array is computed);
+* ``dask.array.core.tensordot_lookup``: ``tensordot(A, W, axes=1)`` = ``A @ W``;
+* ``dask.array.register_chunk_type``: so that dask arrays defer to them.
+
+:class:`SparseDaskArray` is itself a Dask collection (``dask.compute``,
+``dask.persist`` and ``client.compute`` accept it); ``compute()`` returns one
+container holding all rows.
+
+Weights are broadcast once per worker
+-------------------------------------
+With a ``distributed.Client`` active, :func:`share` scatters an array to every
+worker (``client.scatter(..., broadcast=True, hash=True)``) and the chunk tasks
+refer to that one future. Without a client the array becomes a single graph
+key on which every chunk task depends. Either way no chunk task carries its
+own copy of the weights. Share weights once with :func:`share` and pass the
+returned :class:`SharedArray` to reuse them across calls at no cost.
+"""
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+import dask
+import dask.array as da
+from dask.array.core import concatenate_lookup, tensordot_lookup
+from dask.array.utils import meta_from_array
+
+from ._array import FLOAT_DTYPES, as_array, check_float, is_cupy, xp_of
+
+__all__ = [
+    "SparseDaskArray",
+    "SharedArray",
+    "from_dask",
+    "share",
+    "gated_forward",
+    "relu_forward",
+    "concatenate",
+]
+
+FORMATS = ("twell", "ell", "hybrid")
+
+
+# ----------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------
+def _container_class(fmt):
+    """Container class for a format name (imported lazily: workers import it too)."""
+    import twellpy
+
+    classes = {"twell": twellpy.TwELL, "ell": twellpy.ELL, "hybrid": twellpy.Hybrid}
+    try:
+        return classes[fmt]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}") from None
+
+
+def _container_classes():
+    import twellpy
+
+    return (twellpy.TwELL, twellpy.ELL, twellpy.Hybrid)
+
+
+def _active_client():
+    """The current ``distributed.Client``, or None (distributed may be absent)."""
+    try:
+        from distributed import default_client
+    except ImportError:  # pragma: no cover - distributed is optional
+        return None
+    try:
+        return default_client()
+    except ValueError:
+        return None
+
+
+def _check_row_chunked(x, name, rechunk):
+    """Validate a 2-D dask array and give it a single column chunk."""
+    if not isinstance(x, da.Array):
+        raise TypeError(
+            f"{name} must be a dask.array.Array, got {type(x).__module__}.{type(x).__name__}; "
+            f"wrap an in-memory array with dask.array.from_array({name}, chunks=(rows_per_chunk, -1))")
+    if x.ndim != 2:
+        raise ValueError(f"{name} must be 2-D, got {x.ndim}-D dask array of shape {x.shape}")
+    if any(isinstance(c, float) and np.isnan(c) for c in x.chunks[0]) or np.isnan(x.shape[1]):
+        raise ValueError(f"{name} has unknown chunk sizes {x.chunks}; call "
+                         f"{name}.compute_chunk_sizes() first")
+    if x.numblocks[1] != 1:
+        if not rechunk:
+            raise ValueError(
+                f"{name} has {x.numblocks[1]} column chunks {x.chunks[1]}, expected 1 (a row holds "
+                f"one token and must live in one chunk); rechunk with {name}.rechunk({{1: -1}}) "
+                f"or pass rechunk=True")
+        x = x.rechunk({1: -1})
+    return x
+
+
+def _array_meta(x, dtype):
+    """Zero-size array of the same kind (numpy/cupy) as ``x``'s chunks."""
+    return meta_from_array(x._meta, ndim=2, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------
+# row-wise concatenation of containers (registered with dask)
+# ----------------------------------------------------------------------------
+def _pad_last(xp, arr, width, fill):
+    """Pad the last axis of ``arr`` to ``width`` with ``fill``."""
+    extra = width - arr.shape[-1]
+    if extra == 0:
+        return arr
+    pad = xp.full(arr.shape[:-1] + (extra,), fill, dtype=arr.dtype)
+    return xp.concatenate([arr, pad], axis=-1)
+
+
+def _stack_backup(xp, parts, n_cols, dtype):
+    """Concatenate the dense backup rows of row chunks, offsetting their row ids."""
+    backups, rows = [], []
+    offset = 0
+    for p in parts:
+        backups.append(p.backup)
+        rows.append(p.backup_rows.astype(np.int64) + offset)
+        offset += p.shape[0]
+    if offset > np.iinfo(np.int32).max:
+        raise ValueError(f"concatenated container would have {offset} rows, more than int32 allows")
+    backup = xp.concatenate(backups, axis=0) if backups else xp.zeros((0, n_cols), dtype)
+    backup_rows = xp.concatenate(rows).astype(np.int32) if rows else xp.zeros((0,), np.int32)
+    return backup, backup_rows
+
+
+def concatenate(parts, axis=0):
+    """Concatenate twellpy containers along rows, keeping every stored entry.
+
+    Parameters
+    ----------
+    parts : sequence of TwELL, ELL or Hybrid
+        Containers of one format, one dtype, one device and one column count
+        (and, for TwELL, one tile size).
+    axis : int
+        Must be 0 (or -2): containers are row chunks. A single part is
+        returned unchanged for any axis (Dask asks for that).
+
+    Returns
+    -------
+    TwELL, ELL or Hybrid
+        The rows of all parts, in order. Slot widths that differ between parts
+        (ELL/Hybrid width W, TwELL slots S) are padded to the widest part with
+        value 0 and index -1; rows kept in dense backup stay in backup.
+    """
+    parts = list(parts)
+    if not parts:
+        raise ValueError("parts is empty; need at least one container to concatenate")
+    if len(parts) == 1:
+        return parts[0]
+    if axis not in (0, -2):
+        raise ValueError(f"axis must be 0 (row chunks), got {axis!r}")
+    first = parts[0]
+    classes = _container_classes()
+    for i, p in enumerate(parts):
+        if not isinstance(p, classes):
+            raise TypeError(f"parts[{i}] is a {type(p).__name__}, expected a twellpy container")
+        if p.format != first.format:
+            raise TypeError(f"parts[{i}] has format {p.format!r}, expected {first.format!r}")
+        if p.dtype != first.dtype:
+            raise TypeError(f"parts[{i}] has dtype {p.dtype}, expected {first.dtype}")
+        if p.shape[1] != first.shape[1]:
+            raise ValueError(f"parts[{i}] has {p.shape[1]} columns, expected {first.shape[1]}")
+        if p.device != first.device:
+            raise ValueError(f"parts[{i}] is on {p.device}, expected {first.device}")
+    xp = first.xp
+    n_rows = sum(p.shape[0] for p in parts)
+    n_cols = first.shape[1]
+    shape = (n_rows, n_cols)
+    cls = type(first)
+    if first.format == "twell":
+        for i, p in enumerate(parts):
+            if p.tile != first.tile:
+                raise ValueError(f"parts[{i}] has tile {p.tile}, expected {first.tile}")
+        slots = max(p.values.shape[2] for p in parts)
+        values = xp.concatenate([_pad_last(xp, p.values, slots, 0) for p in parts], axis=0)
+        indices = xp.concatenate([_pad_last(xp, p.indices, slots, -1) for p in parts], axis=0)
+        counts = xp.concatenate([p.counts for p in parts], axis=0)
+        backup, backup_rows = _stack_backup(xp, parts, n_cols, first.dtype)
+        # check_finite=False: the parts were validated (or built with check_finite=False) already
+        return cls(values, indices, counts, shape=shape, tile=first.tile, backup=backup,
+                   backup_rows=backup_rows, check_finite=False)
+    width = max(p.values.shape[1] for p in parts)
+    values = xp.concatenate([_pad_last(xp, p.values, width, 0) for p in parts], axis=0)
+    indices = xp.concatenate([_pad_last(xp, p.indices, width, -1) for p in parts], axis=0)
+    row_nnz = xp.concatenate([p.row_nnz for p in parts], axis=0)
+    if first.format == "ell":
+        return cls(values, indices, row_nnz, shape=shape, check_finite=False)
+    backup, backup_rows = _stack_backup(xp, parts, n_cols, first.dtype)
+    return cls(values, indices, row_nnz, shape=shape, backup=backup, backup_rows=backup_rows,
+               width_strategy=first.width_strategy, check_finite=False)
+
+
+def _product_dtype(a, b):
+    """Dtype of ``container @ dense`` (the containers' own promotion rule)."""
+    from ._base import result_dtype
+
+    return result_dtype(a, b)
+
+
+def _tensordot(a, b, axes=2):
+    """``tensordot_lookup`` entry: a container times a dense matrix over one axis."""
+    if axes not in (1, ((1,), (0,)), [[1], [0]], ((1,), [0]), ([1], (0,))):
+        raise ValueError(f"twellpy containers support tensordot(A, W, axes=1) (= A @ W) only, "
+                         f"got axes={axes!r}")
+    return a @ b
+
+
+_registered = False
+_clients_with_plugin = set()
+
+
+def _register():
+    """Teach Dask about the container classes (idempotent, this process)."""
+    global _registered
+    if not _registered:
+        classes = _container_classes()
+        concatenate_lookup.register(classes, concatenate)
+        tensordot_lookup.register(classes, _tensordot)
+        for cls in classes:
+            da.register_chunk_type(cls)
+        _registered = True
+    _register_on_workers()
+
+
+def _worker_plugin_class():
+    from distributed import WorkerPlugin
+
+    class TwellpyDaskPlugin(WorkerPlugin):
+        """Imports twellpy.dask on every worker (also restarted ones).
+
+        Dask's own tasks (e.g. the ``finalize`` of a container-chunked dask
+        array) may run on a worker that unpickled containers but never
+        imported this module, so its dispatch registrations would be missing.
+        """
+
+        name = "twellpy-dask"
+
+        def setup(self, worker):
+            import twellpy.dask  # noqa: F401  (registers at import)
+
+    return TwellpyDaskPlugin
+
+
+def _register_on_workers(client=None):
+    """Register the import plugin with the active distributed client, once per client."""
+    client = client or _active_client()
+    if client is None or client.id in _clients_with_plugin:
+        return
+    client.register_plugin(_worker_plugin_class()(), name="twellpy-dask")
+    _clients_with_plugin.add(client.id)
+
+
+# ----------------------------------------------------------------------------
+# shared (broadcast) arrays
+# ----------------------------------------------------------------------------
+class SharedArray:
+    """A dense array placed once for all chunk tasks (see :func:`share`).
+
+    Attributes
+    ----------
+    ref : distributed.Future or dask.delayed.Delayed
+        The handle that chunk tasks depend on.
+    shape : tuple of int
+    dtype : numpy.dtype
+    array_type : str
+        ``"numpy"`` or ``"cupy"``: where the array lives on the workers.
+    """
+
+    def __init__(self, ref, shape, dtype, array_type):
+        self.ref = ref
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = np.dtype(dtype)
+        self.array_type = array_type
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    @property
+    def key(self):
+        """The graph key (or future key) chunk tasks depend on."""
+        return self.ref.key
+
+    def __repr__(self):
+        where = type(self.ref).__name__
+        return (f"<SharedArray {self.array_type} shape={self.shape} dtype={self.dtype} "
+                f"via {where} {self.key!r}>")
+
+
+def share(array, name="array", *, client=None, broadcast=True):
+    """Place a dense array once, for use by many chunk tasks.
+
+    Parameters
+    ----------
+    array : array_like or SharedArray
+        numpy or cupy array (or torch/jax/DLPack, converted by
+        :func:`twellpy._array.as_array`). A :class:`SharedArray` is returned
+        unchanged.
+    name : str
+        Argument name used in error messages.
+    client : distributed.Client or False, optional
+        Client to scatter to. Defaults to the active client, if any;
+        ``False`` never scatters (one graph key, even under a client).
+    broadcast : bool
+        With a client: copy the array to every worker now (True), or to one
+        worker, from which the others fetch it on first use (False). Either
+        way each worker receives it at most once.
+
+    Returns
+    -------
+    SharedArray
+        Wraps a ``distributed.Future`` when a client is active (the data are
+        hashed, so sharing the same array twice reuses the same key), else a
+        ``dask.delayed`` object: one graph key that every chunk task depends on.
+    """
+    if isinstance(array, SharedArray):
+        return array
+    arr, _ = as_array(array, name)
+    kind = "cupy" if is_cupy(arr) else "numpy"
+    if client is None:
+        client = _active_client()
+    if client is not False and client is not None:
+        ref = client.scatter(arr, broadcast=broadcast, hash=True)
+    else:
+        ref = dask.delayed(arr, pure=True, traverse=False)
+    return SharedArray(ref, arr.shape, arr.dtype, kind)
+
+
+class _Local:
+    """Shape/dtype/kind of an array not yet shared (validation before scattering)."""
+
+    def __init__(self, arr):
+        self.arr = arr
+        self.shape = tuple(arr.shape)
+        self.ndim = arr.ndim
+        self.dtype = arr.dtype
+        self.array_type = "cupy" if is_cupy(arr) else "numpy"
+
+
+def _describe(array, name):
+    """SharedArray as is; anything else converted to numpy/cupy, not yet shared."""
+    if isinstance(array, SharedArray):
+        return array
+    arr, _ = as_array(array, name)
+    return _Local(arr)
+
+
+def _share_described(desc, name, client, broadcast):
+    if isinstance(desc, SharedArray):
+        return desc
+    return share(desc.arr, name, client=client, broadcast=broadcast)
+
+
+# ----------------------------------------------------------------------------
+# chunk functions (module level so that workers import them by name)
+# ----------------------------------------------------------------------------
+def _build_chunk(block, fmt, params):
+    return _container_class(fmt).from_dense(block, **params)
+
+
+def _to_dense_chunk(chunk):
+    return chunk.toarray()
+
+
+def _to_scipy_chunk(chunk, fmt):
+    return chunk.to_scipy(fmt)
+
+
+def _matmul_chunk(chunk, w):
+    return chunk @ w
+
+
+def _ffn_chunk(block, *weights, kind, ffn_kwargs):
+    from . import ffn
+
+    func = ffn.gated_forward if kind == "gated" else ffn.relu_forward
+    return func(block, *weights, **ffn_kwargs)
+
+
+def _finalize(results):
+    """``__dask_postcompute__`` of SparseDaskArray: nested chunk list -> one container."""
+    flat = [r[0] if isinstance(r, (list, tuple)) else r for r in results]
+    return concatenate(flat, axis=0)
+
+
+# ----------------------------------------------------------------------------
+# the collection
+# ----------------------------------------------------------------------------
+class SparseDaskArray:
+    """A Dask collection of row-chunked twellpy containers.
+
+    Build it with :func:`from_dask`. Every chunk is a ``TwELL``, ``ELL`` or
+    ``Hybrid`` container holding consecutive rows and all columns.
+
+    Attributes
+    ----------
+    blocks : dask.array.Array
+        The underlying dask array whose chunks are containers (chunks
+        ``(row_chunks, (N,))``); its ``_meta`` is a zero-row container.
+    format : str
+        ``"twell"``, ``"ell"`` or ``"hybrid"``.
+    params : dict
+        Construction parameters passed to ``from_dense`` for every chunk.
+    shape, dtype, chunks, numblocks, npartitions
+        As for a dask array.
+    """
+
+    def __init__(self, blocks, fmt, params, array_meta):
+        _register()
+        self.blocks = blocks
+        self.format = fmt
+        self.params = dict(params)
+        # numpy or cupy zero-size array: the chunk kind of to_dense() and A @ W
+        self._array_meta = array_meta
+        self._meta = None
+        try:
+            # A zero-row container describes the chunks. Dask's meta_from_array
+            # would turn it into a numpy array (containers cannot be sliced),
+            # so it is set on the dask array directly.
+            empty = xp_of(array_meta).zeros((0, blocks.shape[1]), dtype=array_meta.dtype)
+            self._meta = _container_class(fmt).from_dense(empty, **self.params)
+            blocks._meta = self._meta
+        except Exception:  # pragma: no cover - a backend without M = 0 support
+            self._meta = None
+
+    # ---- array-like attributes --------------------------------------------
+    @property
+    def shape(self):
+        return self.blocks.shape
+
+    @property
+    def dtype(self):
+        return np.dtype(self._array_meta.dtype)
+
+    @property
+    def ndim(self):
+        return 2
+
+    @property
+    def chunks(self):
+        return self.blocks.chunks
+
+    @property
+    def numblocks(self):
+        return self.blocks.numblocks
+
+    @property
+    def npartitions(self):
+        return self.blocks.numblocks[0]
+
+    @property
+    def name(self):
+        return self.blocks.name
+
+    def __repr__(self):
+        kind = type(self._array_meta).__module__.split(".")[0]
+        return (f"<SparseDaskArray format={self.format!r} shape={self.shape} dtype={self.dtype} "
+                f"row_chunks={self.chunks[0]} chunk_type={kind}>")
+
+    # ---- Dask collection protocol ------------------------------------------
+    def __dask_graph__(self):
+        return self.blocks.__dask_graph__()
+
+    def __dask_keys__(self):
+        return self.blocks.__dask_keys__()
+
+    def __dask_layers__(self):
+        return self.blocks.__dask_layers__()
+
+    def __dask_tokenize__(self):
+        return (type(self).__name__, self.blocks.name, self.format)
+
+    __dask_optimize__ = staticmethod(da.Array.__dask_optimize__)
+    __dask_scheduler__ = staticmethod(da.Array.__dask_scheduler__)
+
+    def __dask_postcompute__(self):
+        return _finalize, ()
+
+    def __dask_postpersist__(self):
+        rebuild, state = self.blocks.__dask_postpersist__()
+        return self._rebuild, (rebuild, state)
+
+    def _rebuild(self, dsk, rebuild, state, rename=None):
+        blocks = rebuild(dsk, *state, rename=rename) if rename else rebuild(dsk, *state)
+        return SparseDaskArray(blocks, self.format, self.params, self._array_meta)
+
+    def compute(self, **kwargs):
+        """Compute all chunks and return one container with every row.
+
+        Keyword arguments go to :func:`dask.compute`.
+        """
+        (result,) = dask.compute(self, **kwargs)
+        return result
+
+    def persist(self, **kwargs):
+        """Build the chunk containers now and keep them in (worker) memory."""
+        (result,) = dask.persist(self, **kwargs)
+        return result
+
+    # ---- conversions -------------------------------------------------------
+    def to_delayed(self):
+        """List of ``dask.delayed`` objects, one container per row chunk."""
+        return [row[0] for row in self.blocks.to_delayed().tolist()]
+
+    def to_dense(self):
+        """Dense dask array (numpy or cupy chunks, as the input had).
+
+        Returns
+        -------
+        dask.array.Array
+            Same shape, chunks and dtype; every chunk is ``chunk.toarray()``.
+        """
+        return self.blocks.map_blocks(_to_dense_chunk, dtype=self.dtype,
+                                      meta=self._array_meta, token="twellpy-to-dense")
+
+    def to_scipy(self, fmt="csr"):
+        """One scipy.sparse matrix per row chunk, lazily.
+
+        Parameters
+        ----------
+        fmt : str
+            scipy.sparse format passed to each container's ``to_scipy``.
+
+        Returns
+        -------
+        list of dask.delayed.Delayed
+            ``dask.compute(*A.to_scipy())`` gives the scipy matrices, whose
+            ``scipy.sparse.vstack`` is the whole matrix.
+        """
+        if not isinstance(fmt, str):
+            raise TypeError(f"fmt must be a scipy.sparse format name, got {type(fmt).__name__}")
+        to_scipy = dask.delayed(_to_scipy_chunk, pure=True)
+        return [to_scipy(d, fmt) for d in self.to_delayed()]
+
+    # ---- products ----------------------------------------------------------
+    def matmul(self, w, *, client=None, broadcast=True):
+        """``A @ w`` for a dense ``w`` of shape (N, K), chunk by chunk.
+
+        Parameters
+        ----------
+        w : array_like or SharedArray
+            Dense (N, K) numpy or cupy array, of the same kind as the chunks.
+            It is placed once (see :func:`share`), not copied into each task.
+        client : distributed.Client, optional
+            Client used to scatter ``w``; defaults to the active one.
+        broadcast : bool
+            Passed to :func:`share`.
+
+        Returns
+        -------
+        dask.array.Array
+            Shape (M, K), chunks ``(row_chunks, (K,))``.
+        """
+        w = _describe(w, "w")
+        if w.ndim != 2:
+            raise ValueError(f"w must be 2-D, got {w.ndim}-D array of shape {w.shape}")
+        if w.shape[0] != self.shape[1]:
+            raise ValueError(f"w has shape {w.shape}, expected ({self.shape[1]}, K) to match "
+                             f"A of shape {self.shape}")
+        check_float(w, "w", allowed=FLOAT_DTYPES)
+        chunk_kind = "cupy" if is_cupy(self._array_meta) else "numpy"
+        if w.array_type != chunk_kind:
+            raise ValueError(f"w is a {w.array_type} array but A has {chunk_kind} chunks; "
+                             f"put w where the chunks are")
+        dtype = _product_dtype(self.dtype, w.dtype)
+        w = _share_described(w, "w", client, broadcast)
+        return self.blocks.map_blocks(
+            _matmul_chunk, w.ref, dtype=dtype, chunks=(self.chunks[0], (w.shape[1],)),
+            meta=meta_from_array(self._array_meta, ndim=2, dtype=dtype), token="twellpy-matmul")
+
+    def __matmul__(self, w):
+        if isinstance(w, (SparseDaskArray, da.Array)):
+            return NotImplemented
+        return self.matmul(w)
+
+
+def from_dask(x, format="twell", *, rechunk=True, **params):
+    """Turn a row-chunked dask array into a :class:`SparseDaskArray`.
+
+    Parameters
+    ----------
+    x : dask.array.Array
+        2-D, float16/bfloat16/float32/float64, numpy or cupy chunks. Chunks
+        must span all columns: with ``rechunk=True`` (default) columns are
+        rechunked to one chunk (``x.rechunk({1: -1})``, which moves data),
+        with ``rechunk=False`` several column chunks raise ``ValueError``.
+        Row chunks may have any sizes (they need not divide M).
+    format : {"twell", "ell", "hybrid"}
+        Container format of every chunk.
+    rechunk : bool
+        See ``x``.
+    **params
+        Passed to ``from_dense`` of the format for every chunk (e.g.
+        ``tile``, ``slots``, ``overflow``, ``width``, ``check_finite``).
+        They are validated now, on a zero-row array, so a bad parameter
+        raises here rather than inside a worker.
+
+    Returns
+    -------
+    SparseDaskArray
+        Lazy; chunks are built on the workers when computed or persisted.
+
+    Notes
+    -----
+    Per-chunk choices that depend on the data (ELL/Hybrid width, TwELL
+    backup rows) are made per chunk; :func:`concatenate` pads them so the
+    computed whole holds exactly the same matrix.
+    """
+    _register()
+    cls = _container_class(format)
+    x = _check_row_chunked(x, "x", rechunk)
+    check_float(x, "x")
+    array_meta = _array_meta(x, x.dtype)
+    # Validate parameters locally (TypeError for unknown names, ValueError for bad values).
+    cls.from_dense(np.zeros((0, x.shape[1]), dtype=x.dtype), **params)
+    blocks = x.map_blocks(_build_chunk, format, params, dtype=x.dtype, meta=array_meta,
+                          token=f"twellpy-from-dask-{format}")
+    return SparseDaskArray(blocks, format, params, array_meta)
+
+
+# ----------------------------------------------------------------------------
+# distributed FFN inference
+# ----------------------------------------------------------------------------
+def _probe_dtype(kind, x_dtype, weights, ffn_kwargs):
+    """Output dtype of the FFN for these input dtypes, from a 1-row numpy call."""
+    from . import ffn
+
+    x = np.zeros((1, 2), dtype=x_dtype)
+    ws = []
+    for name, w in weights:
+        # (H, D) for gate/up, (D, H) for down; tiny H = D = 2 keeps it cheap
+        ws.append(np.zeros((2, 2), dtype=w.dtype))
+    func = ffn.gated_forward if kind == "gated" else ffn.relu_forward
+    return np.dtype(func(x, *ws, **ffn_kwargs).dtype)
+
+
+def _ffn(kind, x, weights, client, broadcast, rechunk, ffn_kwargs):
+    x = _check_row_chunked(x, "x", rechunk)
+    check_float(x, "x")
+    named = [(name, _describe(w, name)) for name, w in weights]
+    for name, w in named:
+        if w.ndim != 2:
+            raise ValueError(f"{name} must be 2-D, got {w.ndim}-D array of shape {w.shape}")
+        check_float(w, name)
+    d_model = x.shape[1]
+    if kind == "gated":
+        (_, w_gate), (_, w_up), (_, w_down) = named
+        hidden = w_up.shape[0]
+        want = {"w_gate": (hidden, d_model), "w_up": (hidden, d_model)}
+    else:
+        (_, w_up), (_, w_down) = named
+        hidden = w_up.shape[0]
+        want = {"w_up": (hidden, d_model)}
+    for name, w in named:
+        if name in want and w.shape != want[name]:
+            raise ValueError(f"{name} has shape {w.shape}, expected {want[name]} "
+                             f"(x has {d_model} columns, w_up has {hidden} rows)")
+    if w_down.shape[1] != hidden:
+        raise ValueError(f"w_down has shape {w_down.shape}, expected (D_out, {hidden})")
+    chunk_kind = "cupy" if is_cupy(x._meta) else "numpy"
+    for name, w in named:
+        if w.array_type != chunk_kind:
+            raise ValueError(f"{name} is a {w.array_type} array but x has {chunk_kind} chunks; "
+                             f"put the weights where the chunks are")
+    dtype = _probe_dtype(kind, x.dtype, named, ffn_kwargs)
+    out_cols = w_down.shape[0]
+    shared = [_share_described(w, name, client, broadcast) for name, w in named]
+    return x.map_blocks(
+        _ffn_chunk, *[w.ref for w in shared], kind=kind, ffn_kwargs=dict(ffn_kwargs),
+        dtype=dtype, chunks=(x.chunks[0], (out_cols,)), meta=_array_meta(x, dtype),
+        token=f"twellpy-{kind}-forward")
+
+
+def gated_forward(x, w_gate, w_up, w_down, *, client=None, broadcast=True, rechunk=True,
+                  **ffn_kwargs):
+    """Gated sparse FFN inference over the row chunks of a dask array.
+
+    Each row chunk runs :func:`twellpy.ffn.gated_forward` on the worker that
+    holds it (CPU for numpy chunks, GPU for cupy chunks).
+
+    Parameters
+    ----------
+    x : dask.array.Array
+        (M, D) activations, chunked along rows (columns are rechunked to one
+        chunk when ``rechunk=True``, else several column chunks raise
+        ``ValueError``).
+    w_gate, w_up : array_like or SharedArray
+        (H, D) weights (``nn.Linear`` layout), of the same kind (numpy/cupy)
+        as the chunks of ``x``.
+    w_down : array_like or SharedArray
+        (D_out, H) weight.
+    client : distributed.Client, optional
+        Client that scatters the weights; defaults to the active one. Without
+        a client each weight is one graph key shared by all chunk tasks.
+    broadcast : bool
+        Scatter the weights to every worker up front (see :func:`share`).
+    rechunk : bool
+        See ``x``.
+    **ffn_kwargs
+        Passed to :func:`twellpy.ffn.gated_forward` for every chunk.
+
+    Returns
+    -------
+    dask.array.Array
+        (M, D_out), chunks ``(x.chunks[0], (D_out,))``, chunk kind of ``x``.
+    """
+    weights = [("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)]
+    return _ffn("gated", x, weights, client, broadcast, rechunk, ffn_kwargs)
+
+
+def relu_forward(x, w_up, w_down, *, client=None, broadcast=True, rechunk=True, **ffn_kwargs):
+    """ReLU sparse FFN inference over the row chunks of a dask array.
+
+    Same as :func:`gated_forward` without the gate: every chunk runs
+    :func:`twellpy.ffn.relu_forward` with ``w_up`` (H, D) and ``w_down``
+    (D_out, H), both placed once per worker.
+
+    Returns
+    -------
+    dask.array.Array
+        (M, D_out), chunks ``(x.chunks[0], (D_out,))``.
+    """
+    weights = [("w_up", w_up), ("w_down", w_down)]
+    return _ffn("relu", x, weights, client, broadcast, rechunk, ffn_kwargs)
+
+
+# Workers import this module to unpickle chunk functions; registering at import
+# makes their dask dispatch know the containers too.
+_register()

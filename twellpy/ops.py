@@ -1,0 +1,266 @@
+"""Backprop primitives on sparse containers: SpMM, SpMM^T, SDDMM, transpose, products.
+
+Every function works on :class:`twellpy.ELL`, :class:`twellpy.TwELL` and
+:class:`twellpy.Hybrid`, on the CPU (Numba) and the GPU (CuPy raw kernels in
+``raw_kernels/train_ffn.cu``). Dense operands may be numpy, cupy, torch, jax or
+any DLPack array; dense results come back in the caller's array type.
+Accumulation is float32 (float64 when a float64 operand is involved). All
+results are deterministic: no floating-point atomics are used; the transpose
+is a counting sort whose entries are ordered by row inside each column.
+
+Backup rows (TwELL rows over tile capacity, Hybrid rows wider than W) are
+always honoured: they go through dense products restricted to those rows.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _array, backends
+from ._base import SparseArray, nonzero_mask
+
+__all__ = ["spmm", "spmm_t", "sddmm", "transpose", "multiply"]
+
+
+def _container(A, name):
+    if not isinstance(A, SparseArray):
+        raise TypeError(f"{name} must be a twellpy ELL, TwELL or Hybrid container, got "
+                        f"{type(A).__module__}.{type(A).__name__}")
+    return A
+
+
+def _dense(B, name, ndim_ok=(2,)):
+    if isinstance(B, SparseArray):
+        raise TypeError(f"{name} must be a dense array, got a sparse {type(B).__name__}")
+    arr, kind = _array.as_array(B, name)
+    if arr.ndim not in ndim_ok:
+        want = " or ".join(f"{d}-D" for d in ndim_ok)
+        raise ValueError(f"{name} must be {want}, got {arr.ndim}-D array of shape {tuple(arr.shape)}")
+    _array.check_float(arr, name)
+    return arr, kind
+
+
+def _promote(*dtypes):
+    dt = np.result_type(*dtypes)
+    if dt not in _array.FLOAT_DTYPES:  # e.g. float16 + bfloat16 -> promote to float32
+        dt = np.dtype(np.float32)
+    return dt
+
+
+def _parts(A):
+    """Slot arrays (M, K), backup (R, N), backup_rows (R,), row_map (M,) of a container."""
+    vals, idx = A._slots()
+    m, n = A.shape
+    xp = A.xp
+    if A.backup is not None:
+        backup, backup_rows = A.backup, A.backup_rows
+        row_map = A.row_map
+        if row_map is None:
+            row_map = xp.full(m, -1, dtype=np.int32)
+            row_map[backup_rows] = xp.arange(backup_rows.shape[0], dtype=np.int32)
+    else:
+        backup = xp.zeros((0, n), dtype=A.dtype)
+        backup_rows = xp.zeros(0, dtype=np.int32)
+        row_map = xp.full(m, -1, dtype=np.int32)
+    return (xp.ascontiguousarray(vals), xp.ascontiguousarray(idx), xp.ascontiguousarray(backup),
+            backup_rows, xp.ascontiguousarray(row_map))
+
+
+def _acc(dtype):
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def spmm(A, B):
+    """``A @ B`` for a sparse ``A`` (M, N) and a dense ``B`` (N,) or (N, K).
+
+    Parameters
+    ----------
+    A : ELL, TwELL or Hybrid
+    B : array_like
+        Dense, on A's device.
+
+    Returns
+    -------
+    array, shape (M,) or (M, K)
+        Promoted dtype of A and B, float32 accumulation, the caller's array type.
+    """
+    A = _container(A, "A")
+    b, kind = _dense(B, "B", (1, 2))
+    _array.same_device([("B", b), ("A", A.values)])
+    m, n = A.shape
+    vec = b.ndim == 1
+    b2 = b[:, None] if vec else b
+    if b2.shape[0] != n:
+        raise ValueError(f"B has shape {tuple(b.shape)}, expected ({n}, K) for A of shape {(m, n)}")
+    dt = _promote(A.dtype, b.dtype)
+    xp = A.xp
+    b2 = xp.ascontiguousarray(b2.astype(dt, copy=False))
+    vals, idx, backup, backup_rows, _ = _parts(A)
+    be = backends.get(b2, "train")
+    out = be.slots_spmm(vals.astype(dt, copy=False), idx, b2)
+    if backup_rows.shape[0]:
+        out[backup_rows] = be.gemm(xp.ascontiguousarray(backup.astype(dt, copy=False)), b2, dt)
+    if vec:
+        out = out[:, 0]
+    return _array.to_caller(out, kind)
+
+
+def _transposed(A):
+    """Counting-sort transpose of A's pattern plus A's combined values."""
+    vals, idx, backup, backup_rows, row_map = _parts(A)
+    n = A.shape[1]
+    be = backends.get(vals, "train")
+    indptr, rows, pos = be.transpose_pattern(idx, row_map, backup, n)
+    xp = A.xp
+    combined = xp.concatenate([vals.reshape(-1), backup.reshape(-1)])
+    return be, indptr, rows, pos, combined
+
+
+def spmm_t(A, B):
+    """``A.T @ B`` without forming a dense A (deterministic, no atomics).
+
+    Parameters
+    ----------
+    A : ELL, TwELL or Hybrid, shape (M, N)
+    B : array_like, shape (M,) or (M, K)
+
+    Returns
+    -------
+    array, shape (N,) or (N, K)
+        Promoted dtype, float32 accumulation, the caller's array type.
+    """
+    A = _container(A, "A")
+    b, kind = _dense(B, "B", (1, 2))
+    _array.same_device([("B", b), ("A", A.values)])
+    m, n = A.shape
+    vec = b.ndim == 1
+    b2 = b[:, None] if vec else b
+    if b2.shape[0] != m:
+        raise ValueError(f"B has shape {tuple(b.shape)}, expected ({m}, K) for A.T with A of shape {(m, n)}")
+    dt = _promote(A.dtype, b.dtype)
+    xp = A.xp
+    b2 = xp.ascontiguousarray(b2.astype(dt, copy=False))
+    be, indptr, rows, pos, combined = _transposed(A)
+    out = be.gather_t(indptr, rows, pos, combined.astype(dt, copy=False), b2, n)
+    if vec:
+        out = out[:, 0]
+    return _array.to_caller(out, kind)
+
+
+def sddmm(X, Y, pattern):
+    """Values of ``X @ Y.T`` at the stored positions of ``pattern``.
+
+    Parameters
+    ----------
+    X : array_like, shape (M, D)
+    Y : array_like, shape (N, D)
+    pattern : ELL, TwELL or Hybrid, shape (M, N)
+        Its stored slots give the positions; for backup rows the result is the
+        dense row of ``X @ Y.T`` masked by the backup row's non-zero pattern.
+
+    Returns
+    -------
+    container of ``pattern``'s format
+        Same indices/counts/backup rows as ``pattern``; values in the promoted
+        dtype of X and Y (float32 accumulation).
+    """
+    P = _container(pattern, "pattern")
+    x, _ = _dense(X, "X")
+    y, _ = _dense(Y, "Y")
+    _array.same_device([("X", x), ("Y", y), ("pattern", P.values)])
+    m, n = P.shape
+    if x.shape[0] != m:
+        raise ValueError(f"X has shape {tuple(x.shape)}, expected ({m}, D) for pattern of shape {(m, n)}")
+    if y.shape != (n, x.shape[1]):
+        raise ValueError(f"Y has shape {tuple(y.shape)}, expected ({n}, {x.shape[1]}) "
+                         f"for X of shape {tuple(x.shape)} and pattern of shape {(m, n)}")
+    dt = _promote(x.dtype, y.dtype)
+    xp = P.xp
+    x = xp.ascontiguousarray(x.astype(dt, copy=False))
+    y = xp.ascontiguousarray(y.astype(dt, copy=False))
+    _, idx, backup, backup_rows, _ = _parts(P)
+    be = backends.get(x, "train")
+    vals = be.slots_sddmm(x, y, idx).reshape(P.values.shape)
+    new_backup = None
+    if P.backup is not None:
+        if backup_rows.shape[0]:
+            dense = be.gemm(xp.ascontiguousarray(x[backup_rows]), y.T, dt)
+            new_backup = xp.where(nonzero_mask(backup), dense, xp.zeros((), dt)).astype(dt)
+        else:
+            new_backup = xp.zeros((0, n), dtype=dt)
+    return P.with_values(vals, backup=new_backup, check_finite=False)
+
+
+def transpose(A, format="hybrid", width="auto"):
+    """The transpose (N, M) of ``A`` by a deterministic counting sort.
+
+    Parameters
+    ----------
+    A : ELL, TwELL or Hybrid, shape (M, N)
+    format : {"hybrid", "csr"}
+        ``"hybrid"``: a :class:`twellpy.Hybrid` (rows of A.T wider than the
+        chosen width become dense backup rows). ``"csr"``: a
+        ``scipy.sparse.csr_array`` (CPU) or ``cupyx.scipy.sparse.csr_matrix``
+        (GPU), float32/float64 only.
+    width : int or str
+        ELL width strategy of the Hybrid result (see :mod:`twellpy.hybrid`).
+
+    Returns
+    -------
+    Hybrid or CSR matrix of shape (N, M) with int32 indices; inside each row
+    of the result the column (= row of A) ids are ascending.
+    """
+    A = _container(A, "A")
+    if format not in ("hybrid", "csr"):
+        raise ValueError(f"unknown format {format!r}; expected 'hybrid' or 'csr'")
+    m, n = A.shape
+    be, indptr, rows, pos, combined = _transposed(A)
+    data = combined[pos]
+    xp = A.xp
+    if format == "csr":
+        if A.dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+            raise TypeError(f"format='csr' needs float32 or float64 values, A has {A.dtype}; "
+                            f"use format='hybrid' or A.astype('float32')")
+        if xp is np:
+            import scipy.sparse as sp
+
+            return sp.csr_array((data, rows, indptr), shape=(n, m))
+        import cupyx.scipy.sparse as csp
+
+        return csp.csr_matrix((data, rows, indptr), shape=(n, m))
+    from .hybrid import Hybrid, choose_width
+
+    row_nnz = indptr[1:] - indptr[:-1]
+    W = choose_width(row_nnz, m, A.dtype.itemsize, width)
+    row_nnz_host = row_nnz.get() if hasattr(row_nnz, "get") else np.asarray(row_nnz)
+    backup_host = np.flatnonzero(row_nnz_host > W).astype(np.int32)
+    R = int(backup_host.size)
+    row_map_host = np.full(n, -1, dtype=np.int32)
+    row_map_host[backup_host] = np.arange(R, dtype=np.int32)
+    row_map = xp.asarray(row_map_host)
+    vals, ell_idx, ell_nnz = be.csr_to_hybrid(indptr.astype(np.int64), rows, data, row_map, W, m, R)
+    ell_val, backup = be.split_combined(vals, n, W, R, m)
+    return Hybrid(ell_val, ell_idx, ell_nnz, shape=(n, m), backup=backup,
+                  backup_rows=xp.asarray(backup_host), check=False, check_finite=False)
+
+
+def multiply(A, B):
+    """Element-wise product of two containers with one shared pattern.
+
+    Parameters
+    ----------
+    A, B : containers of the same format, shape and sparsity pattern
+
+    Returns
+    -------
+    container
+        Same pattern, values ``A * B`` in the promoted dtype (computed in
+        float32, float64 for float64).
+
+    Raises
+    ------
+    ValueError
+        Different formats, shapes or patterns.
+    """
+    A = _container(A, "A")
+    B = _container(B, "B")
+    return A * B
