@@ -48,7 +48,11 @@ def make_matrix(m, n, density, seed):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="tiny sizes (what the tests run)")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="where to try the GPU part (auto: when a GPU is present)")
     args = ap.parse_args(argv)
+    if args.device == "cuda" and not gpu_available():
+        raise SystemExit("--device cuda: no usable CUDA GPU")
     m, n, density = (300, 700, 0.02) if args.small else (20000, 5632, 0.005)
 
     csr = make_matrix(m, n, density, seed=0)
@@ -94,13 +98,13 @@ def main(argv=None):
         assert np.array_equal(again.toarray(), dense) and again.slots == 32
         print(f"saved and loaded {path!r}: {os.path.getsize(path)} bytes, identical")
 
-    if gpu_available():
+    if args.device != "cpu" and gpu_available():
         G = containers["twell"].to_device("cuda")
         cx = G.to_cupyx("csr")
         assert np.array_equal(G.to_device("cpu").toarray(), dense)
         print(f"on the GPU: {G!r}; as cupyx: {type(cx).__name__} with {cx.nnz} entries")
     else:
-        print("no GPU: skipped to_device('cuda') / to_cupyx")
+        print("CPU only: skipped to_device('cuda') / to_cupyx")
     print("01 OK")
 
 

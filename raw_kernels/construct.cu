@@ -19,7 +19,7 @@
 #define CONSTRUCT_WARPS 8            // most warps per block (launch bound; launchers may use fewer)
 #endif
 #ifndef CONSTRUCT_UNROLL
-#define CONSTRUCT_UNROLL 8           // 32*VEC-element chunks a warp loads before processing
+#define CONSTRUCT_UNROLL 4           // 32*VEC-element chunks a warp loads before processing
 #endif
 
 static_assert(CONSTRUCT_WARPS >= 1 && CONSTRUCT_WARPS <= 32, "CONSTRUCT_WARPS out of range");

@@ -13,16 +13,17 @@
 // Accumulation is fp32 (fp64 for double data); the summation order is fixed,
 // so the same input always gives the same bits.
 //
-// Rows whose active count exceeds `heavy_limit` are not computed here: the
-// kernel sets heavy[row] = 1 and the host recomputes those rows exactly with a
-// dense sub-GEMM (a token firing thousands of neurons is cheaper that way and
-// never stalls one block for milliseconds).
+// Any number of active neurons per row is exact: the shared-memory list is
+// processed and refilled as often as needed. Optionally (heavy_limit <=
+// FFN_LIST_CAP) rows with more active neurons are skipped and flagged in
+// heavy[], and the host recomputes them with a dense sub-FFN.
 //
 // Work layout: one block (NWARPS = blockDim.x / 32 warps) per token at a time
 // (grid-stride over rows). D is cut into 16-byte vectors; thread t owns vectors
 // t, t + blockDim.x, ... (NV of them), so x and the y accumulators live in
 // registers and every weight-row load is coalesced and 16 bytes wide. KB
-// neurons are in flight at once (KB*NV independent 16-byte loads per thread).
+// neurons are in flight at once (2*KB*NV independent 16-byte loads per thread:
+// the up and the down rows of the batch are gathered together).
 #include "common.cuh"
 
 #ifndef FFN_MAX_WARPS
@@ -55,6 +56,101 @@ template <typename A> __device__ __forceinline__ A warp_sum(A v) {
 
 __device__ __forceinline__ uint4 zero4() { return make_uint4(0u, 0u, 0u, 0u); }
 
+
+// Up dot products and down axpys for the n listed neurons of one row.
+// Every thread of the block calls it with the same n; ends with a barrier so
+// the caller may rewrite the list.
+template <typename T, int NV, int KB, bool GATED, bool WRITE_H>
+__device__ __forceinline__ void process_list(
+        int n, const int* s_idx, const typename twellpy::accum<T>::type* s_gval,
+        typename twellpy::accum<T>::type (*s_red)[FFN_MAX_WARPS][KB], int& parity,
+        const uint4 (&xr)[NV], typename twellpy::accum<T>::type (&acc)[NV][vec_of<T>::n],
+        const T* __restrict__ w_up, const T* __restrict__ w_downT, T* __restrict__ h_row,
+        int D, int DV, int tid, int lane, int warp, int nwarps) {
+    typedef typename twellpy::accum<T>::type A;
+    constexpr int VEC = vec_of<T>::n;
+    for (int b = 0; b < n; b += KB) {
+        int jk[KB];
+        A hk[KB];
+#pragma unroll
+        for (int k = 0; k < KB; ++k) {
+            const int i = b + k;
+            jk[k] = (i < n) ? s_idx[i] : -1;
+            hk[k] = (i < n) ? s_gval[i] : A(0);
+        }
+        // Issue every gather of the batch before using any of them: the down
+        // rows do not depend on h, so one L2 round trip serves both.
+        uint4 dv[KB][NV];
+#pragma unroll
+        for (int k = 0; k < KB; ++k) {
+            const uint4* wr = reinterpret_cast<const uint4*>(w_downT + (long long)(jk[k] < 0 ? 0 : jk[k]) * D);
+#pragma unroll
+            for (int q = 0; q < NV; ++q) {
+                const int v = q * blockDim.x + tid;
+                dv[k][q] = (jk[k] >= 0 && v < DV) ? __ldg(wr + v) : zero4();
+            }
+        }
+        if (GATED) {
+            uint4 wv[KB][NV];
+#pragma unroll
+            for (int k = 0; k < KB; ++k) {
+                const uint4* wr = reinterpret_cast<const uint4*>(w_up + (long long)(jk[k] < 0 ? 0 : jk[k]) * D);
+#pragma unroll
+                for (int q = 0; q < NV; ++q) {
+                    const int v = q * blockDim.x + tid;
+                    wv[k][q] = (jk[k] >= 0 && v < DV) ? __ldg(wr + v) : zero4();
+                }
+            }
+            A part[KB];
+#pragma unroll
+            for (int k = 0; k < KB; ++k) {
+                A s = A(0);
+#pragma unroll
+                for (int q = 0; q < NV; ++q) {
+                    A xa[VEC], wa[VEC];
+                    unpack16<T, A>(xr[q], xa);
+                    unpack16<T, A>(wv[k][q], wa);
+#pragma unroll
+                    for (int i = 0; i < VEC; ++i) s += xa[i] * wa[i];
+                }
+                part[k] = warp_sum(s);
+            }
+            if (lane == 0) {
+#pragma unroll
+                for (int k = 0; k < KB; ++k) s_red[parity][warp][k] = part[k];
+            }
+            // One barrier per batch: s_red is double-buffered, so a fast warp
+            // writing batch b+1 cannot clobber what a slow warp still reads for
+            // batch b (it would have to pass batch b+1's barrier first).
+            __syncthreads();
+#pragma unroll
+            for (int k = 0; k < KB; ++k) {
+                A u = A(0);
+                for (int w = 0; w < nwarps; ++w) u += s_red[parity][w][k];
+                hk[k] = (jk[k] >= 0) ? hk[k] * u : A(0);
+            }
+            parity ^= 1;
+        }
+        if (WRITE_H && tid == 0) {
+#pragma unroll
+            for (int k = 0; k < KB; ++k)
+                if (jk[k] >= 0) h_row[jk[k]] = twellpy::from_acc<T, A>(hk[k]);
+        }
+#pragma unroll
+        for (int k = 0; k < KB; ++k) {
+            if (jk[k] < 0) continue;  // padding entries of the last batch add nothing
+#pragma unroll
+            for (int q = 0; q < NV; ++q) {
+                A wa[VEC];
+                unpack16<T, A>(dv[k][q], wa);
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) acc[q][i] += hk[k] * wa[i];
+            }
+        }
+    }
+    __syncthreads();  // the caller rewrites the list next
+}
+
 }  // namespace twellpy_ffn
 
 // twellpy_ffn_sparse<T, NV, KB, GATED, WRITE_H>
@@ -64,13 +160,16 @@ __device__ __forceinline__ uint4 zero4() { return make_uint4(0u, 0u, 0u, 0u); }
 //   w_downT  (H, D)   contiguous       w_down transposed: row j is w_down[:, j]
 //   y        (M, D)   row stride ldy   output (rows marked heavy are left untouched)
 //   h_out    (M, H)   row stride ldh   optional (WRITE_H): h written at active positions only
-//   heavy    (M,)     int32            set to 1 for rows with more than heavy_limit active neurons
-//   counters (2,)     uint64           [0] += active neurons seen, [1] += heavy rows (may be null)
+//   heavy    (M,)     int32            1 for rows with more than heavy_limit active neurons, else 0
+//   counters (2,)     uint64           [0] += active neurons seen, [1] += heavy rows
+// heavy_limit: a value <= FFN_LIST_CAP enables the heavy-row hand-off to the
+// host; 0x7fffffff disables it (every row is computed here, the list being
+// processed and refilled as often as needed).
 // Requirements (checked on the host): D % (16/sizeof(T)) == 0, H % (16/sizeof(T)) == 0,
 // 16-byte aligned rows, NV * blockDim.x * (16/sizeof(T)) >= D, blockDim.x a multiple of 32
-// and <= 32 * FFN_MAX_WARPS, heavy_limit <= FFN_LIST_CAP.
+// and <= 32 * FFN_MAX_WARPS.
 template <typename T, int NV, int KB, bool GATED, bool WRITE_H>
-__global__ void __launch_bounds__(FFN_MAX_WARPS * 32)
+__global__ void __launch_bounds__(FFN_MAX_WARPS * 32, 1)
 twellpy_ffn_sparse(const T* __restrict__ x, long long ldx,
                    const T* __restrict__ g, long long ldg,
                    const T* __restrict__ w_up,
@@ -95,18 +194,39 @@ twellpy_ffn_sparse(const T* __restrict__ x, long long ldx,
     const int warp = tid >> 5;
     const int nwarps = blockDim.x >> 5;
     const int DV = D / VEC;            // 16-byte vectors per row of x / weights
-    const int step = blockDim.x * VEC; // columns of g scanned per step
-    unsigned long long seen_total = 0;
-    unsigned long long heavy_total = 0;
+    const int step = blockDim.x * VEC; // columns of g scanned per step (<= FFN_LIST_CAP)
+    const bool handoff = heavy_limit <= FFN_LIST_CAP;
+    unsigned long long seen_total = 0, heavy_total = 0;
     int parity = 0;
 
     for (long long row = blockIdx.x; row < M; row += gridDim.x) {
         const T* grow = g + row * ldg;
+        T* h_row = WRITE_H ? h_out + row * ldh : nullptr;
+        uint4 xr[NV];
+        if (GATED) {
+            const uint4* xv = reinterpret_cast<const uint4*>(x + row * ldx);
+#pragma unroll
+            for (int k = 0; k < NV; ++k) {
+                const int v = k * blockDim.x + tid;
+                xr[k] = (v < DV) ? __ldcs(xv + v) : zero4();
+            }
+        }
+        A acc[NV][VEC];
+#pragma unroll
+        for (int k = 0; k < NV; ++k)
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) acc[k][i] = A(0);
 
-        // ---- 1. scan g and compact the active neurons (column order) ----
         int n = 0;          // list length, identical in every thread
-        int row_count = 0;  // true active count of the row, identical in every thread
+        int row_count = 0;  // true active count so far, identical in every thread
         for (int c0 = 0; c0 < H; c0 += step) {
+            if (!handoff && n + step > FFN_LIST_CAP) {
+                // list could overflow in this step: drain it first (uniform branch)
+                process_list<T, NV, KB, GATED, WRITE_H>(n, s_idx, s_gval, s_red, parity, xr, acc, w_up,
+                                                        w_downT, h_row, D, DV, tid, lane, warp, nwarps);
+                n = 0;
+            }
+            // ---- scan one step of g, compact active neurons (column order) ----
             const int col = c0 + tid * VEC;
             unsigned mask = 0u;
             A gv[VEC];
@@ -148,108 +268,16 @@ twellpy_ffn_sparse(const T* __restrict__ x, long long ldx,
             __syncthreads();  // list visible; s_warp_tot free for the next step
         }
         seen_total += (unsigned long long)row_count;
-        if (row_count > heavy_limit) {
+        if (row_count > heavy_limit) {  // only possible with handoff
             if (tid == 0) heavy[row] = 1;
             ++heavy_total;
-            continue;  // uniform branch: every thread has the same row_count
+            continue;  // uniform: every thread has the same row_count
         }
         if (tid == 0) heavy[row] = 0;
+        process_list<T, NV, KB, GATED, WRITE_H>(n, s_idx, s_gval, s_red, parity, xr, acc, w_up,
+                                                w_downT, h_row, D, DV, tid, lane, warp, nwarps);
 
-        // ---- 2. up dot products and down axpys for the listed neurons ----
-        uint4 xr[NV];
-        if (GATED) {
-            const uint4* xv = reinterpret_cast<const uint4*>(x + row * ldx);
-#pragma unroll
-            for (int k = 0; k < NV; ++k) {
-                const int v = k * blockDim.x + tid;
-                xr[k] = (v < DV) ? __ldcs(xv + v) : zero4();
-            }
-        }
-        A acc[NV][VEC];
-#pragma unroll
-        for (int k = 0; k < NV; ++k)
-#pragma unroll
-            for (int i = 0; i < VEC; ++i) acc[k][i] = A(0);
-
-        for (int b = 0; b < n; b += KB) {
-            int jk[KB];
-            A hk[KB];
-#pragma unroll
-            for (int k = 0; k < KB; ++k) {
-                const int i = b + k;
-                jk[k] = (i < n) ? s_idx[i] : -1;
-                hk[k] = (i < n) ? s_gval[i] : A(0);
-            }
-            if (GATED) {
-                uint4 wv[KB][NV];
-#pragma unroll
-                for (int k = 0; k < KB; ++k) {
-                    const uint4* wr = reinterpret_cast<const uint4*>(w_up + (long long)(jk[k] < 0 ? 0 : jk[k]) * D);
-#pragma unroll
-                    for (int q = 0; q < NV; ++q) {
-                        const int v = q * blockDim.x + tid;
-                        wv[k][q] = (jk[k] >= 0 && v < DV) ? __ldg(wr + v) : zero4();
-                    }
-                }
-                A part[KB];
-#pragma unroll
-                for (int k = 0; k < KB; ++k) {
-                    A s = A(0);
-#pragma unroll
-                    for (int q = 0; q < NV; ++q) {
-                        A xa[VEC], wa[VEC];
-                        unpack16<T, A>(xr[q], xa);
-                        unpack16<T, A>(wv[k][q], wa);
-#pragma unroll
-                        for (int i = 0; i < VEC; ++i) s += xa[i] * wa[i];
-                    }
-                    part[k] = warp_sum(s);
-                }
-                if (lane == 0) {
-#pragma unroll
-                    for (int k = 0; k < KB; ++k) s_red[parity][warp][k] = part[k];
-                }
-                // One barrier per batch: s_red is double-buffered, so a fast
-                // warp writing batch b+1 cannot clobber what a slow warp still
-                // reads for batch b (it would have to pass batch b+1's barrier).
-                __syncthreads();
-#pragma unroll
-                for (int k = 0; k < KB; ++k) {
-                    A u = A(0);
-                    for (int w = 0; w < nwarps; ++w) u += s_red[parity][w][k];
-                    hk[k] = (jk[k] >= 0) ? hk[k] * u : A(0);
-                }
-                parity ^= 1;
-            }
-            if (WRITE_H && tid == 0) {
-#pragma unroll
-                for (int k = 0; k < KB; ++k)
-                    if (jk[k] >= 0) h_out[row * ldh + jk[k]] = from_acc<T, A>(hk[k]);
-            }
-            uint4 dv[KB][NV];
-#pragma unroll
-            for (int k = 0; k < KB; ++k) {
-                const uint4* wr = reinterpret_cast<const uint4*>(w_downT + (long long)(jk[k] < 0 ? 0 : jk[k]) * D);
-#pragma unroll
-                for (int q = 0; q < NV; ++q) {
-                    const int v = q * blockDim.x + tid;
-                    dv[k][q] = (jk[k] >= 0 && v < DV) ? __ldg(wr + v) : zero4();
-                }
-            }
-#pragma unroll
-            for (int k = 0; k < KB; ++k) {
-                if (jk[k] < 0) continue;  // padding lanes of the last batch add nothing
-#pragma unroll
-                for (int q = 0; q < NV; ++q) {
-                    A wa[VEC];
-                    unpack16<T, A>(dv[k][q], wa);
-#pragma unroll
-                    for (int i = 0; i < VEC; ++i) acc[q][i] += hk[k] * wa[i];
-                }
-            }
-        }
-
-        // ---- 3. write the output row ----
+        // ---- write the output row ----
         uint4* yv = reinterpret_cast<uint4*>(y + row * ldy);
 #pragma unroll
         for (int k = 0; k < NV; ++k) {
@@ -258,11 +286,10 @@ twellpy_ffn_sparse(const T* __restrict__ x, long long ldx,
                 uint4 out;
                 T* e = reinterpret_cast<T*>(&out);
 #pragma unroll
-                for (int i = 0; i < VEC; ++i) e[i] = from_acc<T, A>(acc[k][i]);
+                for (int i = 0; i < VEC; ++i) e[i] = twellpy::from_acc<T, A>(acc[k][i]);
                 __stcs(yv + v, out);
             }
         }
-        __syncthreads();  // the list is rewritten by the next row's scan
     }
     if (counters != nullptr && tid == 0) {
         // integer sums are order independent, so these atomics stay deterministic

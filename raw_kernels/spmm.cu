@@ -4,97 +4,112 @@
 //   * one warp per (output row, column block); a column block is
 //     32 * VEC * ITERS columns, lane l owns VEC consecutive columns in each of
 //     ITERS strips, read from B with one VEC-wide (16-byte) load per strip;
-//   * the warp loads 32 (index, value) slots at once (one per lane), compacts
-//     the valid ones with a ballot, and broadcasts them with shuffles, two at a
-//     time so that 2 * ITERS independent loads are in flight per lane;
+//   * the warp reads the row's slots 32 at a time (coalesced), and appends
+//     the valid (index, value) pairs to a per-warp list in shared memory
+//     (positions from a ballot prefix count). When the list is nearly full it
+//     is flushed: GROUP = 16 / ITERS entries at a time, every lane issues
+//     GROUP * ITERS independent loads of B before any FMA, so that ~16 loads
+//     per lane are in flight whatever the distribution of entries over tiles;
 //   * accumulation in fp32 registers (fp64 for fp64), one rounding at the end;
-//   * the order of the additions is fixed (slot order), so results are
-//     bitwise reproducible.
+//   * entries are summed in slot order: results are bitwise reproducible.
 // VEC = 16 / sizeof(T) when K % VEC == 0 and B / out are 16-byte aligned,
-// else 1. ITERS is chosen by the launcher from K (smallest that covers K, at
-// most SPMM_MAX_ITERS there).
+// else 1. ITERS is chosen by the launcher from K (the smallest of 1, 2, 4, 8
+// that covers K, at most SPMM_MAX_ITERS there).
 #include "common.cuh"
 
 #ifndef SPMM_WARPS
-#define SPMM_WARPS 4             // warps per block
+#define SPMM_WARPS 4             // most warps per block (launch bound; launchers may use fewer)
+#endif
+#ifndef SPMM_LIST
+#define SPMM_LIST 128            // per-warp list of pending (index, value) entries
 #endif
 
 static_assert(SPMM_WARPS >= 1 && SPMM_WARPS <= 32, "SPMM_WARPS out of range");
+static_assert(SPMM_LIST >= 64 && SPMM_LIST % 32 == 0, "SPMM_LIST must be a multiple of 32, >= 64");
 
 using namespace twellpy;
 
 template <typename T, int VEC, int ITERS>
 struct SpmmLane {
     typedef typename accum<T>::type A;
+    static constexpr int GROUP = 16 / ITERS;  // list entries gathered together
     A acc[ITERS][VEC];
-    int col0;  // first column of this lane in strip 0
-    int K;     // columns of B / out
+    int col0;   // first column of this lane in strip 0
+    int K;      // columns of B / out
+    int N;      // rows of B (entries with another index are skipped)
+    int* list_idx;
+    A* list_val;
+    int fill;   // entries in the list (warp-uniform)
 
-    __device__ __forceinline__ void init(int col_block, int lane, int K_) {
+    __device__ __forceinline__ void init(int col_block, int lane, int K_, int N_, int* li, A* lv) {
         K = K_;
+        N = N_;
         col0 = col_block * (32 * VEC * ITERS) + lane * VEC;
+        list_idx = li;
+        list_val = lv;
+        fill = 0;
 #pragma unroll
         for (int j = 0; j < ITERS; ++j)
 #pragma unroll
             for (int k = 0; k < VEC; ++k) acc[j][k] = A(0);
     }
 
-    // acc += v0 * B[r0, cols] + v1 * B[r1, cols] (loads of both rows first).
-    __device__ __forceinline__ void axpy2(const T* __restrict__ B, int r0, A v0, int r1, A v1) {
-        const T* __restrict__ p0 = B + (long long)r0 * K;
-        const T* __restrict__ p1 = B + (long long)r1 * K;
-        vec_t<T, VEC> w0[ITERS], w1[ITERS];
-#pragma unroll
-        for (int j = 0; j < ITERS; ++j) {
-            const int c = col0 + j * 32 * VEC;
-            if (c < K) {
-                w0[j] = load_vec<T, VEC>(p0 + c);
-                w1[j] = load_vec<T, VEC>(p1 + c);
-            }
+    // Append the lanes whose bit is set in `mask` (lane order) to the list.
+    __device__ __forceinline__ void push(unsigned mask, int lane, int idx, A val) {
+        if ((mask >> lane) & 1u) {
+            const int pos = fill + __popc(mask & lanes_below(lane));
+            list_idx[pos] = idx;
+            list_val[pos] = val;
         }
+        fill += __popc(mask);
+        __syncwarp();
+        if (fill > SPMM_LIST - 32) flush();
+    }
+
+    // acc += sum over the list of val * B[idx, this lane's columns]; empties the list.
+    __device__ __forceinline__ void flush() {
+        for (int j = 0; j < fill; j += GROUP) {
+            int r[GROUP];
+            A v[GROUP];
 #pragma unroll
-        for (int j = 0; j < ITERS; ++j) {
-            const int c = col0 + j * 32 * VEC;
-            if (c < K) {
+            for (int g = 0; g < GROUP; ++g) {
+                r[g] = j + g < fill ? list_idx[j + g] : -1;  // shared-memory broadcast
+                v[g] = j + g < fill ? list_val[j + g] : A(0);
+            }
+            vec_t<T, VEC> w[GROUP][ITERS];
 #pragma unroll
-                for (int k = 0; k < VEC; ++k) {
-                    acc[j][k] = fma(v0, to_acc<A, T>(w0[j].v[k]), acc[j][k]);
-                    acc[j][k] = fma(v1, to_acc<A, T>(w1[j].v[k]), acc[j][k]);
+            for (int g = 0; g < GROUP; ++g) {
+                if (r[g] >= 0) {
+                    const T* __restrict__ p = B_ + (long long)r[g] * K;
+#pragma unroll
+                    for (int it = 0; it < ITERS; ++it) {
+                        const int c = col0 + it * 32 * VEC;
+                        if (c < K) w[g][it] = load_vec<T, VEC>(p + c);
+                    }
+                }
+            }
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) {
+                if (r[g] >= 0) {
+#pragma unroll
+                    for (int it = 0; it < ITERS; ++it) {
+                        const int c = col0 + it * 32 * VEC;
+                        if (c < K) {
+#pragma unroll
+                            for (int k = 0; k < VEC; ++k)
+                                acc[it][k] = fma(v[g], to_acc<A, T>(w[g][it].v[k]), acc[it][k]);
+                        }
+                    }
                 }
             }
         }
+        fill = 0;
+        __syncwarp();  // the list may be overwritten now
     }
 
-    __device__ __forceinline__ void axpy1(const T* __restrict__ B, int r0, A v0) {
-        const T* __restrict__ p0 = B + (long long)r0 * K;
-#pragma unroll
-        for (int j = 0; j < ITERS; ++j) {
-            const int c = col0 + j * 32 * VEC;
-            if (c < K) {
-                const vec_t<T, VEC> w = load_vec<T, VEC>(p0 + c);
-#pragma unroll
-                for (int k = 0; k < VEC; ++k) acc[j][k] = fma(v0, to_acc<A, T>(w.v[k]), acc[j][k]);
-            }
-        }
-    }
-
-    // Consume the valid lanes (bit set in `mask`) of one 32-slot chunk, in lane order.
-    __device__ __forceinline__ void consume(const T* __restrict__ B, unsigned mask, int idx, A val) {
-        while (mask) {
-            const int l0 = __ffs(mask) - 1;
-            mask &= mask - 1u;
-            const int r0 = __shfl_sync(FULL_MASK, idx, l0);
-            const A v0 = __shfl_sync(FULL_MASK, val, l0);
-            if (mask) {
-                const int l1 = __ffs(mask) - 1;
-                mask &= mask - 1u;
-                const int r1 = __shfl_sync(FULL_MASK, idx, l1);
-                const A v1 = __shfl_sync(FULL_MASK, val, l1);
-                axpy2(B, r0, v0, r1, v1);
-            } else {
-                axpy1(B, r0, v0);
-            }
-        }
+    // Valid-entry mask of a 32-slot chunk (index in [0, N)).
+    __device__ __forceinline__ unsigned valid_mask(int idx) const {
+        return __ballot_sync(FULL_MASK, idx >= 0 && idx < N);
     }
 
     __device__ __forceinline__ void store(T* __restrict__ out, long long row) const {
@@ -110,7 +125,15 @@ struct SpmmLane {
             }
         }
     }
+
+    const T* __restrict__ B_;
 };
+
+// Per-warp list storage (shared memory) of the block's warps.
+#define TWELLPY_SPMM_LIST_STORAGE(A)                                        \
+    __shared__ int s_list_idx[SPMM_WARPS][SPMM_LIST];                        \
+    __shared__ A s_list_val[SPMM_WARPS][SPMM_LIST];                          \
+    const int warp_in_block = threadIdx.x >> 5
 
 // ---------------------------------------------------------------------------
 // twellpy_twell_spmm<T, VEC, ITERS>: out = A @ B for TwELL A.
@@ -128,19 +151,21 @@ twellpy_twell_spmm(const T* __restrict__ values, const int* __restrict__ indices
                    const int* __restrict__ counts, const T* __restrict__ B, T* __restrict__ out,
                    int M, int n_tiles, int slots, int N, int K, int n_cb) {
     typedef typename accum<T>::type A;
+    TWELLPY_SPMM_LIST_STORAGE(A);
     const long long warp = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (warp >= (long long)M * n_cb) return;
     const long long row = warp / n_cb;
     const int cb = (int)(warp - row * n_cb);
     SpmmLane<T, VEC, ITERS> st;
-    st.init(cb, lane, K);
+    st.B_ = B;
+    st.init(cb, lane, K, N, s_list_idx[warp_in_block], s_list_val[warp_in_block]);
     const long long crow = row * n_tiles;
     for (int t0 = 0; t0 < n_tiles; t0 += 32) {
         const int t = t0 + lane;
         const int cnt = t < n_tiles ? min(max(counts[crow + t], 0), slots) : 0;
         unsigned busy = __ballot_sync(FULL_MASK, cnt > 0);
-        while (busy) {
+        while (busy) {  // tiles with entries, in order
             const int src = __ffs(busy) - 1;
             busy &= busy - 1u;
             const int ct = __shfl_sync(FULL_MASK, cnt, src);
@@ -153,11 +178,11 @@ twellpy_twell_spmm(const T* __restrict__ values, const int* __restrict__ indices
                     idx = indices[base + s];
                     val = to_acc<A, T>(values[base + s]);
                 }
-                const unsigned mask = __ballot_sync(FULL_MASK, idx >= 0 && idx < N);
-                st.consume(B, mask, idx, val);
+                st.push(st.valid_mask(idx), lane, idx, val);
             }
         }
     }
+    st.flush();
     st.store(out, row);
 }
 
@@ -175,13 +200,15 @@ twellpy_slots_spmm(const T* __restrict__ values, const int* __restrict__ indices
                    const T* __restrict__ B, T* __restrict__ out,
                    int M, int n_slots, int N, int K, int n_cb) {
     typedef typename accum<T>::type A;
+    TWELLPY_SPMM_LIST_STORAGE(A);
     const long long warp = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (warp >= (long long)M * n_cb) return;
     const long long row = warp / n_cb;
     const int cb = (int)(warp - row * n_cb);
     SpmmLane<T, VEC, ITERS> st;
-    st.init(cb, lane, K);
+    st.B_ = B;
+    st.init(cb, lane, K, N, s_list_idx[warp_in_block], s_list_val[warp_in_block]);
     const long long base = row * n_slots;
     for (int s0 = 0; s0 < n_slots; s0 += 32) {
         const int s = s0 + lane;
@@ -191,9 +218,9 @@ twellpy_slots_spmm(const T* __restrict__ values, const int* __restrict__ indices
             idx = indices[base + s];
             if (idx >= 0) val = to_acc<A, T>(values[base + s]);
         }
-        const unsigned mask = __ballot_sync(FULL_MASK, idx >= 0 && idx < N);
-        st.consume(B, mask, idx, val);
+        st.push(st.valid_mask(idx), lane, idx, val);
     }
+    st.flush();
     st.store(out, row);
 }
 
@@ -213,13 +240,15 @@ twellpy_csr_spmm(const int* __restrict__ indptr, const int* __restrict__ cols,
                  const T* __restrict__ data, const T* __restrict__ B, T* __restrict__ out,
                  int R, int N, int K, int n_cb) {
     typedef typename accum<T>::type A;
+    TWELLPY_SPMM_LIST_STORAGE(A);
     const long long warp = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (warp >= (long long)R * n_cb) return;
     const long long row = warp / n_cb;
     const int cb = (int)(warp - row * n_cb);
     SpmmLane<T, VEC, ITERS> st;
-    st.init(cb, lane, K);
+    st.B_ = B;
+    st.init(cb, lane, K, N, s_list_idx[warp_in_block], s_list_val[warp_in_block]);
     const long long start = indptr[row], end = indptr[row + 1];
     for (long long e0 = start; e0 < end; e0 += 32) {
         const long long e = e0 + lane;
@@ -229,8 +258,8 @@ twellpy_csr_spmm(const int* __restrict__ indptr, const int* __restrict__ cols,
             idx = cols[e];
             val = to_acc<A, T>(data[e]);
         }
-        const unsigned mask = __ballot_sync(FULL_MASK, idx >= 0 && idx < N);
-        st.consume(B, mask, idx, val);
+        st.push(st.valid_mask(idx), lane, idx, val);
     }
+    st.flush();
     st.store(out, row);
 }

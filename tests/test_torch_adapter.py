@@ -178,7 +178,7 @@ def test_from_llama_mlp_shares_parameters_and_trains():
         loss = (sparse(x) - target).pow(2).mean()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     assert losses[-1] < losses[0]
     # the shared weights moved in the original module too
     assert mlp.gate_proj.weight is sparse.gate_proj.weight

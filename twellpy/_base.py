@@ -348,7 +348,9 @@ class SparseArray:
         check_shape(x.shape, "x.shape")
         x = _array.contiguous(x, "x")
         if check_finite:
-            _array.check_finite(x, "x")
+            fast = getattr(backends.get(x), "all_finite", None)
+            if fast is None or not fast(x):
+                _array.check_finite(x, "x")  # the slow path also builds the message
         return cls._from_dense_xp(x, **params)
 
     @classmethod
@@ -501,8 +503,7 @@ class SparseArray:
         """The transpose (N, M), in the same format; deterministic."""
         m, n = self.shape
         if self.n_backup == 0:
-            vals, idx = self._slots()
-            indptr, col, data = self._backend().transpose_slots(vals, idx, n)
+            indptr, col, data = self._transpose_slots()
         else:
             xp = self.xp
             indptr0, col0, data0 = self._csr()
@@ -679,11 +680,9 @@ class SparseArray:
             raise ValueError(f"W has shape {tuple(w.shape)}, expected ({n}, K) to multiply a "
                              f"{m}x{n} {type(self).__name__}")
         b = _array.contiguous(b, "W")
-        vals, idx = self._slots()
-        out = self._backend().slots_spmm(vals, idx, b)
+        out = self._spmm(b)
         if self.n_backup:
-            acc = _acc(out.dtype)
-            out[self.backup_rows] = (self.backup.astype(acc) @ b.astype(acc)).astype(out.dtype)
+            out[self.backup_rows] = self._backup_spmm(b).astype(out.dtype, copy=False)
         if vec:
             out = out[:, 0]
         return _array.to_caller(out, kind)
@@ -698,14 +697,44 @@ class SparseArray:
             raise ValueError(f"W has shape {tuple(w.shape)}, expected (P, {m}) to multiply a "
                              f"{m}x{n} {type(self).__name__} from the left")
         wt = _array.contiguous(wt, "W")
-        vals, idx = self._slots()
-        out_t = self._backend().slots_spmm_t(vals, idx, wt, n)  # (N, P)
+        out_t = self._spmm_t(wt)  # (N, P)
         if self.n_backup:
             acc = _acc(out_t.dtype)
-            extra = self.backup.astype(acc).T @ wt[self.backup_rows].astype(acc)
-            out_t = (out_t.astype(acc) + extra).astype(out_t.dtype)
+            extra = self._backup_spmm_t(_array.contiguous(wt[self.backup_rows], "W"))
+            out_t = (out_t.astype(acc, copy=False) + extra.astype(acc, copy=False)).astype(out_t.dtype, copy=False)
         out = out_t[:, 0] if vec else self.xp.ascontiguousarray(out_t.T)
         return _array.to_caller(out, kind)
+
+    def _transpose_slots(self):
+        """CSR of the slot part's transpose."""
+        vals, idx = self._slots()
+        return self._backend().transpose_slots(vals, idx, self.shape[1])
+
+    def _spmm(self, b):
+        """Slot part of ``A @ b`` (backup rows are filled by the caller)."""
+        vals, idx = self._slots()
+        return self._backend().slots_spmm(vals, idx, b)
+
+    def _spmm_t(self, b):
+        """Slot part of ``A.T @ b``."""
+        vals, idx = self._slots()
+        return self._backend().slots_spmm_t(vals, idx, b, self.shape[1])
+
+    def _backup_spmm(self, b):
+        """``backup @ b`` (R, K): a backend fast path when present, else xp matmul."""
+        fast = getattr(self._backend(), "dense_rows_spmm", None)
+        if fast is not None:
+            return fast(self.backup, b)
+        acc = _acc(result_dtype(self.dtype, b.dtype))
+        return self.backup.astype(acc, copy=False) @ b.astype(acc, copy=False)
+
+    def _backup_spmm_t(self, b):
+        """``backup.T @ b`` (N, P) for b (R, P)."""
+        fast = getattr(self._backend(), "dense_rows_spmm_t", None)
+        if fast is not None:
+            return fast(self.backup, b)
+        acc = _acc(result_dtype(self.dtype, b.dtype))
+        return self.backup.astype(acc, copy=False).T @ b.astype(acc, copy=False)
 
     def dot(self, w):
         """Same as ``self @ w``."""

@@ -13,12 +13,13 @@ numpy inputs run on the CPU backend (Numba), cupy inputs on the CUDA backend.
 Results come back in the caller's array type.
 
 Exactness. ``relu(NaN) = NaN`` and counts as active (IEEE semantics with
-``check_finite=False``). The CUDA sparse kernel has no per-tile capacity: it
-compacts each token's active neurons itself, and tokens that fire more than
-``heavy_limit`` neurons (default ``max(128, H // 16)``) are recomputed by an
-exact dense sub-FFN on those rows. Nothing is ever dropped; ``slots`` and
-``tile`` only shape the TwELL container returned with
-``return_activations=True`` (rows over capacity go to its dense backup).
+``check_finite=False``). The sparse kernels have no per-tile capacity: they
+compact each token's active neurons themselves (the CUDA kernel processes and
+refills its shared-memory list as often as a token needs), so a token firing
+thousands of neurons is exact. On CUDA, setting ``heavy_limit`` (<= 2048)
+hands tokens firing more neurons to an exact dense sub-FFN instead. Nothing is
+ever dropped; ``slots`` and ``tile`` only shape the TwELL container returned
+with ``return_activations=True`` (rows over capacity go to its dense backup).
 
 Mode. ``"sparse"`` always uses the sparse step, ``"dense"`` the dense GEMMs,
 ``"auto"`` measures the active count of the first row chunk and runs the
@@ -99,7 +100,9 @@ class _FFN:
         self.device = devices[first]
         self._backend = backends.get(wu, "ffn")
         self._plan = self._backend.prepare(arrs.get("w_gate"), wu, wd)
-        #: details of the last call: ``mode`` used, ``mean_active`` per token, ``heavy_rows``
+        #: details of the last call: ``mode`` used (``"sparse"``, ``"dense"`` or
+        #: ``"sparse+dense"`` when auto switched), ``mean_active`` when measured
+        #: on the host, ``heavy_rows`` handed to the dense sub-FFN
         self.last_info = {}
 
     # tunables forwarded to the backend plan
@@ -111,6 +114,26 @@ class _FFN:
     @auto_threshold.setter
     def auto_threshold(self, value):
         self._plan.auto_threshold = float(value)
+
+    @property
+    def heavy_limit(self):
+        """CUDA: None (the sparse kernel computes every token) or an int <= 2048:
+        tokens firing more neurons go to an exact dense sub-FFN."""
+        return getattr(self._plan, "heavy_limit", None)
+
+    @heavy_limit.setter
+    def heavy_limit(self, value):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+                                  or not 0 <= int(value) <= 2048):
+            raise ValueError(f"heavy_limit must be None or an int in [0, 2048], got {value!r}")
+        self._plan.heavy_limit = None if value is None else int(value)
+
+    def activity(self):
+        """Active-neuron statistics of the last call: ``{"mean_active", "heavy_rows"}``.
+
+        On CUDA this synchronises with the device.
+        """
+        return self._plan.activity()
 
     def __repr__(self):
         kind = "GatedFFN" if self._gated else "ReluFFN"
@@ -172,8 +195,9 @@ class _FFN:
         from .twell import TwELL
 
         values, indices, counts, backup, backup_rows = self._backend.pack_activation(h_dense, self.tile, self.slots)
+        # h may legitimately hold NaN/Inf (check_finite=False, fp16 overflow)
         return TwELL(values, indices, counts, shape=tuple(h_dense.shape), tile=self.tile,
-                     backup=backup, backup_rows=backup_rows)
+                     backup=backup, backup_rows=backup_rows, check_finite=False)
 
 
 class GatedFFN(_FFN):

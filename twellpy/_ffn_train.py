@@ -162,7 +162,7 @@ class TrainContext:
         if not self.gated:
             return self._hybrid(self.gvals)
         xp = self.xp
-        h = (self.gvals.astype(np.float32) * self.uvals.astype(np.float32)).astype(self.dtype)
+        h = (_f32(self.gvals) * _f32(self.uvals)).astype(self.dtype)
         return self._hybrid(xp.ascontiguousarray(h))
 
     def __repr__(self):
@@ -279,13 +279,13 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
         xb = x[backup_rows]
         gb = _f32(g_bk)
         if gated:
-            ub = _f32(be.gemm(xb, w_up.T, dt))
+            ub = be.gemm_acc(xb, w_up.T)
             ub = xp.where(gb != 0, ub, 0)
             u_bk[...] = ub.astype(dt)
             hb = (gb * _f32(u_bk)).astype(dt)
         else:
             hb = g_bk
-        y[backup_rows] = be.gemm(xp.ascontiguousarray(hb), w_down.T, dt)
+        y[backup_rows] = be.gemm_acc(xp.ascontiguousarray(hb), w_down.T).astype(dt)
 
     # 4) statistics
     if gated:
@@ -342,7 +342,7 @@ def _backward(ctx, dy, gated):
     if R:
         br = ctx.backup_rows
         dyb = dy[br]
-        dhb = _f32(be.gemm(dyb, ctx.w_down, dt))
+        dhb = be.gemm_acc(dyb, ctx.w_down)
         gb = _f32(g_bk)
         mask = gb != 0
         if gated:
@@ -356,11 +356,11 @@ def _backward(ctx, dy, gated):
         if gated:
             da_bk[...] = (dhb * gb).astype(dt)
             db_bk[...] = (dhb * ub).astype(dt)
-            dxb = _f32(be.gemm(da_bk, ctx.w_up, dt)) + _f32(be.gemm(db_bk, ctx.w_gate, dt))
+            dxb = be.gemm_acc(da_bk, ctx.w_up) + be.gemm_acc(db_bk, ctx.w_gate)
             dx[br] = dxb.astype(dt)
         else:
             da_bk[...] = dhb.astype(dt)
-            dx[br] = be.gemm(da_bk, ctx.w_up, dt)
+            dx[br] = be.gemm_acc(da_bk, ctx.w_up).astype(dt)
 
     # 3) weight gradients from the deterministic transpose of the pattern
     indptr, rows, pos = be.transpose_pattern(ctx.idx, ctx.row_map, g_bk, H)

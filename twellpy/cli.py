@@ -485,7 +485,33 @@ def _default_bench_dir() -> Path:
 
 
 def _find_suites(bench_dir: Path):
-    return {p.stem: p for p in sorted(bench_dir.glob("*.py")) if not p.name.startswith("_")}
+    """Benchmark scripts: ``*.py`` files with a ``__main__`` guard (helper
+    modules such as ``workloads.py`` have none) not starting with ``_``."""
+    suites = {}
+    for p in sorted(bench_dir.glob("*.py")):
+        if p.name.startswith("_"):
+            continue
+        try:
+            text = p.read_text()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if "__name__" in text and "__main__" in text:
+            suites[p.stem] = p
+    return suites
+
+
+def _bench_pythonpath(bench_dir: Path, tmp: Path) -> str:
+    """A folder from which ``import benchmarks.<helper>`` finds ``bench_dir``.
+
+    The scripts import their shared helpers as ``benchmarks.workloads``; in a
+    checkout that is the repository root, in an installed wheel (where the
+    scripts live in ``twellpy/_benchmarks``) a link named ``benchmarks``."""
+    if bench_dir.name == "benchmarks":
+        return str(bench_dir.parent)
+    link = tmp / "benchmarks"
+    if not link.exists():
+        link.symlink_to(bench_dir, target_is_directory=True)
+    return str(tmp)
 
 
 def _progress(total, desc):
@@ -536,35 +562,46 @@ def _read_out_files(out_dir: Path):
     return files
 
 
-def _run_suite(path: Path, extra, out_dir: Path, timeout, bar):
+def _run_suite(path: Path, extra, out_dir: Path, timeout, bar, pythonpath: str):
     """Run one benchmark script; stream its stdout into the progress bar."""
     env = dict(os.environ, OUT=str(out_dir), PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, os.environ.get("PYTHONPATH")) if p)
+    import threading
+
     lines = []
+    timed_out = threading.Event()
     t0 = time.perf_counter()
     with tempfile.TemporaryFile(mode="w+") as err:
         proc = subprocess.Popen([sys.executable, str(path), *extra], stdout=subprocess.PIPE,
-                                stderr=err, text=True, env=env, cwd=str(path.parent))
+                                stderr=err, text=True, env=env, cwd=pythonpath)
+
+        def kill():
+            timed_out.set()
+            proc.kill()
+
+        # A watchdog, because a silent script would block the read loop forever.
+        watchdog = threading.Timer(timeout, kill) if timeout else None
+        if watchdog:
+            watchdog.start()
         try:
             for line in proc.stdout:
                 lines.append(line.rstrip("\n"))
                 if line.strip():
                     bar.set_postfix_str(line.strip()[:60])
-                if timeout and time.perf_counter() - t0 > timeout:
-                    proc.kill()
-                    break
             rc = proc.wait()
         finally:
+            if watchdog:
+                watchdog.cancel()
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        timed_out = timeout and time.perf_counter() - t0 > timeout
         err.seek(0)
         stderr = err.read()
     return {
         "name": path.stem,
         "path": str(path),
         "returncode": rc,
-        "timed_out": bool(timed_out),
+        "timed_out": timed_out.is_set(),
         "seconds": round(time.perf_counter() - t0, 3),
         "stdout": "\n".join(lines),
         "stderr_tail": "\n".join(stderr.splitlines()[-20:]),
@@ -596,18 +633,17 @@ def cmd_bench(args) -> int:
     unknown = [s for s in chosen if s not in suites]
     if unknown:
         raise CLIError(f"unknown suite(s) {', '.join(unknown)}; available: {', '.join(suites)}")
-    extra = list(args.args or [])
-    if extra[:1] == ["--"]:
-        extra = extra[1:]
+    extra = list(args.passthrough)
 
     results = []
     bar = _progress(len(chosen), "bench")
     with tempfile.TemporaryDirectory(prefix="twellpy-bench-") as tmp:
+        pythonpath = _bench_pythonpath(bench_dir.resolve(), Path(tmp))
         for name in chosen:
             bar.set_description(f"bench {name}")
-            out_dir = Path(args.out) / name if args.out else Path(tmp) / name
+            out_dir = (Path(args.out) / name if args.out else Path(tmp) / "out" / name).resolve()
             out_dir.mkdir(parents=True, exist_ok=True)
-            results.append(_run_suite(suites[name], extra, out_dir, args.timeout, bar))
+            results.append(_run_suite(suites[name], extra, out_dir, args.timeout, bar, pythonpath))
             bar.update(1)
     bar.close()
 
@@ -903,7 +939,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--list", action="store_true", help="list the suites and exit")
     s.add_argument("--out", help="keep each suite's $OUT files under OUT/<suite> (default: a temporary folder)")
     s.add_argument("--timeout", type=float, default=None, help="seconds allowed per suite")
-    s.add_argument("args", nargs=argparse.REMAINDER, help="arguments after -- go to every suite")
+    s.epilog = "Arguments after a bare -- are passed to every suite, e.g. twellpy bench cpu -- --quick"
+    s.set_defaults(passthrough=[])
     s.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("convert", help="convert a sparse matrix file to another format")
@@ -936,7 +973,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     """Entry point of the ``twellpy`` console script; returns the exit status."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after a bare "--" goes, untouched, to the benchmark scripts.
+    passthrough = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1:]
     args = parser.parse_args(argv)
+    if passthrough:
+        if args.command != "bench":
+            parser.error(f"arguments after -- are only accepted by bench, got {' '.join(passthrough)}")
+        args.passthrough = passthrough
     if args.traceback:
         return int(args.func(args) or 0)
     try:
@@ -951,6 +998,11 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # e.g. `twellpy info --json | head`: the reader left. Point stdout at
+        # /dev/null so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

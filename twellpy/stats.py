@@ -654,8 +654,12 @@ class OverflowModel:
     active neurons of token ``i`` in tile ``j`` (width ``T_j``). The model is
     rank-one in expectation: ``E[c_ij] = r_i * lam_j``, where ``lam_j`` is the
     mean occupancy of tile ``j`` (popular tiles are fuller) and ``r_i`` the
-    token's intensity, its non-zeros divided by the mean non-zeros per token
-    (a few tokens fire many neurons). Given both, the ``T_j`` neurons of the
+    token's intensity (a few tokens fire many neurons), estimated from its
+    non-zeros ``n_i`` relative to the mean ``mu``, de-noised so that the
+    spread of the fitted intensities matches the spread of the true ones:
+    ``r_i = 1 + sqrt(k) (n_i / mu - 1)`` with ``k = 1 - mu / Var(n)`` (the
+    part of the variance of ``n`` not explained by counting noise; ``k = 0``
+    when tokens are alike). Given both, the ``T_j`` neurons of the
     tile fire independently, so ``c_ij ~ Binomial(T_j, min(1, r_i lam_j /
     T_j))``. The predicted probability that a tile overflows is the average
     over the fitted tiles and over the *empirical distribution* of token
@@ -668,6 +672,12 @@ class OverflowModel:
     the tail overdispersed (heavier than any single binomial), which is what
     uneven data shows; the binomial makes the prediction extend beyond the
     largest occupancy seen in the sample.
+
+    Validation (``tests/test_stats.py``): fitted on 4000 synthetic tokens and
+    checked on 4000 others, the predicted overflow rate is within a factor
+    0.6-1.6 of the observed one wherever the observed rate is at least 3e-3,
+    for uniform and uneven (lognormal sigma 0.3) tokens; it errs on the
+    conservative side in the far tail of uneven data.
 
     ``kind="binomial"`` drops the token mixture (all ``r_i = 1``): it fits
     uniform data but underestimates overflow on uneven data.
@@ -774,9 +784,16 @@ def fit_overflow_model(acts, tile=256, kind="mixture"):
     if kind == "binomial" or mean_row == 0:
         intensity, weights = np.ones(1), np.ones(1)
     else:
-        # Distinct per-token totals compress the mixture (a few hundred values at most).
+        # A token's total n_i is itself noisy (about Poisson around r_i * mu),
+        # so n_i / mu is more spread than the true intensity r_i:
+        # Var(n) = mu + mu^2 Var(r). Shrinking towards 1 by sqrt(k), with
+        # k = 1 - mu / Var(n), gives intensities whose spread matches Var(r)
+        # (plain n_i / mu makes the predicted tail too heavy when tokens are
+        # alike). Distinct totals compress the mixture (a few hundred values).
+        var_row = row.var()
+        k = max(0.0, 1.0 - mean_row / var_row) if var_row > 0 else 0.0
         values, freq = np.unique(row, return_counts=True)
-        intensity = values.astype(np.float64) / mean_row
+        intensity = np.maximum(1.0 + math.sqrt(k) * (values / mean_row - 1.0), 0.0)
         weights = freq.astype(np.float64) / m
     return OverflowModel(tile, kind, lam, widths, intensity, weights, m)
 

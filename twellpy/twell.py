@@ -106,6 +106,24 @@ class TwELL(SparseArray):
         return (self.values.reshape(m, self.n_tiles * self.slots),
                 self.indices.reshape(m, self.n_tiles * self.slots))
 
+    def _spmm(self, b):
+        fast = getattr(self._backend(), "twell_spmm", None)  # optional fast path
+        if fast is None:
+            return super()._spmm(b)
+        return fast(self.values, self.indices, self.counts, b)
+
+    def _spmm_t(self, b):
+        fast = getattr(self._backend(), "twell_spmm_t", None)
+        if fast is None:
+            return super()._spmm_t(b)
+        return fast(self.values, self.indices, self.counts, b, self.shape[1])
+
+    def _transpose_slots(self):
+        fast = getattr(self._backend(), "twell_transpose", None)
+        if fast is None:
+            return super()._transpose_slots()
+        return fast(self.values, self.indices, self.counts, self.shape[1])
+
     def _row_counts(self):
         return self.counts.sum(axis=1, dtype=np.int64).astype(np.int32)
 

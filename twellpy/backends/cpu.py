@@ -376,21 +376,6 @@ def _k_slots_spmm(vals, idx, b, out):
                     o[c] += v * bj[c]
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
-def _k_csr_spmm(indptr, col, data, b, out):
-    m = out.shape[0]
-    ncol = b.shape[1]
-    for i in prange(m):
-        o = out[i]
-        for c in range(ncol):
-            o[c] = 0
-        for p in range(indptr[i], indptr[i + 1]):
-            v = data[p]
-            bj = b[col[p]]
-            for c in range(ncol):
-                o[c] += v * bj[c]
-
-
 def _as_acc(a, acc):
     return a if a.dtype == acc else a.astype(acc)
 
@@ -408,11 +393,28 @@ def slots_spmm(values, indices, B):
     return out if res == acc else out.astype(res)
 
 
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _k_csr_spmm(indptr, col, data, b, out):
+    m = out.shape[0]
+    ncol = b.shape[1]
+    for i in prange(m):
+        o = out[i]
+        for c in range(ncol):
+            o[c] = 0
+        for p in range(indptr[i], indptr[i + 1]):
+            v = data[p]
+            bj = b[col[p]]
+            for c in range(ncol):
+                o[c] += v * bj[c]
+
+
 def slots_spmm_t(values, indices, B, n_cols):
     """``A.T @ B`` for A (M, n_cols) given by slot lists and dense B (M, P).
 
-    Deterministic: A is transposed by a counting sort and each output row is
-    summed in row order. Returns (n_cols, P) in the promoted dtype.
+    Deterministic: A is transposed by a counting sort (rows visited in order)
+    and each output row is then gathered in parallel, so every output element
+    is summed over the rows of A in increasing order whatever the thread
+    count. Returns (n_cols, P) in the promoted dtype.
     """
     res = _result_dtype(values.dtype, B.dtype)
     acc = _accum_dtype(res)
@@ -420,3 +422,180 @@ def slots_spmm_t(values, indices, B, n_cols):
     out = np.empty((n_cols, B.shape[1]), acc)
     _k_csr_spmm(indptr, col, data, np.ascontiguousarray(_as_acc(B, acc)), out)
     return out if res == acc else out.astype(res)
+
+
+# --------------------------------------------------------------------------
+# TwELL fast paths: use the counts, never scan padding
+# --------------------------------------------------------------------------
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _k_twell_spmm(vals, idx, counts, b, out):
+    m, n_tiles, slots = vals.shape
+    ncol = b.shape[1]
+    for i in prange(m):
+        o = out[i]
+        for c in range(ncol):
+            o[c] = 0
+        for t in range(n_tiles):
+            for s in range(min(counts[i, t], slots)):
+                v = vals[i, t, s]
+                bj = b[idx[i, t, s]]
+                for c in range(ncol):
+                    o[c] += v * bj[c]
+
+
+def twell_spmm(values, indices, counts, B):
+    """``A @ B`` for TwELL slots (M, n_tiles, S) with their counts; as :func:`slots_spmm`."""
+    res = _result_dtype(values.dtype, B.dtype)
+    acc = _accum_dtype(res)
+    out = np.empty((values.shape[0], B.shape[1]), acc)
+    _k_twell_spmm(_as_acc(values, acc), indices, counts, np.ascontiguousarray(_as_acc(B, acc)), out)
+    return out if res == acc else out.astype(res)
+
+
+@numba.njit(cache=True, nogil=True)
+def _k_twell_transpose_count(idx, counts, n_cols, indptr):
+    m, n_tiles, slots = idx.shape
+    for i in range(m):
+        for t in range(n_tiles):
+            for s in range(min(counts[i, t], slots)):
+                indptr[idx[i, t, s] + 1] += 1
+    for j in range(n_cols):
+        indptr[j + 1] += indptr[j]
+
+
+@numba.njit(cache=True, nogil=True)
+def _k_twell_transpose_fill(vals, idx, counts, indptr, col, data):
+    m, n_tiles, slots = idx.shape
+    nxt = indptr[:-1].copy()
+    for i in range(m):
+        for t in range(n_tiles):
+            for s in range(min(counts[i, t], slots)):
+                j = idx[i, t, s]
+                p = nxt[j]
+                col[p] = i
+                data[p] = vals[i, t, s]
+                nxt[j] = p + 1
+
+
+def _twell_transpose(values, indices, counts, n_cols):
+    indptr64 = np.zeros(n_cols + 1, np.int64)
+    _k_twell_transpose_count(indices, counts, n_cols, indptr64)
+    nnz = int(indptr64[-1])
+    _check_int32(nnz, "the number of stored entries")
+    col = np.empty(nnz, np.int32)
+    data = np.empty(nnz, values.dtype)
+    _k_twell_transpose_fill(values, indices, counts, indptr64, col, data)
+    return indptr64, col, data
+
+
+def twell_transpose(values, indices, counts, n_cols):
+    """CSR of the transpose from TwELL slots and counts; as :func:`transpose_slots`."""
+    _check_int32(values.shape[0], "the number of rows")
+    indptr, col, data = _twell_transpose(_bits(values), indices, counts, n_cols)
+    return indptr.astype(np.int32), col, data.view(values.dtype)
+
+
+def twell_spmm_t(values, indices, counts, B, n_cols):
+    """``A.T @ B`` for TwELL slots with their counts; as :func:`slots_spmm_t`."""
+    res = _result_dtype(values.dtype, B.dtype)
+    acc = _accum_dtype(res)
+    indptr, col, data = _twell_transpose(_as_acc(values, acc), indices, counts, n_cols)
+    out = np.empty((n_cols, B.shape[1]), acc)
+    _k_csr_spmm(indptr, col, data, np.ascontiguousarray(_as_acc(B, acc)), out)
+    return out if res == acc else out.astype(res)
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _k_rows_spmm(a, b, out):
+    r, n = a.shape
+    ncol = b.shape[1]
+    for i in prange(r):
+        o = out[i]
+        for c in range(ncol):
+            o[c] = 0
+        row = a[i]
+        for j in range(n):
+            v = row[j]
+            if v != 0:
+                bj = b[j]
+                for c in range(ncol):
+                    o[c] += v * bj[c]
+
+
+def dense_rows_spmm(rows, B):
+    """``rows @ B`` for the dense backup rows (R, N) and dense B (N, K), skipping zeros.
+
+    The backup rows are mostly zeros on activation data, so skipping them
+    beats a BLAS call for the few rows involved.
+    """
+    res = _result_dtype(rows.dtype, B.dtype)
+    acc = _accum_dtype(res)
+    out = np.empty((rows.shape[0], B.shape[1]), acc)
+    _k_rows_spmm(_as_acc(rows, acc), np.ascontiguousarray(_as_acc(B, acc)), out)
+    return out if res == acc else out.astype(res)
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _k_rows_spmm_t(a, b, out, chunk):
+    r, n = a.shape
+    ncol = b.shape[1]
+    n_chunks = (n + chunk - 1) // chunk
+    # Threads own disjoint blocks of output rows (columns of a): no races,
+    # summation over the backup rows in increasing order.
+    for ch in prange(n_chunks):
+        j0 = ch * chunk
+        j1 = min(j0 + chunk, n)
+        for j in range(j0, j1):
+            for c in range(ncol):
+                out[j, c] = 0
+        for i in range(r):
+            bi = b[i]
+            row = a[i]
+            for j in range(j0, j1):
+                v = row[j]
+                if v != 0:
+                    o = out[j]
+                    for c in range(ncol):
+                        o[c] += v * bi[c]
+
+
+def dense_rows_spmm_t(rows, B):
+    """``rows.T @ B`` for dense backup rows (R, N) and dense B (R, P), skipping zeros: (N, P)."""
+    res = _result_dtype(rows.dtype, B.dtype)
+    acc = _accum_dtype(res)
+    n = rows.shape[1]
+    out = np.empty((n, B.shape[1]), acc)
+    chunk = max(64, -(-n // (4 * numba.get_num_threads())))
+    _k_rows_spmm_t(_as_acc(rows, acc), np.ascontiguousarray(_as_acc(B, acc)), out, chunk)
+    return out if res == acc else out.astype(res)
+
+
+# --------------------------------------------------------------------------
+# helpers without a CUDA twin requirement (containers probe with getattr)
+# --------------------------------------------------------------------------
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _k_count_nonfinite(xb, exp_mask):
+    m = xb.shape[0]
+    bad = 0
+    for i in prange(m):
+        row = xb[i]
+        c = 0
+        for j in range(row.shape[0]):
+            c += (row[j] & exp_mask) == exp_mask
+        bad += c
+    return bad
+
+
+_EXP = {np.dtype(np.float16): np.uint16(0x7C00), np.dtype(np.float32): np.uint32(0x7F800000),
+        np.dtype(np.float64): np.uint64(0x7FF0000000000000)}
+
+
+def all_finite(x):
+    """True when the 2-D float array ``x`` holds no NaN/Inf (one pass, no temporaries)."""
+    from .._array import bfloat16
+
+    exp = np.uint16(0x7F80) if x.dtype == bfloat16 else _EXP[x.dtype]
+    if x.size == 0:
+        return True
+    x2 = x if x.ndim == 2 else x.reshape(1, -1)
+    return _k_count_nonfinite(_bits(np.ascontiguousarray(x2)), exp) == 0

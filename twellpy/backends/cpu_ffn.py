@@ -139,6 +139,13 @@ class FFNPlan:
         #: mean active neurons per token above which "auto" runs a chunk dense
         self.auto_threshold = AUTO_DENSITY * self.H
         self.chunk_rows = CHUNK_ROWS
+        #: the CPU kernel computes every row itself; kept for API symmetry with CUDA
+        self.heavy_limit = None
+        self._activity = {"mean_active": None, "heavy_rows": 0}
+
+    def activity(self):
+        """Active-neuron statistics of the last call (sampled rows of each chunk)."""
+        return dict(self._activity)
 
     def _dense_chunk(self, xc, g, yc, hc):
         if self.gated:
@@ -185,6 +192,7 @@ class FFNPlan:
         info = {"mode": "dense" if mode == "dense" else ("sparse" if n_dense == 0 else "sparse+dense"),
                 "mean_active": (seen / sampled) if sampled else None,
                 "dense_chunks": n_dense, "chunks": n_chunks, "heavy_rows": 0}
+        self._activity = {"mean_active": info["mean_active"], "heavy_rows": 0}
         if self.cdt != self.dtype:
             y = y.astype(self.dtype)
             if h_full is not None:

@@ -364,3 +364,9 @@ def gemm(a, b, out_dtype):
     cd = compute_dtype(a.dtype)
     out = np.matmul(a.astype(cd, copy=False), b.astype(cd, copy=False))
     return out.astype(out_dtype, copy=False)
+
+
+def gemm_acc(a, b):
+    """Dense ``a @ b`` with a float32 result (float64 for float64 inputs)."""
+    cd = compute_dtype(a.dtype)
+    return np.matmul(a.astype(cd, copy=False), b.astype(cd, copy=False))

@@ -9,9 +9,10 @@ the dense gate GEMM of chunk ``i+1`` overlaps the sparse step of chunk ``i``:
    row of ``g`` once, compacts the active neurons in shared memory, and does
    the up-projection dot products and down-projection axpys for those neurons
    only; h never reaches DRAM.
-3. Rows with more than ``heavy_limit`` active neurons (a token firing hundreds
-   or thousands of neurons, or a NaN row) are flagged by the kernel and
-   recomputed exactly by a dense sub-FFN on those rows after the pipeline.
+3. Any number of active neurons per row is exact: the kernel processes and
+   refills its shared-memory list as often as needed. Optionally
+   (``heavy_limit``) rows firing more neurons are flagged and recomputed
+   exactly by a dense sub-FFN on those rows after the pipeline.
 
 ``mode="auto"`` reads the active count of the first chunk (the host waits for
 that chunk only, while the GPU already runs the next gate GEMM) and switches
@@ -21,6 +22,7 @@ exceeds :attr:`FFNPlan.auto_threshold`.
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 
@@ -31,26 +33,33 @@ _SPARSE_FILE = "ffn_sparse.cu"
 _PACK_FILE = "ffn_pack.cu"
 _DTYPES = (np.dtype(np.float16), bfloat16, np.dtype(np.float32), np.dtype(np.float64))
 _NV_CHOICES = (1, 2, 4, 8)
-#: neurons in flight per batch for each NV (keeps KB*NV 16-byte loads per thread at 16)
-_KB_FOR_NV = {1: 16, 2: 8, 4: 4, 8: 2}
+#: neurons in flight per batch for each NV: "wide" keeps 2*KB*NV = 32 sixteen-byte
+#: loads per thread in flight, "narrow" half of that (fewer registers, more blocks/SM)
+_KB_FOR_NV = {"wide": {1: 16, 2: 8, 4: 4, 8: 2}, "narrow": {1: 8, 2: 4, 4: 2, 8: 1}}
+#: default variant (benchmarks/ffn.py times both: TWELLPY_FFN_KB=wide|narrow)
+DEFAULT_KB = "narrow"
 _LIST_CAP = 2048
 
 
-def _sparse_name(dtype, nv, gated, write_h):
-    return (f"twellpy_ffn_sparse<{_registry.ctype(dtype)}, {nv}, {_KB_FOR_NV[nv]}, "
+def _sparse_name(dtype, nv, kb, gated, write_h):
+    return (f"twellpy_ffn_sparse<{_registry.ctype(dtype)}, {nv}, {kb}, "
             f"{'true' if gated else 'false'}, {'true' if write_h else 'false'}>")
 
 
-def _group_define(dtype, gated):
-    # One compiled module per (dtype, gated) keeps the first-call compile short.
-    return {"FFN_GROUP": f"{_DTYPES.index(np.dtype(dtype))}{int(gated)}"}
+def _group_define(dtype, nv, kb, gated, write_h):
+    # One compiled module per instantiation: a call compiles only the kernel it
+    # uses (the registry compiles all names declared with equal defines together).
+    return {"FFN_GROUP": f"{_DTYPES.index(np.dtype(dtype))}_{nv}_{kb}_{int(gated)}_{int(write_h)}"}
 
 
 for _dt in _DTYPES:
     for _gated in (True, False):
-        _registry.declare(_SPARSE_FILE,
-                          [_sparse_name(_dt, nv, _gated, wh) for nv in _NV_CHOICES for wh in (False, True)],
-                          _group_define(_dt, _gated))
+        for _var in ("wide", "narrow"):
+            for _nv in _NV_CHOICES:
+                for _wh in (False, True):
+                    _kb = _KB_FOR_NV[_var][_nv]
+                    _registry.declare(_SPARSE_FILE, [_sparse_name(_dt, _nv, _kb, _gated, _wh)],
+                                      _group_define(_dt, _nv, _kb, _gated, _wh))
 _registry.declare(_PACK_FILE, [f"twellpy_ffn_{k}<{_registry.ctype(d)}>"
                                for d in _DTYPES for k in ("pack", "gate_mul", "relu")])
 
@@ -199,17 +208,28 @@ class FFNPlan:
         self.w_down = cp.ascontiguousarray(w_down)
         self.gate_w = self.w_gate if self.gated else self.w_up
         self.config = self._choose_config()
+        #: "wide" or "narrow" batches of neurons in flight (see _KB_FOR_NV)
+        self.kb_variant = os.environ.get("TWELLPY_FFN_KB", DEFAULT_KB)
+        if self.kb_variant not in _KB_FOR_NV:
+            raise ValueError(f"TWELLPY_FFN_KB must be one of {sorted(_KB_FOR_NV)}, got {self.kb_variant!r}")
         self.sparse_ok = self.config is not None
         # transposed once: row j of w_downT is column j of w_down (contiguous gathers)
         self.w_downT = cp.ascontiguousarray(self.w_down.T) if self.sparse_ok else None
-        #: rows with more active neurons than this go to the dense sub-FFN
-        self.heavy_limit = int(min(_LIST_CAP, max(128, self.H // 16)))
+        #: None: the sparse kernel computes every row itself, however many
+        #: neurons it fires (no host synchronisation). An int <= LIST_CAP hands
+        #: rows with more active neurons to an exact dense sub-FFN instead (one
+        #: host synchronisation per call to learn how many there are).
+        self.heavy_limit = None
+        #: rows per pipeline chunk (None: default_chunk(M))
+        self.chunk_rows = None
         #: mean active neurons per token above which "auto" runs the dense path
         self.auto_threshold = self._default_threshold()
         self._streams = None
         self._handles = None
         self._ws_rows = 0
         self._ws = {}
+        self._last_rows = 0
+        self._last_sparse_rows = 0
 
     # ---- configuration ------------------------------------------------------
     def _choose_config(self):
@@ -294,8 +314,10 @@ class FFNPlan:
         if m == 0:
             return
         cp = cupy_module()
-        name = _sparse_name(self.dtype, nv, self.gated, h_out is not None)
-        k = _registry.get_kernel(_SPARSE_FILE, name, **_group_define(self.dtype, self.gated))
+        kb = _KB_FOR_NV[self.kb_variant][nv]
+        write_h = h_out is not None
+        name = _sparse_name(self.dtype, nv, kb, self.gated, write_h)
+        k = _registry.get_kernel(_SPARSE_FILE, name, **_group_define(self.dtype, nv, kb, self.gated, write_h))
         grid = (int(min(m, _n_sm() * 16)),)
         isz = self.dtype.itemsize
         h_ptr = h_out if h_out is not None else np.uint64(0)  # null pointer
@@ -304,8 +326,16 @@ class FFNPlan:
           (x, np.int64(x.strides[0] // isz), g, np.int64(g.strides[0] // isz),
            self.w_up, self.w_downT, y, np.int64(y.strides[0] // isz),
            h_ptr, np.int64(ldh), heavy, counters,
-           np.int32(m), np.int32(self.D), np.int32(self.H), np.int32(self.heavy_limit)),
+           np.int32(m), np.int32(self.D), np.int32(self.H), np.int32(self._heavy_arg())),
           stream=stream)
+
+    def _heavy_arg(self):
+        if self.heavy_limit is None:
+            return 0x7FFFFFFF
+        lim = int(self.heavy_limit)
+        if not 0 <= lim <= _LIST_CAP:
+            raise ValueError(f"heavy_limit must be None or in [0, {_LIST_CAP}], got {self.heavy_limit!r}")
+        return lim
 
     def _dense_stage2(self, x, g, y, h_out, handle, stream, u):
         """Dense remainder given the gate pre-activation ``g`` of rows ``x``."""
@@ -335,6 +365,19 @@ class FFNPlan:
                                handle, stream, None if u is None else u[: r1 - r0])
         return y
 
+    def activity(self):
+        """Active-neuron statistics of the last sparse call (synchronises).
+
+        Returns ``{"mean_active": float or None, "heavy_rows": int}``; chunks
+        run on the dense path (``mode="auto"``) are not counted.
+        """
+        ws = self._ws
+        if "counters" not in ws or self._last_rows == 0:
+            return {"mean_active": None, "heavy_rows": 0}
+        seen, n_heavy = (int(v) for v in ws["counters"].get())
+        return {"mean_active": seen / self._last_sparse_rows if self._last_sparse_rows else None,
+                "heavy_rows": n_heavy}
+
     # ---- the call -----------------------------------------------------------
     def forward(self, x, *, mode="auto", return_activations=False, chunk_rows=None):
         """Run the FFN on ``x`` (M, D) cupy; returns ``(y, h_dense_or_None, info)``."""
@@ -353,6 +396,7 @@ class FFNPlan:
             return y, h_full, info
 
         (sA, sB), (hA, hB) = self._resources()
+        chunk_rows = chunk_rows or self.chunk_rows
         chunk = int(chunk_rows) if chunk_rows else self.default_chunk(M)
         chunk = max(1, min(chunk, M))
         ws = self._workspace(chunk)
@@ -408,8 +452,13 @@ class FFNPlan:
             launch_stage2(ci, use_sparse)
         cur.wait_event(stage2_done[-1])
         info["mode"] = "sparse" if use_sparse else "sparse+dense"
+        self._last_rows = M
+        self._last_sparse_rows = M if use_sparse else chunks[0][1] - chunks[0][0]
 
-        # exact path for heavy rows (the only host synchronisation of a sparse call)
+        if self.heavy_limit is None:
+            # no host synchronisation: statistics stay on the device (activity())
+            return y, h_full, info
+        # exact path for heavy rows (costs one host synchronisation)
         stats = counters.get(stream=sB)
         n_heavy = int(stats[1])
         if info["mean_active"] is None and use_sparse:

@@ -309,3 +309,14 @@ def gemm(a, b, out_dtype):
     else:
         out = cp.matmul(a, b)
     return out if out.dtype == out_dtype else out.astype(out_dtype)
+
+
+def gemm_acc(a, b):
+    """Dense ``a @ b`` with a float32 result (float64 for float64 inputs).
+
+    Used for the few backup rows, where rounding an intermediate product to a
+    16-bit dtype would add an avoidable rounding step.
+    """
+    cp = _cp()
+    acc = cp.float64 if a.dtype == cp.float64 else cp.float32
+    return cp.matmul(a.astype(acc, copy=False), b.astype(acc, copy=False))

@@ -1,0 +1,313 @@
+"""Container kernels on the GPU versus their baselines, in one run.
+
+Usage (repository root, one device call)::
+
+    PYTHONPATH=. python benchmarks/kernels.py [--workload W1-16k] [--reps 30]
+
+Measures, on the same inputs in the same process:
+
+* the device copy bandwidth (``2 * bytes / time`` of a device-to-device copy
+  of 1 GiB, i.e. bytes read + bytes written);
+* dense -> TwELL construction (bytes read + bytes written / time, and the
+  percentage of the copy bandwidth), with the split of a row over warps swept;
+  dense -> CSR through cupyx as a baseline;
+* ``h @ w_down`` at the workload's shape (h the FFN's sparse hidden
+  activation, ``relu(x @ w_gate.T) * (x @ w_up.T)``, as TwELL bf16; W the
+  (H, D) bf16 weight): twellpy ``twell_spmm`` (strips per warp swept) and
+  ``slots_spmm`` versus dense cuBLAS (cupy bf16 matmul, or torch when cupy has
+  no bf16 matmul, or cupy float16 as a stand-in -- the label says which),
+  cuSPARSE CSR through cupyx (float32) and torch CSR when torch is present;
+* ``h.T @ G`` (the W @ A direction, deterministic counting-sort transpose then
+  gather) versus dense cuBLAS;
+* transpose, slots -> dense and slots -> CSR.
+
+Timing: CUDA events, warm-up, median of ``--reps`` (>= 30) repetitions.
+Every product time has its relative error ``||y - ref|| / ||ref||`` against a
+float64 reference next to it. A short ratio table prints last; the full
+numbers go to ``$OUT/kernels.json`` when ``$OUT`` is set.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+try:  # run as a script from the repo root
+    from benchmarks.workloads import WORKLOADS, make_ffn
+except Exception:  # pragma: no cover - the workload module is optional
+    WORKLOADS, make_ffn = {"W1-16k": dict(M=16384, D=2048, H=5632, nnz=30, sigma=0.0)}, None
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=False).stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+class Timer:
+    """Median milliseconds per call of a GPU callable, with CUDA events.
+
+    Each repetition times ``inner`` back-to-back calls between two events and
+    divides, so the host-side launch cost of one call overlaps the GPU work of
+    the previous one (the figure is the GPU time, as for a call inside a
+    model), and the median over ``reps`` (>= 30) repetitions is returned.
+    """
+
+    def __init__(self, cp, reps, warmup=3, inner=10):
+        self.cp, self.reps, self.warmup, self.inner = cp, max(30, reps), warmup, inner
+
+    def __call__(self, fn):
+        cp = self.cp
+        for _ in range(self.warmup):
+            fn()
+        cp.cuda.Device().synchronize()
+        times = []
+        for _ in range(self.reps):
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            start.record()
+            for _ in range(self.inner):
+                fn()
+            stop.record()
+            stop.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, stop) / self.inner)
+        return float(np.median(times))
+
+
+def rel_err(cp, got, ref):
+    g = got.astype(cp.float64) if got.dtype.itemsize != 2 else None
+    if g is None:  # 16-bit: widen through the twellpy cast kernel (bf16-safe)
+        from twellpy.backends import cuda as tc
+
+        g = tc.astype(got, np.float64)
+    den = float(cp.linalg.norm(ref))
+    return float(cp.linalg.norm(g - ref) / den) if den else float(cp.linalg.norm(g))
+
+
+def make_hidden(cp, spec, seed=0):
+    """h (M, H) float32 hidden activation and W (H, D) float32 weight."""
+    m, d, h_dim, nnz = spec["M"], spec["D"], spec["H"], spec["nnz"]
+    if make_ffn is not None:
+        w = make_ffn(**spec, xp=cp, seed=seed)
+        g = w["x"] @ w["w_gate"].T
+        h = cp.where(g <= 0, 0, g) * (w["x"] @ w["w_up"].T)
+        del g
+        return cp.ascontiguousarray(h.astype(cp.float32)), cp.ascontiguousarray(w["w_down"].T), "FFN hidden"
+    rng = cp.random.default_rng(seed)  # pragma: no cover - fallback
+    mask = rng.random((m, h_dim), dtype=cp.float32) < nnz / h_dim
+    h = cp.where(mask, rng.standard_normal((m, h_dim), dtype=cp.float32), 0).astype(cp.float32)
+    w = rng.standard_normal((h_dim, d), dtype=cp.float32) / np.float32(np.sqrt(h_dim))
+    return h, w, "Bernoulli"
+
+
+def dense_matmul_bf16(cp, a, b):
+    """(label, callable) for a dense bf16 GEMM: cupy, else torch, else cupy fp16."""
+    from twellpy.backends import cuda as tc
+
+    try:
+        out = cp.matmul(a, b)
+        ref = cp.matmul(tc.astype(a, np.float32), tc.astype(b, np.float32))
+        if rel_err(cp, out, ref.astype(cp.float64)) < 5e-2:
+            return "cupy bf16 (cuBLAS)", lambda: cp.matmul(a, b)
+    except Exception as exc:
+        log(f"  cupy bf16 matmul unavailable: {type(exc).__name__}: {exc}")
+    try:
+        import torch
+
+        ta = torch.from_dlpack(a.view(cp.int16)).view(torch.bfloat16)
+        tb = torch.from_dlpack(b.view(cp.int16)).view(torch.bfloat16)
+
+        def run():  # the DLPack views are free (no kernel)
+            return cp.from_dlpack(torch.matmul(ta, tb).view(torch.int16)).view(a.dtype)
+
+        run()
+        return "torch bf16 (cuBLAS)", run
+    except Exception as exc:
+        log(f"  torch bf16 matmul unavailable: {type(exc).__name__}: {exc}")
+    a16, b16 = tc.astype(a, np.float16), tc.astype(b, np.float16)
+    return "cupy fp16 (cuBLAS, stand-in for bf16)", lambda: cp.matmul(a16, b16)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", default="W1-16k", choices=sorted(WORKLOADS))
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--tile", type=int, default=256)
+    ap.add_argument("--slots", type=int, default=32)
+    args = ap.parse_args(argv)
+
+    import cupy as cp
+    import cupyx.scipy.sparse as csp
+
+    from twellpy._array import bfloat16
+    from twellpy.backends import cuda as tc
+
+    timer = Timer(cp, args.reps)
+    spec = WORKLOADS[args.workload]
+    dev = cp.cuda.Device()
+    props = cp.cuda.runtime.getDeviceProperties(dev.id)
+    res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "commit": commit(), "device": props["name"].decode() if isinstance(props["name"], bytes)
+           else str(props["name"]), "workload": args.workload, "spec": spec, "reps": timer.reps}
+    log(f"{res['device']}  commit {res['commit']}  {res['date']}  workload {args.workload} {spec}")
+
+    # ---- copy bandwidth --------------------------------------------------------
+    n_bytes = 1 << 30
+    src, dst = cp.empty(n_bytes, cp.uint8), cp.empty(n_bytes, cp.uint8)
+    src.fill(1)
+    t = timer(lambda: dst.data.copy_from_device_async(src.data, n_bytes))
+    copy_gbs = 2 * n_bytes / t / 1e6
+    res["copy"] = {"ms": t, "GB/s": copy_gbs}
+    log(f"copy 1 GiB: {t:.3f} ms = {copy_gbs:.0f} GB/s (read + write)")
+    del src, dst
+
+    # ---- inputs ----------------------------------------------------------------
+    t0 = time.time()
+    h32, w32, how = make_hidden(cp, spec)
+    hb, wb = tc.astype(h32, bfloat16), tc.astype(w32, bfloat16)
+    h64, w64 = tc.astype(hb, np.float64), tc.astype(wb, np.float64)  # exact bf16 values
+    m, n = hb.shape
+    nnz_row = (h32 != 0).sum(axis=1)
+    res["inputs"] = {"h": [m, n], "W": list(wb.shape), "source": how,
+                     "mean_nnz_per_row": float(nnz_row.mean()), "max_nnz_per_row": int(nnz_row.max())}
+    log(f"h {m}x{n} ({how}), mean nnz/row {float(nnz_row.mean()):.1f}, max {int(nnz_row.max())}; "
+        f"W {tuple(wb.shape)}; built in {time.time() - t0:.1f} s")
+
+    # ---- construction -----------------------------------------------------------
+    tile, slots = args.tile, args.slots
+    vals, idx, counts, row_max = tc.dense_to_twell(hb, tile, slots)
+    overflow_rows = int((row_max > slots).sum())
+    out_bytes = vals.nbytes + idx.nbytes + counts.nbytes + row_max.nbytes
+    moved = hb.nbytes + out_bytes
+    sweep = {}
+    default_tpw = tc.CONSTRUCT_TILES_PER_WARP
+    for tpw in sorted({1, 2, 4, 8, 16, default_tpw, -(-n // tile)}):
+        tc.CONSTRUCT_TILES_PER_WARP = tpw
+        sweep[tpw] = timer(lambda: tc.dense_to_twell(hb, tile, slots))
+    tc.CONSTRUCT_TILES_PER_WARP = default_tpw
+    t_con = sweep[default_tpw]
+    best_tpw = min(sweep, key=sweep.get)
+    con_gbs = moved / t_con / 1e6
+    best_gbs = moved / sweep[best_tpw] / 1e6
+    t_rownnz = timer(lambda: tc.dense_row_nnz(hb))
+    t_csr_cupyx = timer(lambda: csp.csr_matrix(h32))
+    res["construct"] = {"ms": t_con, "GB/s": con_gbs, "pct_copy": 100 * con_gbs / copy_gbs,
+                        "bytes_read": hb.nbytes, "bytes_written": out_bytes,
+                        "tiles_per_warp_sweep_ms": sweep, "best_tiles_per_warp": best_tpw,
+                        "best_GB/s": best_gbs, "best_pct_copy": 100 * best_gbs / copy_gbs,
+                        "overflow_rows": overflow_rows, "max_tile_count": int(row_max.max()),
+                        "dense_row_nnz_ms": t_rownnz, "cupyx_csr_from_dense_fp32_ms": t_csr_cupyx}
+    log(f"dense->TwELL (T={tile}, S={slots}): {t_con:.3f} ms = {con_gbs:.0f} GB/s "
+        f"({100 * con_gbs / copy_gbs:.0f}% of copy); best tiles/warp {best_tpw}: {sweep[best_tpw]:.3f} ms "
+        f"({100 * best_gbs / copy_gbs:.0f}%); max tile count {int(row_max.max())}, overflow rows {overflow_rows}; "
+        f"cupyx csr_matrix(dense fp32) {t_csr_cupyx:.3f} ms")
+
+    # ---- A @ W -------------------------------------------------------------------
+    ref = h64 @ w64
+    prod = {}
+
+    def record(name, fn, note="", to_cupy=None):
+        out = fn()
+        err = rel_err(cp, out if to_cupy is None else to_cupy(out), ref)
+        ms = timer(fn)
+        prod[name] = {"ms": ms, "rel_err": err, "note": note}
+        log(f"  {name:<38s} {ms:8.3f} ms   rel err {err:.2e} {note}")
+
+    log("h @ W:")
+    default_iters = tc.SPMM_MAX_ITERS
+    iters_sweep = {}
+    for it in (1, 2, 4, 8):
+        tc.SPMM_MAX_ITERS = it
+        iters_sweep[it] = timer(lambda: tc.twell_spmm(vals, idx, counts, wb))
+    best_it = min(iters_sweep, key=iters_sweep.get)
+    tc.SPMM_MAX_ITERS = best_it
+    record("twellpy twell_spmm bf16", lambda: tc.twell_spmm(vals, idx, counts, wb),
+           f"(strips/warp {best_it}; sweep {', '.join(f'{k}:{v:.3f}' for k, v in iters_sweep.items())})")
+    tc.SPMM_MAX_ITERS = default_iters
+    v2, i2 = vals.reshape(m, -1), idx.reshape(m, -1)
+    record("twellpy slots_spmm bf16 (no counts)", lambda: tc.slots_spmm(v2, i2, wb))
+    label, dense_fn = dense_matmul_bf16(cp, hb, wb)
+    record(f"dense {label}", dense_fn)
+    a_csr32 = csp.csr_matrix(h32)
+    record("cupyx CSR float32 (cuSPARSE)", lambda: a_csr32 @ w32)
+    try:
+        import torch
+
+        th = torch.from_dlpack(h32)
+        tw32 = torch.from_dlpack(w32)
+        for tdt, tname in ((torch.bfloat16, "bf16"), (torch.float32, "float32")):
+            try:
+                a_t = th.to(tdt).to_sparse_csr()
+                w_t = tw32.to(tdt)
+                run = (lambda a_t=a_t, w_t=w_t: torch.matmul(a_t, w_t))
+                run()
+                record(f"torch CSR {tname} (cuSPARSE)", run,
+                       to_cupy=lambda y: cp.from_dlpack(y.float().contiguous()))
+                break
+            except Exception as exc:
+                log(f"  torch CSR {tname} unavailable: {type(exc).__name__}: {exc}")
+    except ImportError:
+        log("  torch not importable: no torch CSR baseline")
+    res["spmm"] = {"iters_sweep_ms": iters_sweep, "best_iters": best_it, "results": prod}
+
+    # ---- W @ A direction: h.T @ G -----------------------------------------------------
+    log("h.T @ G (W @ A via (A.T @ W.T).T):")
+    g32 = cp.random.default_rng(5).standard_normal((m, spec["D"]), dtype=cp.float32)
+    gb = tc.astype(g32, bfloat16)
+    ref = h64.T @ tc.astype(gb, np.float64)
+    record("twellpy slots_spmm_t bf16 (deterministic)", lambda: tc.slots_spmm_t(v2, i2, gb, n))
+    hbt = cp.ascontiguousarray(hb.view(cp.int16).T).view(hb.dtype)
+    label_t, dense_t = dense_matmul_bf16(cp, hbt, gb)
+    record(f"dense {label_t} h.T @ G", dense_t)
+    res["spmm_t"] = {k: prod[k] for k in list(prod)[-2:]}
+
+    # ---- conversions ----------------------------------------------------------------------
+    row_counts = counts.sum(axis=1, dtype=cp.int32)
+    conv = {"transpose_slots": timer(lambda: tc.transpose_slots(v2, i2, n)),
+            "slots_to_dense": timer(lambda: tc.slots_to_dense(v2, i2, n)),
+            "slots_to_csr": timer(lambda: tc.slots_to_csr(v2, i2, row_counts)),
+            "cupyx csr.T.tocsr() float32": timer(lambda: a_csr32.T.tocsr())}
+    res["conversions_ms"] = conv
+    log("conversions: " + ", ".join(f"{k} {v:.3f} ms" for k, v in conv.items()))
+
+    # ---- summary ----------------------------------------------------------------------------
+    twell = prod["twellpy twell_spmm bf16"]["ms"]
+    dense_key = next(k for k in prod if k.startswith("dense ") and "h.T" not in k)
+    rows = [("dense->TwELL GB/s vs copy", f"{con_gbs:.0f} / {copy_gbs:.0f}",
+             f"{100 * con_gbs / copy_gbs:.0f}% (best {100 * best_gbs / copy_gbs:.0f}%)", ">= 70%")]
+    rows.append((f"TwELL @ W vs {dense_key}", f"{twell:.3f} / {prod[dense_key]['ms']:.3f} ms",
+                 f"{prod[dense_key]['ms'] / twell:.2f}x", "> 1x"))
+    for k in prod:
+        if "CSR" in k:
+            rows.append((f"TwELL @ W vs {k}", f"{twell:.3f} / {prod[k]['ms']:.3f} ms",
+                         f"{prod[k]['ms'] / twell:.2f}x", ">= 3x"))
+    tk = "twellpy slots_spmm_t bf16 (deterministic)"
+    dk = next(k for k in prod if "h.T" in k)
+    rows.append(("TwELL.T @ G vs dense", f"{prod[tk]['ms']:.3f} / {prod[dk]['ms']:.3f} ms",
+                 f"{prod[dk]['ms'] / prod[tk]['ms']:.2f}x", "-"))
+    res["summary"] = [dict(zip(("measurement", "times", "ratio", "target"), r)) for r in rows]
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "kernels.json"), "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    log(f"\n== twellpy container kernels, {args.workload}, {res['device']}, commit {res['commit']}, {res['date']}")
+    log(f"{'measurement':<52s} {'twellpy / baseline':>24s} {'ratio':>16s} {'target':>7s}")
+    for r in rows:
+        log(f"{r[0]:<52s} {r[1]:>24s} {r[2]:>16s} {r[3]:>7s}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

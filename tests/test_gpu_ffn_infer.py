@@ -1,0 +1,215 @@
+"""GPU tests of the fused FFN inference (run on the device: pytest -m gpu)."""
+import numpy as np
+import pytest
+
+from benchmarks.workloads import make_ffn, reference_ffn
+from conftest import RTOL, rel_err
+from twellpy._array import bfloat16
+from twellpy._ffn_infer import GatedFFN, ReluFFN, gated_forward, relu_forward
+
+pytestmark = pytest.mark.gpu
+
+cp = pytest.importorskip("cupy")
+
+GPU_DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), bfloat16]
+# errors of the fused path against a float64 reference
+TOL = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 2e-5, np.dtype(np.float16): 5e-3, bfloat16: 1e-2}
+
+
+def poison():
+    """Fill the CuPy pool with NaN so unwritten outputs show up as NaN."""
+    a = cp.full((64 * 1024 * 1024,), np.nan, dtype=np.float32)
+    cp.cuda.get_current_stream().synchronize()
+    del a
+
+
+def to_gpu(w):
+    return {k: (cp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in w.items()}
+
+
+def ref64(w, gated=True):
+    g = lambda a: None if a is None else (a.get() if hasattr(a, "get") else a)  # noqa: E731
+    return reference_ffn(g(w["x"]), g(w["w_gate"]) if gated else None, g(w["w_up"]), g(w["w_down"]),
+                         dtype=np.float64)
+
+
+def run(w, gated=True, **kw):
+    if gated:
+        return gated_forward(w["x"], w["w_gate"], w["w_up"], w["w_down"], **kw)
+    return relu_forward(w["x"], w["w_up"], w["w_down"], **kw)
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("mode", ["sparse", "dense", "auto"])
+def test_matches_float64_reference(dtype, gated, mode):
+    w = to_gpu(make_ffn(1003, 256, 1024, 20, sigma=0.2, gated=gated, dtype=dtype, xp=np, seed=3))
+    poison()
+    y = run(w, gated, mode=mode)
+    assert isinstance(y, cp.ndarray) and y.dtype == dtype and y.shape == (1003, 256)
+    assert bool(cp.isfinite(y).all())
+    assert rel_err(y, ref64(w, gated)) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [bfloat16, np.dtype(np.float32)], ids=str)
+def test_matches_cpu_backend(dtype):
+    w = make_ffn(517, 128, 512, 12, sigma=0.3, dtype=dtype, seed=5)
+    y_cpu = run(w)
+    y_gpu = run(to_gpu(w))
+    assert rel_err(y_gpu, y_cpu) <= 2 * TOL[dtype]
+
+
+def test_sigma_03_bf16_overflowing_tiles():
+    w = to_gpu(make_ffn(4096, 512, 2048, 30, sigma=0.3, dtype=bfloat16, xp=np, seed=11))
+    ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"], mode="sparse")
+    poison()
+    y, h = ffn(w["x"], return_activations=True)
+    ref = ref64(w)
+    assert rel_err(y, ref) <= 1e-2
+    # the uneven rows really overflow 32 slots of a 256-wide tile
+    assert h.backup_rows.size > 0
+    g = w["x"].astype(np.float64) @ w["w_gate"].astype(np.float64).T
+    h_ref = cp.where(g <= 0, 0, g) * (w["x"].astype(np.float64) @ w["w_up"].astype(np.float64).T)
+    assert rel_err(cp.asarray(h.toarray()), h_ref) <= 1e-2
+
+
+@pytest.mark.parametrize("heavy_limit", [None, 256])
+@pytest.mark.parametrize("gated", [True, False])
+def test_token_firing_2000_neurons(gated, heavy_limit):
+    w = make_ffn(64, 256, 4096, 25, gated=gated, dtype=bfloat16, seed=2)
+    x = w["x"].astype(np.float32)
+    x[5, 0] = 0.0    # no threshold: about half of 4096 neurons fire
+    x[9, 0] = 0.5    # a few hundred fire
+    w["x"] = x.astype(bfloat16)
+    wg = to_gpu(w)
+    ffn = (GatedFFN(wg["w_gate"], wg["w_up"], wg["w_down"]) if gated else ReluFFN(wg["w_up"], wg["w_down"]))
+    ffn.heavy_limit = heavy_limit
+    poison()
+    y = ffn(wg["x"], mode="sparse")
+    pre = (w["w_gate"] if gated else w["w_up"]).astype(np.float32)
+    fired = (w["x"].astype(np.float32) @ pre.T > 0).sum(axis=1)
+    assert fired[5] >= 1500
+    if heavy_limit is None:   # the kernel's list was drained and refilled for row 5
+        assert ffn.last_info["heavy_rows"] == 0 and ffn.activity()["heavy_rows"] == 0
+    else:                     # rows 5 and 9 went to the dense sub-FFN
+        assert ffn.last_info["heavy_rows"] >= 1
+    assert ffn.activity()["mean_active"] > 25
+    assert rel_err(y, ref64(wg, gated)) <= 1e-2
+    assert rel_err(y[5], ref64(wg, gated)[5]) <= 1e-2
+
+
+@pytest.mark.parametrize("M", [0, 1, 7, 65536 + 7])
+def test_row_counts(M):
+    w = to_gpu(make_ffn(max(M, 1), 256, 512, 10, dtype=bfloat16, xp=np, seed=M % 97))
+    x = w["x"][:M]
+    ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"])
+    poison()
+    y = ffn(x)
+    assert y.shape == (M, 256)
+    if M:
+        assert bool(cp.isfinite(y).all())
+        ref = reference_ffn(x, w["w_gate"], w["w_up"], w["w_down"], dtype=np.float32)
+        assert rel_err(y, ref) <= 1e-2
+
+
+def test_deterministic_bits():
+    w = to_gpu(make_ffn(8192 + 5, 512, 2048, 30, sigma=0.3, dtype=bfloat16, xp=np, seed=4))
+    ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"], mode="sparse")
+    poison()
+    y1 = ffn(w["x"]).view(np.uint16)
+    poison()
+    y2 = ffn(w["x"]).view(np.uint16)
+    assert bool((y1 == y2).all())
+
+
+def test_return_activations_matches_dense_h():
+    w = to_gpu(make_ffn(300, 128, 1024, 40, sigma=0.3, dtype=np.float32, xp=np, seed=8))
+    y, h = gated_forward(w["x"], w["w_gate"], w["w_up"], w["w_down"], return_activations=True,
+                         slots=8, tile=128)
+    g = w["x"] @ w["w_gate"].T
+    h_ref = cp.where(g <= 0, 0, g) * (w["x"] @ w["w_up"].T)
+    assert h.shape == (300, 1024) and h.format == "twell"
+    assert rel_err(cp.asarray(h.toarray()), h_ref) <= 1e-5
+    assert rel_err(y, ref64(w)) <= 2e-5
+    y_plain = gated_forward(w["x"], w["w_gate"], w["w_up"], w["w_down"])
+    assert bool((y_plain == y).all())
+
+
+def test_auto_falls_back_to_dense_when_dense():
+    w = to_gpu(make_ffn(4096, 256, 1024, 400, dtype=bfloat16, xp=np, seed=9))
+    ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"])
+    y = ffn(w["x"])
+    assert ffn.last_info["mode"] == "sparse+dense"
+    assert ffn.last_info["mean_active"] > ffn.auto_threshold
+    assert rel_err(y, ref64(w)) <= 1e-2
+
+
+def test_nan_propagates_with_check_finite_false():
+    w = make_ffn(40, 64, 256, 10, dtype=np.float32, seed=6)
+    x = w["x"].copy()
+    x[3, 7] = np.nan
+    wu = w["w_up"].copy()
+    wu[11, 2] = np.nan
+    xg, wgg, wug, wdg = (cp.asarray(a) for a in (x, w["w_gate"], wu, w["w_down"]))
+    with pytest.raises(ValueError, match="x contains 1 NaN"):
+        gated_forward(xg, wgg, cp.asarray(w["w_up"]), wdg)
+    with pytest.raises(ValueError, match="w_up contains 1 NaN"):
+        gated_forward(cp.asarray(w["x"]), wgg, wug, wdg)
+    y = gated_forward(xg, wgg, wug, wdg, check_finite=False, mode="sparse").get()
+    ref = reference_ffn(x.astype(np.float64), w["w_gate"].astype(np.float64), wu.astype(np.float64),
+                        w["w_down"].astype(np.float64), dtype=np.float64)
+    np.testing.assert_array_equal(np.isnan(y), np.isnan(ref))
+    assert np.isnan(y[3]).all()
+    ok = ~np.isnan(ref).any(axis=1)
+    assert ok.sum() > 0
+    assert rel_err(y[ok], ref[ok]) <= 2e-5
+
+
+def test_odd_shapes_and_batch_dims():
+    # D, H not multiples of 8 take the dense path on the GPU and stay exact
+    w = to_gpu(make_ffn(50, 100, 300, 15, dtype=np.float32, xp=np, seed=1))
+    assert rel_err(run(w), ref64(w)) <= 2e-5
+    w = to_gpu(make_ffn(24, 64, 256, 10, dtype=bfloat16, xp=np, seed=1))
+    y3 = gated_forward(w["x"].reshape(2, 3, 4, 64), w["w_gate"], w["w_up"], w["w_down"])
+    y2 = gated_forward(w["x"], w["w_gate"], w["w_up"], w["w_down"])
+    assert y3.shape == (2, 3, 4, 64)
+    assert bool((y3.reshape(24, 64).view(np.uint16) == y2.view(np.uint16)).all())
+
+
+def test_wide_model_w5_shape():
+    w = to_gpu(make_ffn(257, 4096, 11008, 30, dtype=bfloat16, xp=np, seed=12))
+    y = run(w, mode="sparse")
+    assert rel_err(y, ref64(w)) <= 1e-2
+
+
+def test_reusable_object_allocates_only_output():
+    w = to_gpu(make_ffn(4096, 256, 1024, 20, dtype=bfloat16, xp=np, seed=13))
+    ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"], mode="sparse")
+    ffn(w["x"])
+    pool = cp.get_default_memory_pool()
+    cp.cuda.Device().synchronize()
+    before = pool.used_bytes()
+    y = ffn(w["x"])
+    cp.cuda.Device().synchronize()
+    grown = pool.used_bytes() - before
+    assert grown <= y.nbytes + 4096
+
+
+def test_weights_on_another_device_or_dtype():
+    w = make_ffn(8, 64, 128, 5, dtype=np.float32, seed=0)
+    with pytest.raises(ValueError, match="w_up is on cuda:0 but w_gate is on cpu"):
+        gated_forward(w["x"], w["w_gate"], cp.asarray(w["w_up"]), w["w_down"])
+    ffn = GatedFFN(cp.asarray(w["w_gate"]), cp.asarray(w["w_up"]), cp.asarray(w["w_down"]))
+    with pytest.raises(ValueError, match="x is on cpu but the weights are on cuda:0"):
+        ffn(w["x"])
+    with pytest.raises(TypeError, match="x has dtype float16 but the weights have dtype float32"):
+        ffn(cp.asarray(w["x"]).astype(np.float16))
+
+
+def test_torch_in_torch_out():
+    torch = pytest.importorskip("torch")
+    w = make_ffn(33, 64, 256, 10, dtype=np.float32, seed=2)
+    t = {k: torch.from_numpy(v).cuda() for k, v in w.items() if isinstance(v, np.ndarray)}
+    y = gated_forward(t["x"], t["w_gate"], t["w_up"], t["w_down"])
+    assert isinstance(y, torch.Tensor) and y.is_cuda
+    assert rel_err(y.cpu().numpy(), ref64(w)) <= 2e-5

@@ -1,0 +1,139 @@
+"""twellpy.jax: custom_vjp wrappers against JAX's own autodiff (eager and jit)."""
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+import twellpy.jax as twj  # noqa: E402
+from twellpy._array import bfloat16  # noqa: E402
+
+
+@pytest.fixture
+def x64():
+    """float64 inside the test only (jax's x64 switch is global state)."""
+    with jax.enable_x64(True):
+        yield
+
+
+def _problem(m_shape, d, h, dtype=np.float64, seed=0, sigma=0.3):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(m_shape + (d,)) * np.exp(sigma * rng.standard_normal(m_shape + (1,)))
+    x[..., 0] = 1.0
+    wg = rng.standard_normal((h, d)) / np.sqrt(d)
+    wg[:, 0] = -0.3  # sparser gate
+    wu = rng.standard_normal((h, d)) / np.sqrt(d)
+    wd = rng.standard_normal((d, h)) / np.sqrt(h)
+    dy = rng.standard_normal(m_shape + (d,))
+    return [jnp.asarray(a.astype(dtype)) for a in (x, wg, wu, wd, dy)]
+
+
+def _ref_gated(l1):
+    def f(x, wg, wu, wd):
+        h = jax.nn.relu(x @ wg.T) * (x @ wu.T)
+        m = int(np.prod(x.shape[:-1]))
+        return h @ wd.T, l1 * jnp.abs(h).sum() / m
+    return f
+
+
+def _ref_relu(l1):
+    def f(x, wu, wd):
+        h = jax.nn.relu(x @ wu.T)
+        m = int(np.prod(x.shape[:-1]))
+        return h @ wd.T, l1 * jnp.abs(h).sum() / m
+    return f
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
+def _check_grads(ours, ref, args, dy, tol, jit):
+    def loss_ours(*a):
+        return jnp.vdot(ours(*a), dy)
+
+    def loss_ref(*a):
+        y, pen = ref(*a)
+        return jnp.vdot(y, dy) + pen
+
+    argnums = tuple(range(len(args)))
+    g = jax.grad(loss_ours, argnums=argnums)
+    if jit:
+        g = jax.jit(g)
+    got = g(*args)
+    want = jax.grad(loss_ref, argnums=argnums)(*args)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.shape == b.shape and a.dtype == b.dtype, i
+        assert _rel(a, b) < tol, (i, _rel(a, b))
+    y = (jax.jit(ours) if jit else ours)(*args)
+    assert isinstance(y, jax.Array)
+    assert _rel(y, ref(*args)[0]) < tol
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("l1", [0.0, 0.07])
+@pytest.mark.parametrize("m_shape", [(11,), (2, 6), (1,)])
+def test_gated_ffn_grads_match_jax(x64, m_shape, l1, jit):
+    x, wg, wu, wd, dy = _problem(m_shape, 16, 64)
+    _check_grads(lambda *a: twj.gated_ffn(*a, l1=l1), _ref_gated(l1), (x, wg, wu, wd), dy, 1e-10, jit)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("l1", [0.0, 0.05])
+def test_relu_ffn_grads_match_jax(x64, l1, jit):
+    x, wg, _, wd, dy = _problem((3, 5), 12, 40)
+    _check_grads(lambda *a: twj.relu_ffn(*a, l1=l1), _ref_relu(l1), (x, wg, wd), dy, 1e-10, jit)
+
+
+def test_float32_and_bfloat16():
+    for dtype, tol in ((np.float32, 1e-5), (bfloat16, 2e-2)):
+        x, wg, wu, wd, dy = _problem((9,), 32, 128, dtype=dtype)
+        y = twj.gated_ffn(x, wg, wu, wd, l1=0.01)
+        assert y.dtype == x.dtype
+        ref = [a.astype(jnp.float32) for a in (x, wg, wu, wd)]
+        assert _rel(y.astype(jnp.float32), _ref_gated(0.01)(*ref)[0]) < tol
+        grads = jax.grad(lambda *a: jnp.vdot(twj.gated_ffn(*a, l1=0.01), dy).astype(jnp.float32),
+                         argnums=(0, 1, 2, 3))(x, wg, wu, wd)
+        want = jax.grad(lambda *a: (lambda y, p: jnp.vdot(y, dy.astype(jnp.float32)) + p)(*_ref_gated(0.01)(*a)),
+                        argnums=(0, 1, 2, 3))(*ref)
+        for a, b in zip(grads, want):
+            assert a.dtype == x.dtype
+            assert _rel(a.astype(jnp.float32), b) < 4 * tol
+
+
+def test_evicted_context_is_recomputed(x64, monkeypatch):
+    # With no room in the cache the backward recomputes the forward step: same gradients.
+    x, wg, wu, wd, dy = _problem((7,), 8, 32)
+    loss = lambda *a: jnp.vdot(twj.gated_ffn(*a, l1=0.1), dy)  # noqa: E731
+    full = jax.grad(loss, argnums=(0, 1, 2, 3))(x, wg, wu, wd)
+    monkeypatch.setattr(twj, "CTX_CACHE_SIZE", 0)
+    again = jax.grad(loss, argnums=(0, 1, 2, 3))(x, wg, wu, wd)
+    for a, b in zip(full, again):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert len(twj._ctx_cache) == 0
+
+
+def test_backward_frees_context_and_reports_stats(x64):
+    x, wg, wu, wd, dy = _problem((10,), 8, 32)
+    before = len(twj._ctx_cache)
+    jax.grad(lambda *a: jnp.vdot(twj.gated_ffn(*a, l1=0.2), dy))(x, wg, wu, wd)
+    assert len(twj._ctx_cache) == before
+    st = twj.last_stats()
+    h = np.maximum(np.asarray(x @ wg.T), 0) * np.asarray(x @ wu.T)
+    assert st["l0"] == pytest.approx((h != 0).sum() / 10)
+    assert st["l1"] == pytest.approx(0.2 * np.abs(h).sum() / 10, rel=1e-10)
+
+
+def test_bad_input():
+    x, wg, wu, wd, _ = _problem((4,), 8, 16, dtype=np.float32)
+    with pytest.raises(ValueError, match="l1"):
+        twj.gated_ffn(x, wg, wu, wd, l1=-1.0)
+    with pytest.raises(TypeError, match="l1"):
+        jax.jit(lambda l1: twj.gated_ffn(x, wg, wu, wd, l1=l1))(0.1)
+    with pytest.raises(TypeError, match="w_up has dtype"):
+        twj.gated_ffn(x, wg, wu.astype(jnp.float16), wd)
+    with pytest.raises(ValueError, match="w_down has shape"):
+        twj.gated_ffn(x, wg, wu, wd.T)
+    with pytest.raises(ValueError, match="x must have shape"):
+        twj.relu_ffn(x[:, :3], wu, wd)

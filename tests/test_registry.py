@@ -1,0 +1,165 @@
+"""The kernel registry and the NVRTC check (CPU-runnable; one GPU test).
+
+These run without a GPU: CuPy imports fine and NVRTC (pip package) compiles
+for sm_90a / sm_80 on any machine.
+"""
+from __future__ import annotations
+
+import importlib.util
+import re
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from twellpy._array import bfloat16
+from twellpy.backends import _registry as reg
+
+ROOT = Path(__file__).resolve().parent.parent
+CONTAINER_FILES = ["construct.cu", "convert.cu", "spmm.cu", "transpose.cu"]
+
+
+def _check_kernels_module():
+    spec = importlib.util.spec_from_file_location("check_kernels", ROOT / "tools" / "check_kernels.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def declared():
+    """Every declaration, after importing all CUDA backend modules."""
+    _check_kernels_module()._import_backends()
+    return reg.declared()
+
+
+def _global_functions(source):
+    return set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(", source))
+
+
+def test_ctype_names():
+    assert reg.ctype(np.float32) == "float"
+    assert reg.ctype(np.float64) == "double"
+    assert reg.ctype(np.float16) == "__half"
+    assert reg.ctype(bfloat16) == "__nv_bfloat16"
+    with pytest.raises(TypeError, match="no CUDA type"):
+        reg.ctype(np.int8)
+
+
+def test_every_kernel_file_has_declarations(declared):
+    files = sorted(p.name for p in reg.kernel_dir().glob("*.cu"))
+    assert set(CONTAINER_FILES) <= set(files)
+    missing = [f for f in files if not any(names for names, _ in declared.get(f, ()))]
+    assert not missing, f"kernel files without any declared instantiation: {missing}"
+
+
+@pytest.mark.parametrize("fname", CONTAINER_FILES)
+def test_declared_names_exist_and_are_prefixed(declared, fname):
+    kernels = _global_functions(reg.read_source(fname))
+    assert kernels, f"no __global__ function found in {fname}"
+    names = [n for group, _ in declared[fname] for n in group]
+    assert names
+    for n in names:
+        base = n.split("<")[0].strip()
+        assert base.startswith("twellpy_"), n
+        assert base in kernels, f"{n} is declared but {fname} defines only {sorted(kernels)}"
+    # every kernel of the file is instantiated at least once
+    assert {n.split("<")[0].strip() for n in names} == kernels
+
+
+def test_container_dtypes_declared_for_every_value_type(declared):
+    names = [n for group, _ in declared["spmm.cu"] for n in group]
+    for ct in ("float", "double", "__half", "__nv_bfloat16"):
+        assert any(f"twellpy_twell_spmm<{ct}," in n for n in names), ct
+    casts = [n for group, _ in declared["convert.cu"] for n in group if n.startswith("twellpy_cast")]
+    assert len(casts) == 12  # every ordered pair of distinct value types
+
+
+def _define_default(fname, macro):
+    m = re.search(rf"#ifndef {macro}\s*\n#define {macro} (\d+)", reg.read_source(fname))
+    assert m, f"{macro} is not a #ifndef tunable in {fname}"
+    return int(m.group(1))
+
+
+def test_launch_sizes_within_launch_bounds():
+    from twellpy.backends import cuda
+
+    assert cuda.CONSTRUCT_WARPS <= _define_default("construct.cu", "CONSTRUCT_WARPS")
+    assert cuda.CONVERT_WARPS <= _define_default("convert.cu", "CONVERT_WARPS")
+    assert cuda.ELEMENTWISE_BLOCK <= _define_default("convert.cu", "CONVERT_BLOCK")
+    assert cuda.ELEMENTWISE_BLOCK <= _define_default("transpose.cu", "TRANSPOSE_BLOCK")
+    assert cuda.SPMM_WARPS <= _define_default("spmm.cu", "SPMM_WARPS")
+    assert cuda.SPMM_MAX_ITERS in (1, 2, 4, 8)
+
+
+@pytest.mark.parametrize("fname", CONTAINER_FILES)
+def test_kernel_files_only_include_cuda_headers_and_common(fname):
+    includes = re.findall(r'#include\s*[<"]([^>"]+)[>"]', reg.read_source(fname))
+    assert includes == ["common.cuh"], includes
+
+
+def test_every_kernel_has_a_header_comment():
+    """Each __global__ is preceded by a comment naming it and its arrays' shapes."""
+    for fname in CONTAINER_FILES:
+        src = reg.read_source(fname)
+        for name in _global_functions(src):
+            head = src[:src.index(f"{name}(")]
+            start = head.rfind(f"// {name}")
+            assert start >= 0, f"{fname}: {name} lacks a header comment"
+            comment = "\n".join(ln for ln in head[start:].splitlines() if ln.startswith("//"))
+            assert re.search(r"\((\w+|\d)[\w+*, ]*\)\s+(T|int32|int64|S|D)\b", comment), \
+                f"{fname}: the comment of {name} lists no array shapes"
+
+
+@pytest.mark.parametrize("fname", ["convert.cu", "transpose.cu"])
+def test_small_files_compile_and_every_name_resolves(declared, fname):
+    """Fast NVRTC check (sm_80) that every declared name expression lowers to a symbol."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    ck = _check_kernels_module()
+    names = [n for group, defs in declared[fname] if not defs for n in group]
+    opts = list(reg.nvrtc_options({}, arch="80")) + [f"-I{d}" for d in ck._cuda_include_dirs()]
+    prog = nvrtc.createProgram(reg.read_source(fname), fname, (), ())
+    for n in names:
+        nvrtc.addNameExpression(prog, n)
+    nvrtc.compileProgram(prog, opts)
+    lowered = {n: nvrtc.getLoweredName(prog, n) for n in names}
+    assert all(v.startswith("_Z") for v in lowered.values()), lowered
+
+
+@pytest.mark.slow
+def test_check_kernels_main_returns_zero():
+    """Every declared kernel of every file compiles for sm_90a and sm_80 (about 2-3 minutes)."""
+    assert _check_kernels_module().main(["--arch", "90a", "80"]) == 0
+
+
+@pytest.mark.gpu
+def test_get_kernel_is_thread_safe_and_memoized():
+    import cupy as cp
+
+    # A define set nobody else uses forces a fresh compile inside the race.
+    defines = {"TRANSPOSE_BLOCK": 128}
+    start = threading.Barrier(12)
+    got, errors = [], []
+
+    def worker():
+        try:
+            start.wait()
+            got.append(reg.get_kernel("transpose.cu", "twellpy_transpose_count", **defines))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(got) == 12 and all(k is got[0] for k in got)
+    assert reg.get_kernel("transpose.cu", "twellpy_transpose_count", **defines) is got[0]
+    # and the kernel runs: histogram of columns [0, 1, 1, -1] in one chunk
+    idx = cp.asarray(np.array([[0, 1], [1, -1]], np.int32))
+    counts = cp.zeros((1, 3), np.int32)
+    got[0]((1,), (128,), (idx, counts, np.int64(2), np.int32(2), np.int32(3), np.int32(2)))
+    assert cp.asnumpy(counts).tolist() == [[1, 2, 0]]
