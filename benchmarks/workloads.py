@@ -121,14 +121,15 @@ def make_ffn(M, D, H, nnz, sigma=0.0, *, gated=True, dtype=np.float32, xp=np, se
 def reference_ffn(x, w_gate, w_up, w_down, *, dtype=np.float32):
     """Dense FFN in ``dtype`` (float32 or float64) on the inputs' module.
 
-    NaN-propagating ReLU (relu(NaN) = NaN), as twellpy.
+    NaN-propagating ReLU (relu(NaN) = NaN), as twellpy; an inactive gate
+    gives h = 0 exactly, whatever the up projection holds (NaN/Inf included).
     """
     xp = _module_of(x)
     c = lambda a: None if a is None else a.astype(dtype)  # noqa: E731
     x, w_gate, w_up, w_down = c(x), c(w_gate), c(w_up), c(w_down)
     if w_gate is not None:
         g = x @ w_gate.T
-        h = xp.where(g <= 0, 0, g) * (x @ w_up.T)
+        h = xp.where(g <= 0, 0, g * (x @ w_up.T))
     else:
         g = x @ w_up.T
         h = xp.where(g <= 0, 0, g)

@@ -2,10 +2,6 @@
 // the element-wise steps of the dense path.
 #include "common.cuh"
 
-#ifndef FFN_PACK_WARPS
-#define FFN_PACK_WARPS 8
-#endif
-
 // twellpy_ffn_pack<T>: dense (M, N) -> TwELL slots, one warp per (row, tile).
 //   src       (M, N)            row stride lds   activation (stored entries = non-zero bit patterns)
 //   values    (M, n_tiles, S)   value dtype      written in full (padding value 0)
@@ -14,7 +10,7 @@
 //   row_max   (M,)              int32            largest true tile count of the row (zeroed by the caller)
 // Entries are packed in column order: the slot of an entry is the number of
 // non-zeros before it in the tile (warp ballot + popc, no atomics), so the
-// output is deterministic. Grid: x = ceil(M * n_tiles / FFN_PACK_WARPS) blocks.
+// output is deterministic. Grid: x = ceil(M * n_tiles / warps per block) blocks.
 template <typename T>
 __global__ void twellpy_ffn_pack(const T* __restrict__ src, long long lds, int M, int N,
                                  int tile, int slots, int n_tiles,

@@ -610,3 +610,17 @@ twellpy_train_slots_sddmm(const T* __restrict__ X, const T* __restrict__ Y, cons
         if (lane == 0) out[base + s] = from_acc<T, A>(v);
     }
 }
+
+// ---------------------------------------------------------------------------
+// twellpy_train_cast<TI, TO>: element-wise dtype conversion with one rounding
+// step from the fp32 (fp64 for double) value; used instead of CuPy's astype
+// so that bfloat16 works whatever CuPy's own bfloat16 support is.
+//   in (n,) TI;  out (n,) TO
+template <typename TI, typename TO>
+__global__ void __launch_bounds__(256)
+twellpy_train_cast(const TI* __restrict__ in, TO* __restrict__ out, long long n) {
+    typedef typename accum<TI>::type A;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x)
+        out[i] = from_acc<TO, A>(to_acc<A, TI>(in[i]));
+}

@@ -3,8 +3,19 @@ import numpy as np
 
 
 def f64(a):
-    a = a.get() if hasattr(a, "get") else a
+    """float64 numpy copy of a numpy or cupy array (bfloat16 moved as raw bits)."""
+    if hasattr(a, "get"):
+        a = a.view(np.uint16).get().view(a.dtype) if a.dtype.itemsize == 2 else a.get()
     return np.asarray(a, dtype=np.float64)
+
+
+def to_gpu(a):
+    """cupy copy of a numpy array (bfloat16 moved as raw bits)."""
+    import cupy as cp
+
+    if a.dtype.itemsize == 2:
+        return cp.asarray(a.view(np.uint16)).view(a.dtype)
+    return cp.asarray(a)
 
 
 def dense_gated(x, wg, wu, wd, dy, l1):

@@ -366,6 +366,29 @@ def test_bench_from_a_folder_not_named_benchmarks(capsys, tmp_path):
     assert "spmm    3.0 ms" in out
 
 
+@pytest.mark.skipif(gpu_available(), reason="checks the CPU-only behaviour")
+def test_bench_without_gpu_skips_gpu_suites_and_runs_ffn_on_cpu(capsys, tmp_path):
+    d = tmp_path / "benchmarks"
+    d.mkdir()
+    for name in ("kernels", "ffn"):
+        (d / f"{name}.py").write_text("import sys\nif __name__ == '__main__':\n    print('argv', sys.argv[1:])\n")
+    rc, out, err = run(capsys, "bench", "--dir", d, "--json", "--", "--reps", "3")
+    assert rc == 0, err
+    doc = json.loads(out)
+    by_name = {s["name"]: s for s in doc["suites"]}
+    assert [s["name"] for s in doc["suites"]] == ["ffn", "kernels"]
+    assert by_name["kernels"]["skipped"].startswith("needs a CUDA GPU")
+    assert "argv ['--cpu', '--reps', '3']" in by_name["ffn"]["stdout"]
+    assert doc["failed"] == []
+
+
+def test_passthrough_only_for_bench(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["info", "--", "--x"])
+    assert e.value.code == 2
+    assert "only accepted by bench" in capsys.readouterr().err
+
+
 def test_bench_timeout(capsys, tmp_path):
     d = tmp_path / "benchmarks"
     d.mkdir()

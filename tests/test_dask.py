@@ -68,10 +68,24 @@ def slow_identity(block, delay):
 # ----------------------------------------------------------------------------
 # cluster
 # ----------------------------------------------------------------------------
+def _warm_numba_cache():
+    """Compile (or load) the CPU kernels here once, so the worker processes load
+    them from Numba's on-disk cache instead of each compiling them again."""
+    x = sparse_rows(40, 24, seed=0)
+    w = np.ones((24, 3), np.float32)
+    for fmt, params in FORMAT_PARAMS:
+        a = {"twell": tw.TwELL, "ell": tw.ELL, "hybrid": tw.Hybrid}[fmt].from_dense(x, **params)
+        a.toarray(), a.to_scipy(), a @ w
+    xf, w_gate, w_up, w_down = ffn_problem(30, 16, 64, seed=0)
+    tw.ffn.gated_forward(xf, w_gate, w_up, w_down)
+    tw.ffn.relu_forward(xf, w_up, w_down)
+
+
 @pytest.fixture(scope="module")
 def client():
     from distributed import Client, LocalCluster
 
+    _warm_numba_cache()
     cluster = LocalCluster(n_workers=2, processes=True, threads_per_worker=1,
                            dashboard_address=None, silence_logs=40)
     c = Client(cluster)
@@ -201,13 +215,12 @@ def test_weights_reach_each_worker_once(client):
         assert set(client.who_has(s.ref)[s.key]) == workers
     dx = da.from_array(x, chunks=(20, 32))  # 12 chunk tasks for 2 workers
     y = twd.gated_forward(dx, *shared)
-    graph = y.__dask_graph__()
-    deps = graph.get_all_dependencies()
-    ffn_keys = [k for k in deps if isinstance(k, tuple) and "gated-forward" in k[0]]
+    graph = dict(y.__dask_graph__())
+    ffn_keys = [k for k in graph if isinstance(k, tuple) and "gated-forward" in k[0]]
     assert len(ffn_keys) == 12
     for k in ffn_keys:  # every chunk task depends on the one shared key of each weight
-        assert {s.key for s in shared} <= set(deps[k])
-    for k, task in dict(graph).items():  # and no task carries a copy of a weight
+        assert {s.key for s in shared} <= set(graph[k].dependencies)
+    for k, task in graph.items():  # and no task carries a copy of a weight
         assert len(pickle.dumps(task)) < w_up.nbytes // 2, k
     want = np.concatenate([tw.ffn.gated_forward(x[s:s + 20], w_gate, w_up, w_down)
                            for s in range(0, 240, 20)])
@@ -239,14 +252,17 @@ def test_weights_are_one_graph_key_without_client(client):
 # ----------------------------------------------------------------------------
 # failures
 # ----------------------------------------------------------------------------
-def _kill_a_busy_worker(client, prefix, timeout=20.0):
-    """Wait until a worker is running a task whose key starts with ``prefix``; kill it."""
+def _kill_a_busy_worker(client, prefix, timeout=30.0):
+    """Wait until a worker is running a task whose key contains ``prefix``; kill it.
+
+    (Blockwise fusion runs ``slow_identity`` inside the final layer's tasks, so
+    ``prefix`` is the name of the collection being computed.)"""
     deadline = time.time() + timeout
     while time.time() < deadline:
         for addr, keys in client.processing().items():
             if any(prefix in str(k) for k in keys):
                 time.sleep(0.2)  # let the task start running
-                client.run(os._exit, 1, workers=[addr], on_error="ignore", wait=False)
+                client.run(os._exit, 1, workers=[addr], on_error="ignore")
                 return addr
         time.sleep(0.02)
     raise AssertionError(f"no task with prefix {prefix!r} started within {timeout} s")
@@ -258,7 +274,7 @@ def test_worker_killed_mid_computation_completes(client):
     dx = da.from_array(x, chunks=(20, 16)).map_blocks(slow_identity, 0.6, dtype=x.dtype)
     y = twd.gated_forward(dx, w_gate, w_up, w_down)
     future = client.compute(y)
-    killed = _kill_a_busy_worker(client, "slow_identity")
+    killed = _kill_a_busy_worker(client, y.name)
     got = future.result(timeout=60)
     assert killed not in client.scheduler_info()["workers"]  # the kill really happened
     want = np.concatenate([tw.ffn.gated_forward(x[s:s + 20], w_gate, w_up, w_down) for s in range(0, 120, 20)])
@@ -281,7 +297,7 @@ def test_worker_killed_without_retries_fails_clearly(client):
         dx = da.from_array(x, chunks=(20, 24)).map_blocks(slow_identity, 0.6, dtype=x.dtype)
         dense = twd.from_dask(dx, "twell", tile=8, slots=2).to_dense()
         future = client.compute(dense)
-        _kill_a_busy_worker(client, "slow_identity")
+        _kill_a_busy_worker(client, dense.name)
         with pytest.raises(KilledWorker, match="died"):
             future.result(timeout=60)
     finally:
@@ -337,6 +353,12 @@ def test_bad_input_messages():
         twd.gated_forward(dxf, w_gate[0], w_up, w_down, client=False)
     with pytest.raises(TypeError, match="w_down has dtype int32"):
         twd.relu_forward(dxf, w_up, w_down.astype(np.int32), client=False)
+    with pytest.raises(TypeError, match="w_up has dtype float64 but x has dtype float32"):
+        twd.relu_forward(dxf, w_up.astype(np.float64), w_down, client=False)
+    with pytest.raises(ValueError, match="return_activations"):
+        twd.relu_forward(dxf, w_up, w_down, client=False, return_activations=True)
+    with pytest.raises(TypeError, match="'heavy'"):
+        twd.relu_forward(dxf, w_up, w_down, client=False, heavy=3)
 
 
 def test_concatenate_checks_parts():

@@ -69,7 +69,7 @@ def test_sigma_03_bf16_overflowing_tiles():
     # the uneven rows really overflow 32 slots of a 256-wide tile
     assert h.backup_rows.size > 0
     g = w["x"].astype(np.float64) @ w["w_gate"].astype(np.float64).T
-    h_ref = cp.where(g <= 0, 0, g) * (w["x"].astype(np.float64) @ w["w_up"].astype(np.float64).T)
+    h_ref = cp.where(g <= 0, 0, g * (w["x"].astype(np.float64) @ w["w_up"].astype(np.float64).T))
     assert rel_err(cp.asarray(h.toarray()), h_ref) <= 1e-2
 
 
@@ -100,7 +100,7 @@ def test_token_firing_2000_neurons(gated, heavy_limit):
 
 @pytest.mark.parametrize("M", [0, 1, 7, 65536 + 7])
 def test_row_counts(M):
-    w = to_gpu(make_ffn(max(M, 1), 256, 512, 10, dtype=bfloat16, xp=np, seed=M % 97))
+    w = make_ffn(max(M, 1), 256, 512, 10, dtype=bfloat16, xp=cp, seed=M % 97)
     x = w["x"][:M]
     ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"])
     poison()
@@ -127,7 +127,7 @@ def test_return_activations_matches_dense_h():
     y, h = gated_forward(w["x"], w["w_gate"], w["w_up"], w["w_down"], return_activations=True,
                          slots=8, tile=128)
     g = w["x"] @ w["w_gate"].T
-    h_ref = cp.where(g <= 0, 0, g) * (w["x"] @ w["w_up"].T)
+    h_ref = cp.where(g <= 0, 0, g * (w["x"] @ w["w_up"].T))
     assert h.shape == (300, 1024) and h.format == "twell"
     assert rel_err(cp.asarray(h.toarray()), h_ref) <= 1e-5
     assert rel_err(y, ref64(w)) <= 2e-5
@@ -155,14 +155,15 @@ def test_nan_propagates_with_check_finite_false():
         gated_forward(xg, wgg, cp.asarray(w["w_up"]), wdg)
     with pytest.raises(ValueError, match="w_up contains 1 NaN"):
         gated_forward(cp.asarray(w["x"]), wgg, wug, wdg)
-    y = gated_forward(xg, wgg, wug, wdg, check_finite=False, mode="sparse").get()
     ref = reference_ffn(x.astype(np.float64), w["w_gate"].astype(np.float64), wu.astype(np.float64),
                         w["w_down"].astype(np.float64), dtype=np.float64)
-    np.testing.assert_array_equal(np.isnan(y), np.isnan(ref))
-    assert np.isnan(y[3]).all()
-    ok = ~np.isnan(ref).any(axis=1)
-    assert ok.sum() > 0
-    assert rel_err(y[ok], ref[ok]) <= 2e-5
+    for mode in ("sparse", "dense"):
+        y = gated_forward(xg, wgg, wug, wdg, check_finite=False, mode=mode).get()
+        np.testing.assert_array_equal(np.isnan(y), np.isnan(ref))
+        assert np.isnan(y[3]).all()
+        ok = ~np.isnan(ref).any(axis=1)
+        assert ok.sum() > 0
+        assert rel_err(y[ok], ref[ok]) <= 2e-5
 
 
 def test_odd_shapes_and_batch_dims():
@@ -177,7 +178,7 @@ def test_odd_shapes_and_batch_dims():
 
 
 def test_wide_model_w5_shape():
-    w = to_gpu(make_ffn(257, 4096, 11008, 30, dtype=bfloat16, xp=np, seed=12))
+    w = make_ffn(257, 4096, 11008, 30, dtype=bfloat16, xp=cp, seed=12)
     y = run(w, mode="sparse")
     assert rel_err(y, ref64(w)) <= 1e-2
 

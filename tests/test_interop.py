@@ -85,7 +85,7 @@ def _same(got, want, kind):
 
 def _acts(m=37, n=300, density=0.05, seed=0, dtype=np.float32):
     rng = np.random.default_rng(seed)
-    a = rng.standard_normal((m, n)) * (rng.random((m, n)) < density)
+    a = np.where(rng.random((m, n)) < density, rng.standard_normal((m, n)), 0.0)  # +0.0, not -0.0
     a[5, :260] = 1.5  # a row over any small slots: exercises the backup rows
     return a.astype(dtype)
 
@@ -169,6 +169,9 @@ def test_containers_from_any_array_and_matmul_in_callers_type(kind, fmt):
     _assert_kind(kind, y, y2)
     _same(y, ref @ w, kind)
     _same(y2, w2 @ ref, kind)
+    y3 = A.dot(wk)
+    _assert_kind(kind, y3)
+    _same(y3, ref @ w, kind)
     vals = _conv(kind, np.asarray(_np(A.values)) * 2)[0]
     bk = None if A.backup is None else _conv(kind, np.asarray(_np(A.backup)) * 2)[0]
     np.testing.assert_array_equal(_np(A.with_values(vals, backup=bk).toarray()), 2 * a)
@@ -303,16 +306,19 @@ def test_stats_accept_every_kind(kind):
                                   tw.stats.tile_occupancy(a, 64))
 
 
-def test_mixed_devices_are_rejected_by_name():
-    # A cupy/torch-CUDA weight next to a CPU x is reported, not silently moved.
-    if not _array.gpu_available():
-        x, wg, wu, wd, _ = _ffn_problem()
-        with pytest.raises(ValueError, match="w_up has shape"):
-            tw.ffn.gated_forward(torch.from_numpy(x), torch.from_numpy(wg), torch.from_numpy(wu[:, :5]),
-                                 torch.from_numpy(wd))
-        return
-    import cupy
-
+def test_bad_framework_input_names_the_argument():
     x, wg, wu, wd, _ = _ffn_problem()
-    with pytest.raises(ValueError, match="w_gate"):
-        tw.ffn.gated_forward(x, cupy.asarray(wg), wu, wd)
+    xt, wgt, wut, wdt = _conv("torch", x, wg, wu, wd)
+    with pytest.raises(ValueError, match=r"w_gate has shape \(96, 32\), expected \(96, 5\)"):
+        tw.ffn.gated_forward(xt, wgt, wut[:, :5], wdt)
+    with pytest.raises(TypeError, match="w_up has dtype"):
+        tw.ffn.gated_forward_train(*_conv("jax", x, wg), jnp.asarray(wu, dtype=jnp.float16), jnp.asarray(wd))
+
+
+@pytest.mark.gpu
+def test_mixed_devices_are_rejected_by_name():
+    # A CUDA weight next to a CPU x is reported, not silently moved.
+    x, wg, wu, wd, _ = _ffn_problem()
+    wg_cuda = _torch_from_numpy(wg, "cuda") if torch.cuda.is_available() else __import__("cupy").asarray(wg)
+    with pytest.raises(ValueError, match="is on"):
+        tw.ffn.gated_forward(torch.from_numpy(x), wg_cuda, torch.from_numpy(wu), torch.from_numpy(wd))

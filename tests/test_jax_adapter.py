@@ -137,3 +137,18 @@ def test_bad_input():
         twj.gated_ffn(x, wg, wu, wd.T)
     with pytest.raises(ValueError, match="x must have shape"):
         twj.relu_ffn(x[:, :3], wu, wd)
+
+
+@pytest.mark.gpu
+def test_gpu_arrays_eager_and_jit():
+    gpus = [d for d in jax.devices() if d.platform in ("gpu", "cuda")]
+    if not gpus:
+        pytest.skip("this jax install has no GPU backend")
+    x, wg, wu, wd, dy = [jax.device_put(a, gpus[0]) for a in _problem((50,), 64, 256, dtype=np.float32)]
+    ref = jax.grad(lambda *a: (lambda y, p: jnp.vdot(y, dy) + p)(*_ref_gated(1e-3)(*a)),
+                   argnums=(0, 1, 2, 3))(x, wg, wu, wd)
+    for fn in (lambda g: g, jax.jit):
+        got = fn(jax.grad(lambda *a: jnp.vdot(twj.gated_ffn(*a, l1=1e-3), dy), argnums=(0, 1, 2, 3)))(
+            x, wg, wu, wd)
+        for a, b in zip(got, ref):
+            assert _rel(a, b) < 1e-4

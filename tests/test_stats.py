@@ -260,3 +260,21 @@ def test_overflow_model_edge_cases():
         stats.fit_overflow_model(a, kind="poisson")
     with pytest.raises(ValueError, match="slots must be"):
         model.probability(-1)
+
+
+@pytest.mark.gpu
+def test_cupy_inputs_and_gpu_containers():
+    import cupy
+
+    a = _acts(300, 700, target=40)
+    a[7, :500] = 1.0
+    ga = cupy.asarray(a)
+    np.testing.assert_array_equal(stats.nnz_per_token(ga), np.count_nonzero(a, axis=1))
+    np.testing.assert_array_equal(stats.firing_counts(ga), np.count_nonzero(a, axis=0))
+    want = _brute_occupancy(a, 128)
+    np.testing.assert_array_equal(stats.tile_occupancy(ga, 128), want)
+    for name, c in _containers(ga, tile=128, slots=6).items():
+        assert c.device.startswith("cuda")
+        np.testing.assert_array_equal(stats.tile_occupancy(c, 128), want, err_msg=name)
+        np.testing.assert_array_equal(stats.nnz_per_token(c), np.count_nonzero(a, axis=1), err_msg=name)
+    assert stats.suggest_slots(ga, tile=128) == stats.suggest_slots(a, tile=128)

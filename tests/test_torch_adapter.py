@@ -246,3 +246,27 @@ def test_hugging_face_llama_with_sparse_mlps():
     g = dict(model.named_parameters())
     for name, p in sparse_model.named_parameters():
         assert _rel(p.grad, g[name].grad) < 1e-8, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_cuda_tensors_match_autograd(dtype, tol):
+    if not torch.cuda.is_available():
+        pytest.skip("this torch build has no CUDA")
+    d, h = 64, 256
+    wg, wu, wd = _weights(d, h)
+    x = _x((3, 40, d))
+    dev = [t.to("cuda", dtype).requires_grad_(True) for t in (x, wg, wu, wd)]
+    ref = [t.clone().requires_grad_(True) for t in (x, wg, wu, wd)]  # float64 CPU reference
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # a non-default torch stream must be honoured
+        y = twt.sparse_gated_ffn(*dev, l1=1e-3)
+        (y.float() ** 2).sum().backward()
+    torch.cuda.synchronize()
+    y_ref, pen, _ = _ref_gated(*ref, 1e-3)
+    ((y_ref ** 2).sum() + pen).backward()
+    assert y.is_cuda and y.dtype == dtype
+    assert _rel(y.detach().cpu(), y_ref.detach()) < tol
+    for name, a, b in zip(("x", "w_gate", "w_up", "w_down"), dev, ref):
+        assert a.grad.is_cuda and a.grad.dtype == dtype, name
+        assert _rel(a.grad.cpu(), b.grad) < 4 * tol, name

@@ -71,10 +71,13 @@ def _jax_kind(x):
     return mod.startswith("jax") or mod.startswith("jaxlib")
 
 
-def _torch_to_xp(t):
+def _torch_to_xp(t, name="x"):
     import torch
 
     t = t.detach()
+    if t.device.type not in ("cpu", "cuda"):
+        raise TypeError(f"{name} is a torch tensor on {t.device.type}; twellpy takes CPU or CUDA "
+                        f"tensors (move it with .cpu() or .cuda())")
     is_bf16 = t.dtype == torch.bfloat16
     if is_bf16:
         t = t.view(torch.int16)  # numpy/DLPack consumers may not know bfloat16
@@ -140,7 +143,7 @@ def as_array(x, name: str, *, ndim=None, allow_none: bool = False):
     elif is_cupy(x):
         arr, kind = x, "cupy"
     elif _torch_kind(x):
-        arr, kind = _torch_to_xp(x), "torch"
+        arr, kind = _torch_to_xp(x, name), "torch"
     elif _jax_kind(x) and hasattr(x, "devices"):
         arr, kind = _jax_to_xp(x), "jax"
     elif hasattr(x, "__dlpack__"):
@@ -172,6 +175,10 @@ def to_caller(arr, kind):
     if kind == "torch":
         import torch
 
+        if not is_cupy(arr) and not arr.flags.writeable:
+            # torch tensors are always writable: a read-only buffer (e.g. a view
+            # of a jax array) must be copied rather than shared.
+            arr = arr.copy()
         if arr.dtype == bfloat16:
             if is_cupy(arr):
                 return torch.from_dlpack(arr.view(np.int16)).view(torch.bfloat16)

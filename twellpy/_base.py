@@ -520,8 +520,9 @@ class SparseArray:
     def _with_data(self, values, backup=None):
         """Same structure, new values (and backup). Padding slots are re-zeroed."""
         xp = self.xp
-        idx = self.indices
-        values = xp.where(idx >= 0, values, xp.zeros((), values.dtype)).astype(values.dtype)
+        # Done on the bit patterns: exact, and needs no 16-bit arithmetic on the device.
+        vb = _bits(xp.ascontiguousarray(values))
+        values = xp.where(self.indices >= 0, vb, vb.dtype.type(0)).astype(vb.dtype).view(values.dtype)
         d = self.components()
         d["values"] = values
         if "backup" in d:

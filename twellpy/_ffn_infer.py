@@ -21,6 +21,11 @@ hands tokens firing more neurons to an exact dense sub-FFN instead. Nothing is
 ever dropped; ``slots`` and ``tile`` only shape the TwELL container returned
 with ``return_activations=True`` (rows over capacity go to its dense backup).
 
+An inactive neuron contributes exactly nothing: ``h_j = 0`` when the gate is
+inactive, even if the up projection of that neuron is NaN/Inf. (A non-finite
+*down* weight column still reaches every row on the dense path, through the
+GEMM's ``0 * NaN``; the sparse path only reads active columns.)
+
 Mode. ``"sparse"`` always uses the sparse step, ``"dense"`` the dense GEMMs,
 ``"auto"`` measures the active count of the first row chunk and runs the
 remaining chunks dense when the mean active neurons per token exceeds the

@@ -29,8 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import backends
-from ._array import (as_array, check_finite as _check_finite, check_float, contiguous, device_of,
-                     same_device, to_caller, xp_of)
+from ._array import as_array, check_float, contiguous, device_of, same_device, to_caller, xp_of
 
 __all__ = ["gated_forward_train", "gated_backward", "relu_forward_train", "relu_backward",
            "TrainContext", "choose_width"]
@@ -162,8 +161,9 @@ class TrainContext:
         if not self.gated:
             return self._hybrid(self.gvals)
         xp = self.xp
-        h = (_f32(self.gvals) * _f32(self.uvals)).astype(self.dtype)
-        return self._hybrid(xp.ascontiguousarray(h))
+        be = self._be
+        h = be.from_acc(be.to_acc(self.gvals) * be.to_acc(self.uvals), self.dtype)
+        return self._hybrid(h)
 
     def __repr__(self):
         return (f"TrainContext(gated={self.gated}, M={self.M}, D={self.D}, H={self.H}, "
@@ -192,8 +192,14 @@ def _check_l1(l1):
     return l1f
 
 
-def _f32(a):
-    return a.astype(np.float64 if a.dtype == np.float64 else np.float32)
+def _check_finite_be(a, name, be):
+    """ValueError on NaN/Inf (bit tests for 16-bit data, so any CuPy works)."""
+    if a.size == 0:
+        return
+    n_nan, n_inf = be.nonfinite_counts(a)
+    if n_nan or n_inf:
+        raise ValueError(f"{name} contains {n_nan} NaN and {n_inf} Inf values; pass "
+                         f"check_finite=False to keep IEEE semantics (NaN propagates)")
 
 
 def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, gated):
@@ -223,10 +229,10 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
         _check_shape(w_gate, "w_gate", (H, D))
     _check_shape(w_down, "w_down", (D, H))
     l1 = _check_l1(l1)
+    be = backends.get(x, "train")
     if check_finite:
         for nm, a in zip(names, arrs):
-            _check_finite(a, nm)
-    be = backends.get(x, "train")
+            _check_finite_be(a, nm, be)
     xp = xp_of(x)
 
     # 1) pattern: dense GEMM of the activation that is ReLU'd, in row chunks
@@ -243,7 +249,7 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
     if M:
         token_counts = xp.concatenate(counts) if len(counts) > 1 else counts[0]
         col = xp.concatenate(cols) if len(cols) > 1 else cols[0]
-        val = xp.concatenate(vals) if len(vals) > 1 else vals[0]
+        val = be.concat(vals) if len(vals) > 1 else vals[0]
     else:
         token_counts = xp.zeros(0, dtype=np.int32)
         col = xp.zeros(0, dtype=np.int32)
@@ -271,27 +277,29 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
     g_ell, g_bk = be.split_combined(gvals, M, W, R, H)
 
     # 3) forward on the pattern: ELL rows in one fused kernel, backup rows dense
-    w_downT = xp.ascontiguousarray(w_down.T)
+    w_downT = be.transpose_copy(w_down)
     uvals = xp.empty_like(gvals) if gated else None
     u_ell, u_bk = be.split_combined(uvals, M, W, R, H) if gated else (None, None)
     y = be.ffn_forward_ell(x, w_up, w_downT, idx, ell_nnz, g_ell, u_ell, gated)
     if R:
-        xb = x[backup_rows]
-        gb = _f32(g_bk)
+        xb = be.take_rows(x, backup_rows)
+        gb = be.to_acc(g_bk)
         if gated:
             ub = be.gemm_acc(xb, w_up.T)
-            ub = xp.where(gb != 0, ub, 0)
-            u_bk[...] = ub.astype(dt)
-            hb = (gb * _f32(u_bk)).astype(dt)
+            ub = be.from_acc(xp.where(gb != 0, ub, 0), dt)
+            be.bits(u_bk)[...] = be.bits(ub)
+            hb = be.from_acc(gb * be.to_acc(ub), dt)
         else:
             hb = g_bk
-        y[backup_rows] = be.gemm_acc(xp.ascontiguousarray(hb), w_down.T).astype(dt)
+        be.put_rows(y, backup_rows, be.from_acc(be.gemm_acc(hb, w_down.T), dt))
 
     # 4) statistics
-    if gated:
-        h_abs = float(xp.abs(_f32((_f32(gvals) * _f32(uvals)).astype(dt))).sum()) if gvals.size else 0.0
+    if not gvals.size:
+        h_abs = 0.0
+    elif gated:
+        h_abs = float(xp.abs(be.to_acc(be.from_acc(be.to_acc(gvals) * be.to_acc(uvals), dt))).sum())
     else:
-        h_abs = float(xp.abs(_f32(gvals)).sum()) if gvals.size else 0.0
+        h_abs = float(xp.abs(be.to_acc(gvals)).sum())
     stats = {
         "l0": float(counts_host.sum()) / M if M else 0.0,
         "l1": l1 * h_abs / M if M else 0.0,
@@ -322,9 +330,9 @@ def _backward(ctx, dy, gated):
     if dy.dtype != ctx.dtype:
         raise TypeError(f"dy has dtype {dy.dtype}, expected {ctx.dtype} (the dtype of x)")
     same_device([("x", ctx.x), ("dy", dy)])
-    if ctx.check_finite:
-        _check_finite(dy, "dy")
     be, xp, dt = ctx._be, ctx.xp, ctx.dtype
+    if ctx.check_finite:
+        _check_finite_be(dy, "dy", be)
     M, D, H, W, R = ctx.M, ctx.D, ctx.H, ctx.width, ctx.R
     l1s = ctx.l1_coef / M if M else 0.0
 
@@ -341,32 +349,32 @@ def _backward(ctx, dy, gated):
     # 2) backup rows: dense products restricted to those rows
     if R:
         br = ctx.backup_rows
-        dyb = dy[br]
+        dyb = be.take_rows(dy, br)
         dhb = be.gemm_acc(dyb, ctx.w_down)
-        gb = _f32(g_bk)
+        gb = be.to_acc(g_bk)
         mask = gb != 0
         if gated:
-            ub = _f32(u_bk)
-            hb = _f32((gb * ub).astype(dt))
+            ub = be.to_acc(u_bk)
+            hb = be.to_acc(be.from_acc(gb * ub, dt))
         else:
             hb = gb
         if l1s:
             dhb = dhb + hb.dtype.type(l1s) * xp.sign(hb)
         dhb = xp.where(mask, dhb, 0)
         if gated:
-            da_bk[...] = (dhb * gb).astype(dt)
-            db_bk[...] = (dhb * ub).astype(dt)
+            be.bits(da_bk)[...] = be.bits(be.from_acc(dhb * gb, dt))
+            be.bits(db_bk)[...] = be.bits(be.from_acc(dhb * ub, dt))
             dxb = be.gemm_acc(da_bk, ctx.w_up) + be.gemm_acc(db_bk, ctx.w_gate)
-            dx[br] = dxb.astype(dt)
         else:
-            da_bk[...] = dhb.astype(dt)
-            dx[br] = be.gemm_acc(da_bk, ctx.w_up).astype(dt)
+            be.bits(da_bk)[...] = be.bits(be.from_acc(dhb, dt))
+            dxb = be.gemm_acc(da_bk, ctx.w_up)
+        be.put_rows(dx, br, be.from_acc(dxb, dt))
 
     # 3) weight gradients from the deterministic transpose of the pattern
     indptr, rows, pos = be.transpose_pattern(ctx.idx, ctx.row_map, g_bk, H)
     dw_up, dw_gate, dw_downT = be.ffn_weight_grads(indptr, rows, pos, ctx.x, dy, da, db, ctx.gvals,
                                                    ctx.uvals, H, gated)
-    dw_down = xp.ascontiguousarray(dw_downT.T)
+    dw_down = be.transpose_copy(dw_downT)
     out_kind = kind if kind not in (None, "numpy", "cupy") else ctx.kind
     if gated:
         return tuple(to_caller(a, out_kind) for a in (dx, dw_gate, dw_up, dw_down))

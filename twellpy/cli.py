@@ -302,19 +302,22 @@ def cmd_info(args) -> int:
 
 
 # ------------------------------------------------------------------------ demo
-def _activation_like(xp, rows, cols, nnz_per_row, dtype, seed, hot_fraction=0.01):
-    """A ReLU-output-like matrix: ~``nnz_per_row`` positive entries per row at
-    random columns, plus a few "hot" rows with 20% density so that the
-    lossless backup path of TwELL and Hybrid is exercised."""
-    rng = xp.random.default_rng(seed)
+def _activation_like(rows, cols, nnz_per_row, seed, hot_fraction=0.01):
+    """A ReLU-output-like float32 matrix (numpy): ~``nnz_per_row`` positive
+    entries per row at random columns, plus a few "hot" rows with 20% density
+    so that the lossless backup path of TwELL and Hybrid is exercised.
+
+    Generated on the host with NumPy so the CPU and GPU demos see the same data.
+    """
+    rng = np.random.default_rng(seed)
     density = min(1.0, nnz_per_row / cols)
-    mask = rng.random((rows, cols), dtype=xp.float32) < density
+    mask = rng.random((rows, cols), dtype=np.float32) < density
     n_hot = max(1, int(rows * hot_fraction)) if rows >= 8 else 0
     if n_hot:
         hot = rng.permutation(rows)[:n_hot]
-        mask[hot] = rng.random((n_hot, cols), dtype=xp.float32) < 0.2
-    vals = xp.abs(rng.standard_normal((rows, cols), dtype=xp.float32)) + xp.float32(0.05)
-    return xp.where(mask, vals, xp.float32(0)).astype(dtype)
+        mask[hot] = rng.random((n_hot, cols), dtype=np.float32) < 0.2
+    vals = np.abs(rng.standard_normal((rows, cols), dtype=np.float32)) + np.float32(0.05)
+    return np.where(mask, vals, np.float32(0))
 
 
 def _csr_bytes(m) -> int:
@@ -345,18 +348,19 @@ def cmd_demo(args) -> int:
     print(f"twellpy {tw.__version__} demo on {where}, dtype {args.dtype}")
     print(f"[1/5] activation-like matrix h: {M} x {N}, ~{K} non-zeros per row, "
           f"1% hot rows at 20% density (seed {args.seed})")
-    h = _activation_like(xp, M, N, K, dtype, args.seed)
-    true_nnz = int(xp.count_nonzero(h))
+    h_host = _activation_like(M, N, K, args.seed).astype(dtype)
+    h = xp.asarray(h_host)
+    true_nnz = int(np.count_nonzero(h_host.astype(np.float32)))
     print(f"      {true_nnz} non-zeros ({100 * true_nnz / (M * N):.2f}% dense)")
 
     # ---- conversions
-    print("[2/5] converting h to every format (first call includes Numba/NVRTC compilation)")
+    print("[2/5] converting h to every format (a first call includes Numba/NVRTC compilation)")
     builders = {
         "TwELL": lambda: tw.TwELL.from_dense(h, tile=args.tile, slots=args.slots),
         "ELL": lambda: tw.ELL.from_dense(h),
         "Hybrid": lambda: tw.Hybrid.from_dense(h, width="auto"),
     }
-    h32 = h.astype(xp.float32)  # scipy/cupyx CSR do not take bfloat16
+    h32 = xp.asarray(h_host.astype(np.float32))  # scipy/cupyx CSR do not take bfloat16
     if on_gpu:
         import cupyx.scipy.sparse as csp
 
@@ -372,6 +376,8 @@ def cmd_demo(args) -> int:
         first_call[name] = time.perf_counter() - t0
         build_time[name] = _timeit(fn, xp, args.repeat)
     csr_name = next(n for n in built if n.startswith("CSR"))
+    _print_table(["from dense to", f"time (median of {args.repeat})", "first call"],
+                 [[n, _fmt_ms(build_time[n]), _fmt_ms(first_call[n])] for n in built])
 
     # ---- sizes and exactness of the conversion
     print("[3/5] storage compared (bytes of all component arrays)")
@@ -386,9 +392,7 @@ def cmd_demo(args) -> int:
         rows.append([name, _fmt_bytes(nbytes), f"{nbytes / dense_bytes:.3f}", str(nnz), exact])
     _print_table(["format", "bytes", "vs dense", "nnz", "nnz exact"], rows)
     T = built["TwELL"]
-    comps = T.components()
-    n_backup = int(comps["backup_rows"].shape[0]) if "backup_rows" in comps else 0
-    print(f"      TwELL(tile={args.tile}, slots={args.slots}) keeps {n_backup} overflowing rows "
+    print(f"      TwELL(tile={args.tile}, slots={args.slots}) keeps {T.n_backup} overflowing rows "
           f"exactly in dense backup rows")
     roundtrip = _rel_err(T.toarray(), h)
     if roundtrip != 0.0:
@@ -397,13 +401,20 @@ def cmd_demo(args) -> int:
 
     # ---- product checked against scipy in float64
     print(f"[4/5] product A @ W with W of shape {N} x {D}, checked against scipy.sparse in float64")
-    rng = xp.random.default_rng(args.seed + 1)
-    W = (rng.standard_normal((N, D), dtype=xp.float32) / np.float32(np.sqrt(N))).astype(dtype)
-    ref = sp.csr_array(_to_host(h).astype(np.float64)) @ _to_host(W).astype(np.float64)
-    W32 = W.astype(xp.float32)
+    rng = np.random.default_rng(args.seed + 1)
+    W_host = (rng.standard_normal((N, D), dtype=np.float32) / np.float32(np.sqrt(N))).astype(dtype)
+    W = xp.asarray(W_host)
+    # reference from the values actually stored (after the dtype cast), in float64
+    ref = sp.csr_array(h_host.astype(np.float32)).astype(np.float64) @ W_host.astype(np.float64)
+    W32 = xp.asarray(W_host.astype(np.float32))
     products = {name: (lambda A=A: A @ W) for name, A in built.items() if not name.startswith("CSR")}
     products[csr_name] = lambda: built[csr_name] @ W32
-    products["dense"] = lambda: h @ W
+    try:
+        h @ W
+        products["dense"] = lambda: h @ W
+    except Exception:  # noqa: BLE001 -- e.g. no 16-bit matmul in this array library build
+        products["dense"] = lambda: h32 @ W32
+        print(f"      (no {args.dtype} dense matmul here: the dense baseline runs in float32)")
     rows = []
     dense_t = None
     times = {}
@@ -425,9 +436,6 @@ def cmd_demo(args) -> int:
     else:
         _demo_ffn(tw, xp, M, N, D, K, dtype, args, rtol, failures)
 
-    print("conversion times (median of %d after a first call; first call in brackets):" % args.repeat)
-    _print_table(["format", "build time", "first call"],
-                 [[n, _fmt_ms(build_time[n]), _fmt_ms(first_call[n])] for n in built])
     if failures:
         print("demo FAILED:\n  " + "\n  ".join(failures))
         return 1
@@ -438,19 +446,19 @@ def cmd_demo(args) -> int:
 def _demo_ffn(tw, xp, M, H, D, K, dtype, args, rtol, failures):
     """Gated FFN relu(x Wg^T) * (x Wu^T) @ Wd^T: fused sparse vs dense."""
     print(f"[5/5] fused gated FFN: x {M} x {D}, hidden {H}, ~{K} active neurons per token")
-    rng = xp.random.default_rng(args.seed + 2)
-    x = rng.standard_normal((M, D), dtype=xp.float32)
+    rng = np.random.default_rng(args.seed + 2)
+    x = rng.standard_normal((M, D), dtype=np.float32)
     x[:, 0] = 1  # column 0 carries the gate bias below
-    w_gate = rng.standard_normal((H, D), dtype=xp.float32) / np.float32(np.sqrt(D - 1 if D > 1 else 1))
-    w_up = rng.standard_normal((H, D), dtype=xp.float32) / np.float32(np.sqrt(D))
-    w_down = rng.standard_normal((D, H), dtype=xp.float32) / np.float32(np.sqrt(H))
+    w_gate = rng.standard_normal((H, D), dtype=np.float32) / np.float32(np.sqrt(max(D - 1, 1)))
+    w_up = rng.standard_normal((H, D), dtype=np.float32) / np.float32(np.sqrt(D))
+    w_down = rng.standard_normal((D, H), dtype=np.float32) / np.float32(np.sqrt(H))
     # Choose the gate bias so that on average K of H neurons fire per token.
     w_gate[:, 0] = 0
     sample = x[: min(M, 512)] @ w_gate.T
-    w_gate[:, 0] = -xp.quantile(sample.ravel(), 1.0 - K / H)
-    x, w_gate, w_up, w_down = (a.astype(dtype) for a in (x, w_gate, w_up, w_down))
+    w_gate[:, 0] = -np.quantile(sample.ravel(), 1.0 - K / H)
+    x, w_gate, w_up, w_down = (xp.asarray(a.astype(dtype)) for a in (x, w_gate, w_up, w_down))
 
-    y = tw.ffn.gated_forward(x, w_gate, w_up, w_down)
+    y = tw.ffn.gated_forward(x, w_gate, w_up, w_down)  # the one-call API
     # float64 reference on a row sample keeps the check cheap at GPU sizes.
     rows = np.arange(0, M, max(1, M // 512))
     xs, g, u, d = (_to_host(a).astype(np.float64) for a in (x[rows], w_gate, w_up, w_down))
@@ -461,21 +469,34 @@ def _demo_ffn(tw, xp, M, H, D, K, dtype, args, rtol, failures):
     if not ok:
         failures.append(f"gated_forward: relative error {err:.2e} > {rtol:.0e}")
 
-    def dense():
-        return (xp.maximum(x @ w_gate.T, 0) * (x @ w_up.T)) @ w_down.T
-
-    dense()
-    t_sparse = _timeit(lambda: tw.ffn.gated_forward(x, w_gate, w_up, w_down), xp, args.repeat)
-    t_dense = _timeit(dense, xp, args.repeat)
+    # Repeated inference prepares the weights once: time GatedFFN, as a model would use it.
+    ffn = tw.ffn.GatedFFN(w_gate, w_up, w_down)
+    ffn(x)
+    t_sparse = _timeit(lambda: ffn(x), xp, args.repeat)
+    dense_label = f"dense ({'cupy' if xp is not np else 'numpy'} matmul, {args.dtype})"
+    wd = (x, w_gate, w_up, w_down)
+    try:
+        (xp.maximum(wd[0] @ wd[1].T, 0) * (wd[0] @ wd[2].T)) @ wd[3].T
+    except Exception:  # noqa: BLE001 -- e.g. no 16-bit matmul in this array library build
+        wd = tuple(a.astype(xp.float32) for a in wd)
+        dense_label = dense_label.replace(args.dtype, "float32")
+    t_dense = _timeit(lambda: (xp.maximum(wd[0] @ wd[1].T, 0) * (wd[0] @ wd[2].T)) @ wd[3].T, xp, args.repeat)
     _print_table(["FFN", "rel. error", "check", "time", "speed-up vs dense"], [
-        ["twellpy.ffn.gated_forward", f"{err:.2e}", "ok" if ok else "FAIL", _fmt_ms(t_sparse),
+        ["twellpy.ffn.GatedFFN", f"{err:.2e}", "ok" if ok else "FAIL", _fmt_ms(t_sparse),
          f"{t_dense / t_sparse:.2f}x"],
-        ["dense (xp matmul)", "-", "-", _fmt_ms(t_dense), "1.00x"],
+        [dense_label, "-", "-", _fmt_ms(t_dense), "1.00x"],
     ])
-    print(f"      {active:.1f} active neurons per token on average (checked on {len(rows)} rows)")
+    print(f"      {active:.1f} active neurons per token on average (checked on {len(rows)} rows); "
+          f"twellpy ran {ffn.last_info.get('mode', '?')} (mode='auto' picks dense when sparsity is too low)")
 
 
 # ----------------------------------------------------------------------- bench
+#: Benchmark suites that only run on a GPU: skipped, with a note, without one.
+GPU_ONLY_SUITES = ("kernels", "train")
+#: Arguments that make a GPU-first suite run its CPU workload instead.
+CPU_SUITE_ARGS = {"ffn": ["--cpu"]}
+
+
 def _default_bench_dir() -> Path:
     pkg = Path(__file__).resolve().parent
     for cand in (pkg.parent / "benchmarks", pkg / "_benchmarks"):
@@ -616,16 +637,15 @@ def cmd_bench(args) -> int:
         raise CLIError(f"--dir {bench_dir} is not a folder")
     suites = _find_suites(bench_dir)
     if args.list:
-        for name, p in suites.items():
-            doc = ""
-            try:
-                import ast
+        import ast
 
-                doc = (ast.get_docstring(ast.parse(p.read_text())) or "").strip().splitlines()[0:1]
-                doc = doc[0] if doc else ""
+        for name, p in suites.items():
+            try:
+                lines = (ast.get_docstring(ast.parse(p.read_text())) or "").strip().splitlines()
             except (SyntaxError, UnicodeDecodeError):
-                pass
-            print(f"{name:12s} {doc}")
+                lines = []
+            note = " (GPU only)" if name in GPU_ONLY_SUITES else ""
+            print(f"{name:12s} {lines[0] if lines else ''}{note}")
         return 0
     if not suites:
         raise CLIError(f"no benchmark scripts (*.py) in {bench_dir}")
@@ -635,19 +655,31 @@ def cmd_bench(args) -> int:
         raise CLIError(f"unknown suite(s) {', '.join(unknown)}; available: {', '.join(suites)}")
     extra = list(args.passthrough)
 
+    from ._array import gpu_available
+
+    on_gpu = gpu_available()
     results = []
-    bar = _progress(len(chosen), "bench")
+    runnable = []
+    for name in chosen:
+        if not on_gpu and name in GPU_ONLY_SUITES:
+            results.append({"name": name, "path": str(suites[name]), "returncode": None,
+                            "skipped": "needs a CUDA GPU; none is usable here"})
+        else:
+            runnable.append(name)
+    bar = _progress(len(runnable), "bench")
     with tempfile.TemporaryDirectory(prefix="twellpy-bench-") as tmp:
         pythonpath = _bench_pythonpath(bench_dir.resolve(), Path(tmp))
-        for name in chosen:
+        for name in runnable:
             bar.set_description(f"bench {name}")
             out_dir = (Path(args.out) / name if args.out else Path(tmp) / "out" / name).resolve()
             out_dir.mkdir(parents=True, exist_ok=True)
-            results.append(_run_suite(suites[name], extra, out_dir, args.timeout, bar, pythonpath))
+            suite_args = ([] if on_gpu else CPU_SUITE_ARGS.get(name, [])) + extra
+            results.append(_run_suite(suites[name], suite_args, out_dir, args.timeout, bar, pythonpath))
             bar.update(1)
     bar.close()
 
-    failed = [r for r in results if r["returncode"] != 0]
+    results.sort(key=lambda r: chosen.index(r["name"]))
+    failed = [r for r in results if r.get("skipped") is None and r["returncode"] != 0]
     if args.json:
         from . import __version__
 
@@ -656,6 +688,9 @@ def cmd_bench(args) -> int:
                           "failed": [r["name"] for r in failed]}, indent=2, default=str))
     else:
         for r in results:
+            if r.get("skipped"):
+                print(f"\n=== {r['name']} (skipped: {r['skipped']}) ===")
+                continue
             status = "ok" if r["returncode"] == 0 else (
                 "timed out" if r["timed_out"] else f"FAILED (exit {r['returncode']})")
             print(f"\n=== {r['name']} ({r['seconds']:.1f} s, {status}) ===")
@@ -664,8 +699,9 @@ def cmd_bench(args) -> int:
                 print("--- stderr (last lines) ---\n" + r["stderr_tail"])
         print()
         _print_table(["suite", "status", "seconds"],
-                     [[r["name"], "ok" if r["returncode"] == 0 else "failed", f"{r['seconds']:.1f}"]
-                      for r in results])
+                     [[r["name"], "skipped" if r.get("skipped") else
+                       ("ok" if r["returncode"] == 0 else "failed"),
+                       "-" if r.get("skipped") else f"{r['seconds']:.1f}"] for r in results])
     return 1 if failed else 0
 
 

@@ -44,7 +44,8 @@ returned :class:`SharedArray` to reuse them across calls at no cost.
 """
 from __future__ import annotations
 
-import numbers
+import collections
+import threading
 
 import numpy as np
 
@@ -63,6 +64,7 @@ __all__ = [
     "gated_forward",
     "relu_forward",
     "concatenate",
+    "clear_ffn_cache",
 ]
 
 FORMATS = ("twell", "ell", "hybrid")
@@ -400,11 +402,47 @@ def _matmul_chunk(chunk, w):
     return chunk @ w
 
 
-def _ffn_chunk(block, *weights, kind, ffn_kwargs):
+# Prepared FFN objects (weights transposed, kernels and workspaces ready), one
+# per (thread, weight set, options) on each worker. The weight arrays a worker
+# holds for a shared key are the same Python objects for every task, so their
+# ids identify the weight set; strong references are kept next to the ids so
+# an id cannot be reused while its entry lives. Per thread, because a plan's
+# workspaces are not meant to be used by two threads at once.
+_FFN_CACHE = collections.OrderedDict()
+_FFN_CACHE_SIZE = 4
+_FFN_CACHE_LOCK = threading.Lock()
+
+
+def clear_ffn_cache():
+    """Drop the prepared FFN objects (and the weights they keep) of this process.
+
+    Run it on every worker with ``client.run(twellpy.dask.clear_ffn_cache)``.
+    """
+    with _FFN_CACHE_LOCK:
+        _FFN_CACHE.clear()
+
+
+def _prepared_ffn(kind, weights, ffn_kwargs):
     from . import ffn
 
-    func = ffn.gated_forward if kind == "gated" else ffn.relu_forward
-    return func(block, *weights, **ffn_kwargs)
+    key = (threading.get_ident(), kind, tuple(id(w) for w in weights),
+           tuple(sorted(ffn_kwargs.items())))
+    with _FFN_CACHE_LOCK:
+        hit = _FFN_CACHE.get(key)
+        if hit is not None:
+            _FFN_CACHE.move_to_end(key)
+            return hit[1]
+    cls = ffn.GatedFFN if kind == "gated" else ffn.ReluFFN
+    prepared = cls(*weights, **ffn_kwargs)
+    with _FFN_CACHE_LOCK:
+        _FFN_CACHE[key] = (weights, prepared)
+        while len(_FFN_CACHE) > _FFN_CACHE_SIZE:
+            _FFN_CACHE.popitem(last=False)
+    return prepared
+
+
+def _ffn_chunk(block, *weights, kind, ffn_kwargs):
+    return _prepared_ffn(kind, weights, ffn_kwargs)(block)
 
 
 def _finalize(results):
@@ -651,20 +689,18 @@ def from_dask(x, format="twell", *, rechunk=True, **params):
 # ----------------------------------------------------------------------------
 # distributed FFN inference
 # ----------------------------------------------------------------------------
-def _probe_dtype(kind, x_dtype, weights, ffn_kwargs):
-    """Output dtype of the FFN for these input dtypes, from a 1-row numpy call."""
-    from . import ffn
-
-    x = np.zeros((1, 2), dtype=x_dtype)
-    ws = []
-    for name, w in weights:
-        # (H, D) for gate/up, (D, H) for down; tiny H = D = 2 keeps it cheap
-        ws.append(np.zeros((2, 2), dtype=w.dtype))
-    func = ffn.gated_forward if kind == "gated" else ffn.relu_forward
-    return np.dtype(func(x, *ws, **ffn_kwargs).dtype)
+# keyword arguments of GatedFFN/ReluFFN (applied once per worker) and of their call
+_FFN_INIT_KWARGS = ("tile", "slots", "mode", "check_finite")
 
 
 def _ffn(kind, x, weights, client, broadcast, rechunk, ffn_kwargs):
+    if "return_activations" in ffn_kwargs:
+        raise ValueError("return_activations is not supported by twellpy.dask; the result is "
+                         "the dense FFN output only")
+    unknown = sorted(set(ffn_kwargs) - set(_FFN_INIT_KWARGS))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
+                        f"expected {', '.join(_FFN_INIT_KWARGS)}")
     x = _check_row_chunked(x, "x", rechunk)
     check_float(x, "x")
     named = [(name, _describe(w, name)) for name, w in weights]
@@ -685,14 +721,19 @@ def _ffn(kind, x, weights, client, broadcast, rechunk, ffn_kwargs):
         if name in want and w.shape != want[name]:
             raise ValueError(f"{name} has shape {w.shape}, expected {want[name]} "
                              f"(x has {d_model} columns, w_up has {hidden} rows)")
-    if w_down.shape[1] != hidden:
-        raise ValueError(f"w_down has shape {w_down.shape}, expected (D_out, {hidden})")
+    if w_down.shape != (d_model, hidden):
+        raise ValueError(f"w_down has shape {w_down.shape}, expected {(d_model, hidden)} "
+                         f"(nn.Linear layout: (D, H))")
     chunk_kind = "cupy" if is_cupy(x._meta) else "numpy"
     for name, w in named:
         if w.array_type != chunk_kind:
             raise ValueError(f"{name} is a {w.array_type} array but x has {chunk_kind} chunks; "
                              f"put the weights where the chunks are")
-    dtype = _probe_dtype(kind, x.dtype, named, ffn_kwargs)
+    for name, w in named:
+        if w.dtype != x.dtype:
+            raise TypeError(f"{name} has dtype {w.dtype} but x has dtype {x.dtype}; "
+                            f"the FFN needs one dtype (cast with .astype)")
+    dtype = np.dtype(x.dtype)
     out_cols = w_down.shape[0]
     shared = [_share_described(w, name, client, broadcast) for name, w in named]
     return x.map_blocks(
@@ -705,8 +746,11 @@ def gated_forward(x, w_gate, w_up, w_down, *, client=None, broadcast=True, rechu
                   **ffn_kwargs):
     """Gated sparse FFN inference over the row chunks of a dask array.
 
-    Each row chunk runs :func:`twellpy.ffn.gated_forward` on the worker that
-    holds it (CPU for numpy chunks, GPU for cupy chunks).
+    Each row chunk runs a :class:`twellpy.ffn.GatedFFN` on the worker that
+    holds it (CPU for numpy chunks, GPU for cupy chunks). The FFN object
+    (weights checked and laid out, kernels and workspaces ready) is built
+    once per worker thread and weight set and reused by every later chunk
+    (see :func:`clear_ffn_cache`).
 
     Parameters
     ----------
@@ -716,9 +760,9 @@ def gated_forward(x, w_gate, w_up, w_down, *, client=None, broadcast=True, rechu
         ``ValueError``).
     w_gate, w_up : array_like or SharedArray
         (H, D) weights (``nn.Linear`` layout), of the same kind (numpy/cupy)
-        as the chunks of ``x``.
+        and dtype as the chunks of ``x``.
     w_down : array_like or SharedArray
-        (D_out, H) weight.
+        (D, H) weight.
     client : distributed.Client, optional
         Client that scatters the weights; defaults to the active one. Without
         a client each weight is one graph key shared by all chunk tasks.
@@ -727,12 +771,24 @@ def gated_forward(x, w_gate, w_up, w_down, *, client=None, broadcast=True, rechu
     rechunk : bool
         See ``x``.
     **ffn_kwargs
-        Passed to :func:`twellpy.ffn.gated_forward` for every chunk.
+        ``tile``, ``slots``, ``mode``, ``check_finite``: passed to
+        :class:`twellpy.ffn.GatedFFN` (``return_activations`` is not
+        supported). Errors in a chunk (e.g. NaN in ``x`` with
+        ``check_finite=True``) raise from ``compute()``.
 
     Returns
     -------
     dask.array.Array
-        (M, D_out), chunks ``(x.chunks[0], (D_out,))``, chunk kind of ``x``.
+        (M, D), chunks ``(x.chunks[0], (D,))``, dtype and chunk kind of ``x``.
+
+    Raises
+    ------
+    TypeError
+        ``x`` is not a dask array, dtypes differ or are not floating.
+    ValueError
+        Shapes do not match, ``x`` has several column chunks and
+        ``rechunk=False``, or weights and chunks live on different kinds of
+        device.
     """
     weights = [("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)]
     return _ffn("gated", x, weights, client, broadcast, rechunk, ffn_kwargs)
@@ -741,14 +797,14 @@ def gated_forward(x, w_gate, w_up, w_down, *, client=None, broadcast=True, rechu
 def relu_forward(x, w_up, w_down, *, client=None, broadcast=True, rechunk=True, **ffn_kwargs):
     """ReLU sparse FFN inference over the row chunks of a dask array.
 
-    Same as :func:`gated_forward` without the gate: every chunk runs
-    :func:`twellpy.ffn.relu_forward` with ``w_up`` (H, D) and ``w_down``
-    (D_out, H), both placed once per worker.
+    Same as :func:`gated_forward` without the gate: every chunk runs a
+    :class:`twellpy.ffn.ReluFFN` with ``w_up`` (H, D) and ``w_down`` (D, H),
+    both placed once per worker.
 
     Returns
     -------
     dask.array.Array
-        (M, D_out), chunks ``(x.chunks[0], (D_out,))``.
+        (M, D), chunks ``(x.chunks[0], (D,))``.
     """
     weights = [("w_up", w_up), ("w_down", w_down)]
     return _ffn("relu", x, weights, client, broadcast, rechunk, ffn_kwargs)

@@ -65,8 +65,12 @@ def _parts(A):
             backup_rows, xp.ascontiguousarray(row_map))
 
 
-def _acc(dtype):
-    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+def _contig(be, a):
+    """C-contiguous ``a`` (a byte copy through unsigned views when needed)."""
+    if a.flags.c_contiguous:
+        return a
+    xp = _array.xp_of(a)
+    return be.bits(xp.ascontiguousarray(be.bits(a))).view(a.dtype)
 
 
 def spmm(A, B):
@@ -92,13 +96,12 @@ def spmm(A, B):
     if b2.shape[0] != n:
         raise ValueError(f"B has shape {tuple(b.shape)}, expected ({n}, K) for A of shape {(m, n)}")
     dt = _promote(A.dtype, b.dtype)
-    xp = A.xp
-    b2 = xp.ascontiguousarray(b2.astype(dt, copy=False))
-    vals, idx, backup, backup_rows, _ = _parts(A)
     be = backends.get(b2, "train")
-    out = be.slots_spmm(vals.astype(dt, copy=False), idx, b2)
+    b2 = be.from_acc(_contig(be, b2), dt)
+    vals, idx, backup, backup_rows, _ = _parts(A)
+    out = be.slots_spmm(be.from_acc(vals, dt), idx, b2)
     if backup_rows.shape[0]:
-        out[backup_rows] = be.gemm(xp.ascontiguousarray(backup.astype(dt, copy=False)), b2, dt)
+        be.put_rows(out, backup_rows, be.from_acc(be.gemm_acc(be.from_acc(backup, dt), b2), dt))
     if vec:
         out = out[:, 0]
     return _array.to_caller(out, kind)
@@ -110,8 +113,7 @@ def _transposed(A):
     n = A.shape[1]
     be = backends.get(vals, "train")
     indptr, rows, pos = be.transpose_pattern(idx, row_map, backup, n)
-    xp = A.xp
-    combined = xp.concatenate([vals.reshape(-1), backup.reshape(-1)])
+    combined = be.concat([vals, backup])
     return be, indptr, rows, pos, combined
 
 
@@ -137,10 +139,9 @@ def spmm_t(A, B):
     if b2.shape[0] != m:
         raise ValueError(f"B has shape {tuple(b.shape)}, expected ({m}, K) for A.T with A of shape {(m, n)}")
     dt = _promote(A.dtype, b.dtype)
-    xp = A.xp
-    b2 = xp.ascontiguousarray(b2.astype(dt, copy=False))
     be, indptr, rows, pos, combined = _transposed(A)
-    out = be.gather_t(indptr, rows, pos, combined.astype(dt, copy=False), b2, n)
+    b2 = be.from_acc(_contig(be, b2), dt)
+    out = be.gather_t(indptr, rows, pos, be.from_acc(combined, dt), b2, n)
     if vec:
         out = out[:, 0]
     return _array.to_caller(out, kind)
@@ -175,19 +176,28 @@ def sddmm(X, Y, pattern):
                          f"for X of shape {tuple(x.shape)} and pattern of shape {(m, n)}")
     dt = _promote(x.dtype, y.dtype)
     xp = P.xp
-    x = xp.ascontiguousarray(x.astype(dt, copy=False))
-    y = xp.ascontiguousarray(y.astype(dt, copy=False))
-    _, idx, backup, backup_rows, _ = _parts(P)
     be = backends.get(x, "train")
+    x = be.from_acc(_contig(be, x), dt)
+    y = be.from_acc(_contig(be, y), dt)
+    _, idx, backup, backup_rows, _ = _parts(P)
     vals = be.slots_sddmm(x, y, idx).reshape(P.values.shape)
     new_backup = None
     if P.backup is not None:
         if backup_rows.shape[0]:
-            dense = be.gemm(xp.ascontiguousarray(x[backup_rows]), y.T, dt)
-            new_backup = xp.where(nonzero_mask(backup), dense, xp.zeros((), dt)).astype(dt)
+            dense = be.gemm_acc(be.take_rows(x, backup_rows), y.T)
+            new_backup = be.from_acc(xp.where(nonzero_mask(backup), dense, 0), dt)
         else:
             new_backup = xp.zeros((0, n), dtype=dt)
-    return P.with_values(vals, backup=new_backup, check_finite=False)
+    return _same_pattern(P, vals, new_backup)
+
+
+def _same_pattern(P, values, backup):
+    """Container with P's pattern and new values (padding already 0)."""
+    d = P.components()
+    d["values"] = values
+    if "backup" in d:
+        d["backup"] = backup
+    return type(P).from_components(d, check=False, check_finite=False)
 
 
 def transpose(A, format="hybrid", width="auto"):
@@ -214,7 +224,7 @@ def transpose(A, format="hybrid", width="auto"):
         raise ValueError(f"unknown format {format!r}; expected 'hybrid' or 'csr'")
     m, n = A.shape
     be, indptr, rows, pos, combined = _transposed(A)
-    data = combined[pos]
+    data = be.take_rows(combined, pos)
     xp = A.xp
     if format == "csr":
         if A.dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
@@ -263,4 +273,23 @@ def multiply(A, B):
     """
     A = _container(A, "A")
     B = _container(B, "B")
-    return A * B
+    if A.format != B.format or A.shape != B.shape:
+        raise ValueError(f"B must have A's format and shape: got {B.format!r} {B.shape}, "
+                         f"expected {A.format!r} {A.shape}")
+    _array.same_device([("B", B.values), ("A", A.values)])
+    xp = A.xp
+    for k in A._array_names:
+        if k in ("values", "backup"):
+            continue
+        a, b = getattr(A, k), getattr(B, k)
+        if a.shape != b.shape or not bool(xp.array_equal(a, b)):
+            raise ValueError(f"B has a different sparsity pattern than A ({k} differ); "
+                             f"element-wise products need one shared pattern")
+    dt = _promote(A.dtype, B.dtype)
+    be = backends.get(A.values, "train")
+
+    def prod(a, b):
+        return be.from_acc(be.to_acc(a) * be.to_acc(b), dt)
+
+    backup = prod(A.backup, B.backup) if A.backup is not None else None
+    return _same_pattern(A, prod(A.values, B.values), backup)

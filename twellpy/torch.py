@@ -28,6 +28,7 @@ True
 """
 from __future__ import annotations
 
+import contextlib
 import numbers
 
 import torch
@@ -49,6 +50,21 @@ def _ffn():
     from . import ffn
 
     return ffn
+
+
+def _on_torch_stream(t):
+    """Context that makes CuPy launch on torch's current CUDA stream.
+
+    twellpy's CUDA kernels run on CuPy's current stream; torch may be using a
+    non-default stream (``torch.cuda.stream(...)``). Launching on torch's
+    stream keeps the order of operations without extra synchronisation.
+    """
+    if not t.is_cuda:
+        return contextlib.nullcontext()
+    import cupy
+
+    stream = torch.cuda.current_stream(t.device)
+    return cupy.cuda.ExternalStream(stream.cuda_stream, t.device.index)
 
 
 def _check_l1(l1):
@@ -95,7 +111,8 @@ class GatedFFNFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, l1, stats_out=None):
-        y, tctx = _ffn().gated_forward_train(x, w_gate, w_up, w_down, l1=l1)
+        with _on_torch_stream(x):
+            y, tctx = _ffn().gated_forward_train(x, w_gate, w_up, w_down, l1=l1)
         ctx.twell_ctx = tctx
         if stats_out is not None:
             stats_out.append(tctx.stats)
@@ -107,7 +124,8 @@ class GatedFFNFunction(torch.autograd.Function):
         # The twellpy context is freed with the graph (it stays for
         # retain_graph=True / repeated backward calls).
         tctx = ctx.twell_ctx
-        dx, dw_gate, dw_up, dw_down = _ffn().gated_backward(tctx, dy.contiguous())
+        with _on_torch_stream(dy):
+            dx, dw_gate, dw_up, dw_down = _ffn().gated_backward(tctx, dy.contiguous())
         return dx, dw_gate, dw_up, dw_down, None, None
 
 
@@ -119,7 +137,8 @@ class ReluFFNFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w_up, w_down, l1, stats_out=None):
-        y, tctx = _ffn().relu_forward_train(x, w_up, w_down, l1=l1)
+        with _on_torch_stream(x):
+            y, tctx = _ffn().relu_forward_train(x, w_up, w_down, l1=l1)
         ctx.twell_ctx = tctx
         if stats_out is not None:
             stats_out.append(tctx.stats)
@@ -129,7 +148,8 @@ class ReluFFNFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         tctx = ctx.twell_ctx
-        dx, dw_up, dw_down = _ffn().relu_backward(tctx, dy.contiguous())
+        with _on_torch_stream(dy):
+            dx, dw_up, dw_down = _ffn().relu_backward(tctx, dy.contiguous())
         return dx, dw_up, dw_down, None, None
 
 
@@ -172,7 +192,8 @@ def sparse_gated_ffn(x, w_gate, w_up, w_down, l1=0.0, *, stats_out=None):
         y = GatedFFNFunction.apply(x2, w_gate.contiguous(), w_up.contiguous(), w_down.contiguous(),
                                    l1, stats_out)
     else:
-        y = _ffn().gated_forward(x2, w_gate, w_up, w_down)
+        with _on_torch_stream(x2):
+            y = _ffn().gated_forward(x2, w_gate, w_up, w_down)
     return y.reshape(*lead, w_down.shape[0])
 
 
@@ -185,7 +206,8 @@ def sparse_relu_ffn(x, w_up, w_down, l1=0.0, *, stats_out=None):
     if _needs_grad(x, w_up, w_down) or stats_out is not None:
         y = ReluFFNFunction.apply(x2, w_up.contiguous(), w_down.contiguous(), l1, stats_out)
     else:
-        y = _ffn().relu_forward(x2, w_up, w_down)
+        with _on_torch_stream(x2):
+            y = _ffn().relu_forward(x2, w_up, w_down)
     return y.reshape(*lead, w_down.shape[0])
 
 

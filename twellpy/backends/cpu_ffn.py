@@ -150,7 +150,9 @@ class FFNPlan:
     def _dense_chunk(self, xc, g, yc, hc):
         if self.gated:
             u = xc @ self.w_up.T
-            h = np.where(g <= 0, 0, g) * u  # NaN in g stays NaN (relu(NaN) = NaN)
+            # inactive -> exactly 0 even if u is NaN (as the sparse kernel);
+            # NaN in g stays NaN (relu(NaN) = NaN)
+            h = np.where(g <= 0, 0, g * u)
         else:
             h = np.where(g <= 0, 0, g)
         if hc is not None:

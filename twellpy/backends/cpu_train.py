@@ -359,6 +359,41 @@ def ffn_weight_grads(indptr, rows, pos, x, dy, da, db, gval, uval, n_neurons, ga
 
 
 # ---------------------------------------------------------------------------
+# dense helpers (same names as in cuda_train, where they avoid CuPy bfloat16 gaps)
+def bits(a):
+    return a
+
+
+def take_rows(a, rows):
+    """``a[rows]``."""
+    return a[rows]
+
+
+def put_rows(dst, rows, src):
+    """``dst[rows] = src``."""
+    dst[rows] = src
+
+
+def concat(arrays):
+    """1-D concatenation."""
+    return np.concatenate([a.reshape(-1) for a in arrays])
+
+
+def transpose_copy(a):
+    """C-contiguous copy of ``a.T``."""
+    return np.ascontiguousarray(a.T)
+
+
+def to_acc(a):
+    """``a`` in its compute dtype (float32, float64 for float64)."""
+    return a.astype(compute_dtype(a.dtype), copy=False)
+
+
+def from_acc(a, dtype):
+    """``a`` rounded once to ``dtype``."""
+    return a.astype(dtype, copy=False)
+
+
 def gemm(a, b, out_dtype):
     """Dense ``a @ b`` (numpy BLAS in the compute dtype), result in ``out_dtype``."""
     cd = compute_dtype(a.dtype)
@@ -370,3 +405,9 @@ def gemm_acc(a, b):
     """Dense ``a @ b`` with a float32 result (float64 for float64 inputs)."""
     cd = compute_dtype(a.dtype)
     return np.matmul(a.astype(cd, copy=False), b.astype(cd, copy=False))
+
+
+def nonfinite_counts(a):
+    """(number of NaN, number of Inf) in ``a``."""
+    a = to_acc(a)
+    return int(np.isnan(a).sum()), int(np.isinf(a).sum())

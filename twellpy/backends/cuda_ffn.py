@@ -133,7 +133,8 @@ def gate_mul(g, u, out, stream):
         return out
     k = _registry.get_kernel(_PACK_FILE, f"twellpy_ffn_gate_mul<{_registry.ctype(g.dtype)}>")
     grid, block = _elementwise_grid(n)
-    k(grid, block, (g, u, out, np.int64(n)), stream=stream)
+    with stream:
+        k(grid, block, (g, u, out, np.int64(n)))
     return out
 
 
@@ -144,7 +145,8 @@ def relu(g, out, stream):
         return out
     k = _registry.get_kernel(_PACK_FILE, f"twellpy_ffn_relu<{_registry.ctype(g.dtype)}>")
     grid, block = _elementwise_grid(n)
-    k(grid, block, (g, out, np.int64(n)), stream=stream)
+    with stream:
+        k(grid, block, (g, out, np.int64(n)))
     return out
 
 
@@ -168,8 +170,7 @@ def pack_activation(h, tile, slots):
     if M and n_tiles:
         warps = 8
         grid = ((M * n_tiles + warps - 1) // warps,)
-        k = _registry.get_kernel(_PACK_FILE, f"twellpy_ffn_pack<{_registry.ctype(h.dtype)}>",
-                                 FFN_PACK_WARPS=warps)
+        k = _registry.get_kernel(_PACK_FILE, f"twellpy_ffn_pack<{_registry.ctype(h.dtype)}>")
         k(grid, (warps * 32,), (h, np.int64(N), np.int32(M), np.int32(N), np.int32(tile),
                                 np.int32(slots), np.int32(n_tiles), values, indices, counts, row_max))
     backup_rows = cp.nonzero(row_max > slots)[0].astype(np.int32)
@@ -322,12 +323,12 @@ class FFNPlan:
         isz = self.dtype.itemsize
         h_ptr = h_out if h_out is not None else np.uint64(0)  # null pointer
         ldh = (h_out.strides[0] // isz) if h_out is not None else 0
-        k(grid, (warps * 32,),
-          (x, np.int64(x.strides[0] // isz), g, np.int64(g.strides[0] // isz),
-           self.w_up, self.w_downT, y, np.int64(y.strides[0] // isz),
-           h_ptr, np.int64(ldh), heavy, counters,
-           np.int32(m), np.int32(self.D), np.int32(self.H), np.int32(self._heavy_arg())),
-          stream=stream)
+        args = (x, np.int64(x.strides[0] // isz), g, np.int64(g.strides[0] // isz),
+                self.w_up, self.w_downT, y, np.int64(y.strides[0] // isz),
+                h_ptr, np.int64(ldh), heavy, counters,
+                np.int32(m), np.int32(self.D), np.int32(self.H), np.int32(self._heavy_arg()))
+        with stream:
+            k(grid, (warps * 32,), args)
 
     def _heavy_arg(self):
         if self.heavy_limit is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._array import FLOAT_DTYPES, cupy_module
+from .._array import FLOAT_DTYPES, bfloat16, cupy_module
 from . import _registry
 
 SOURCE = "train_ffn.cu"
@@ -26,6 +26,9 @@ def _names():
         for base in ("relu_count", "relu_pack", "csr_to_hybrid", "tr_count", "tr_place",
                      "gather_t", "slots_spmm", "slots_sddmm"):
             names.append(f"twellpy_train_{base}<{t}>")
+        for dt2 in FLOAT_DTYPES:
+            if dt2 != dt and 2 in (dt.itemsize, dt2.itemsize):
+                names.append(f"twellpy_train_cast<{t},{_registry.ctype(dt2)}>")
         for base in ("fwd", "bwd", "wgrad"):
             for gated in (0, 1):
                 names.append(f"twellpy_train_{base}<{t},{gated}>")
@@ -114,7 +117,7 @@ def csr_to_hybrid(indptr, col, val, row_map, width, n_cols, n_backup):
     cp = _cp()
     M = row_map.shape[0]
     vals = cp.empty(M * width + n_backup * n_cols, dtype=val.dtype)
-    vals[M * width:] = 0
+    bits(vals)[M * width:] = 0
     ell_val, backup = split_combined(vals, M, width, n_backup, n_cols)
     ell_idx = cp.empty((M, width), dtype=cp.int32)
     ell_nnz = cp.empty(M, dtype=cp.int32)
@@ -285,30 +288,131 @@ def slots_sddmm(X, Y, idx):
     return out
 
 
-_BF16_GEMM_OK = None
+# ---------------------------------------------------------------------------
+# dense helpers that work for bfloat16 whatever CuPy's own bfloat16 support is:
+# data movement goes through same-width unsigned views, casts through
+# twellpy_train_cast, GEMMs straight to cublasGemmEx.
+_CUDA_DTYPE = {np.dtype(np.float16): 2, bfloat16: 14, np.dtype(np.float32): 0, np.dtype(np.float64): 1}
+_CUBLAS_OP_N, _CUBLAS_OP_T = 0, 1
+_CUBLAS_COMPUTE_32F, _CUBLAS_COMPUTE_64F = 68, 70
+_CUBLAS_GEMM_DEFAULT = -1
+_CUBLAS_POINTER_MODE_HOST = 0
+
+
+def bits(a):
+    """Same-width unsigned view of a 16-bit float array (a itself otherwise)."""
+    return a.view(np.uint16) if a.dtype.itemsize == 2 else a
+
+
+def _unbits(a, dtype):
+    return a.view(dtype) if a.dtype != dtype else a
+
+
+def take_rows(a, rows):
+    """``a[rows]`` (rows an int array) for any value dtype."""
+    return _unbits(bits(a)[rows], a.dtype)
+
+
+def put_rows(dst, rows, src):
+    """``dst[rows] = src`` for any value dtype (same dtype on both sides)."""
+    bits(dst)[rows] = bits(src)
+
+
+def concat(arrays):
+    """1-D concatenation for any value dtype."""
+    cp = _cp()
+    dt = arrays[0].dtype
+    return _unbits(cp.concatenate([bits(a).reshape(-1) for a in arrays]), dt)
+
+
+def transpose_copy(a):
+    """C-contiguous copy of ``a.T`` for any value dtype."""
+    cp = _cp()
+    return _unbits(cp.ascontiguousarray(bits(a).T), a.dtype)
+
+
+def _cast(a, dtype):
+    cp = _cp()
+    a = cp.ascontiguousarray(a) if a.dtype.itemsize != 2 else _unbits(cp.ascontiguousarray(bits(a)), a.dtype)
+    out = cp.empty(a.shape, dtype=dtype)
+    n = a.size
+    if n:
+        k = _registry.get_kernel(SOURCE, f"twellpy_train_cast<{_registry.ctype(a.dtype)},{_registry.ctype(dtype)}>")
+        blocks = min(max(1, (n + 255) // 256), 65535 * 8)
+        k((blocks,), (256,), (a, out, np.int64(n)))
+    return out
+
+
+def to_acc(a):
+    """``a`` as float32 (float64 stays float64); 16-bit data is converted."""
+    if a.dtype in (np.float32, np.float64):
+        return a
+    return _cast(a, np.dtype(np.float32))
+
+
+def from_acc(a, dtype):
+    """``a`` (any float dtype) rounded once to ``dtype``."""
+    dtype = np.dtype(dtype)
+    if a.dtype == dtype:
+        return a
+    if a.dtype.itemsize != 2 and dtype.itemsize != 2:
+        return a.astype(dtype)
+    return _cast(a, dtype)
+
+
+def _gemm_operand(a):
+    """(cuBLAS op, leading dim, array) for a row-major operand or a transposed view of one."""
+    cp = _cp()
+    if a.flags.c_contiguous:
+        return _CUBLAS_OP_N, max(1, a.shape[1]), a
+    if a.flags.f_contiguous:
+        return _CUBLAS_OP_T, max(1, a.shape[0]), a
+    a = _unbits(cp.ascontiguousarray(bits(a)), a.dtype)
+    return _CUBLAS_OP_N, max(1, a.shape[1]), a
 
 
 def gemm(a, b, out_dtype):
-    """Dense ``a @ b`` through cuBLAS (cupy.matmul), result in ``out_dtype``.
+    """Dense ``a @ b`` through cublasGemmEx with fp32 (fp64) accumulation.
 
-    16-bit inputs go to cuBLAS in their own dtype (fp32 accumulation) when the
-    installed CuPy supports it; otherwise both are upcast to float32 once.
+    ``a`` (m, k) and ``b`` (k, n) may be C-contiguous or transposed views of
+    C-contiguous arrays (no copy then). Inputs share one dtype; the result is
+    (m, n) in ``out_dtype`` (any supported float dtype, e.g. float32 from
+    bfloat16 inputs).
     """
-    global _BF16_GEMM_OK
     cp = _cp()
-    if a.dtype.itemsize == 2 and _BF16_GEMM_OK is not False:
-        try:
-            out = cp.matmul(a, b)
-            _BF16_GEMM_OK = True
-        except Exception:  # pragma: no cover - depends on the CuPy build
-            _BF16_GEMM_OK = False
-        else:
-            return out if out.dtype == out_dtype else out.astype(out_dtype)
-    if a.dtype.itemsize == 2:
-        out = cp.matmul(a.astype(cp.float32), b.astype(cp.float32))
-    else:
-        out = cp.matmul(a, b)
-    return out if out.dtype == out_dtype else out.astype(out_dtype)
+    from cupy_backends.cuda.libs import cublas
+
+    out_dtype = np.dtype(out_dtype)
+    if a.dtype != b.dtype:
+        raise TypeError(f"gemm operands have dtypes {a.dtype} and {b.dtype}, expected one dtype")
+    m, k = a.shape
+    k2, n = b.shape
+    if k != k2:
+        raise ValueError(f"gemm shapes {tuple(a.shape)} and {tuple(b.shape)} do not chain")
+    c = cp.empty((m, n), dtype=out_dtype)
+    if m == 0 or n == 0:
+        return c
+    if k == 0:
+        c.view(np.uint8)[...] = 0
+        return c
+    # row-major C = A B  <=>  column-major C^T = B^T A^T
+    op_b, ld_b, b = _gemm_operand(b)
+    op_a, ld_a, a = _gemm_operand(a)
+    f64 = a.dtype == np.float64
+    scal = np.float64 if f64 else np.float32
+    one, zero = np.array(1, dtype=scal), np.array(0, dtype=scal)
+    handle = cp.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+    mode = cublas.getPointerMode(handle)
+    cublas.setPointerMode(handle, _CUBLAS_POINTER_MODE_HOST)
+    try:
+        cublas.gemmEx(handle, op_b, op_a, n, m, k, one.ctypes.data, b.data.ptr, _CUDA_DTYPE[b.dtype], ld_b,
+                      a.data.ptr, _CUDA_DTYPE[a.dtype], ld_a, zero.ctypes.data, c.data.ptr,
+                      _CUDA_DTYPE[out_dtype], n, _CUBLAS_COMPUTE_64F if f64 else _CUBLAS_COMPUTE_32F,
+                      _CUBLAS_GEMM_DEFAULT)
+    finally:
+        cublas.setPointerMode(handle, mode)
+    return c
 
 
 def gemm_acc(a, b):
@@ -317,6 +421,16 @@ def gemm_acc(a, b):
     Used for the few backup rows, where rounding an intermediate product to a
     16-bit dtype would add an avoidable rounding step.
     """
+    return gemm(a, b, np.float64 if a.dtype == np.float64 else np.float32)
+
+
+def nonfinite_counts(a):
+    """(number of NaN, number of Inf) in ``a`` (any float dtype), on bits for 16-bit data."""
     cp = _cp()
-    acc = cp.float64 if a.dtype == cp.float64 else cp.float32
-    return cp.matmul(a.astype(acc, copy=False), b.astype(acc, copy=False))
+    if a.dtype.itemsize != 2:
+        return int(cp.isnan(a).sum()), int(cp.isinf(a).sum())
+    exp_mask, man_mask = (0x7C00, 0x03FF) if a.dtype == np.float16 else (0x7F80, 0x007F)
+    u = bits(a)
+    special = (u & exp_mask) == exp_mask
+    nan = int((special & ((u & man_mask) != 0)).sum())
+    return nan, int(special.sum()) - nan

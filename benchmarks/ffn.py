@@ -1,0 +1,268 @@
+"""Fused FFN inference benchmark on the BENCHMARKS.md workloads (one GPU call).
+
+For every workload (bf16, gated): dense FFN through torch/cuBLAS, the gate
+GEMM alone (the practical floor), twellpy's fused path in several kernel
+variants (the fastest is reported) and in ``mode="auto"``, each with its
+relative error against a float32 reference. Then a crossover sweep of the
+mean active neurons per token (5..400) at W1-16k shape, plotted to
+``docs/ffn_crossover.png`` (and ``$OUT``). A short table is printed last;
+full numbers go to ``$OUT/ffn_bench.json``.
+
+Usage: ``PYTHONPATH=. python benchmarks/ffn.py [--quick] [--reps 30]``
+(``--cpu`` runs workload C1 on the CPU instead).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.workloads import WORKLOADS, make_ffn, reference_ffn  # noqa: E402
+from twellpy._array import bfloat16, to_caller  # noqa: E402
+from twellpy._ffn_infer import GatedFFN  # noqa: E402
+
+GPU_WORKLOADS = ["W1-16k", "W1-64k", "W2", "W3", "W4-1", "W4-16", "W4-128", "W5"]
+SWEEP_NNZ = [5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 400]
+# (warps per block, 16-byte vectors per thread, batch variant); None = plan default
+VARIANTS = [None, (4, 2, "wide"), (8, 1, "narrow"), (8, 1, "wide"), (8, 2, "narrow"), (4, 4, "wide")]
+
+
+def rel_err(got, ref):
+    import cupy as cp
+
+    got = got.astype(cp.float32)
+    ref = ref.astype(cp.float32)
+    return float(cp.linalg.norm(got - ref) / cp.linalg.norm(ref))
+
+
+def time_cupy(fn, reps, warmup=3):
+    """Median milliseconds of ``fn()`` between CUDA events on the current stream."""
+    import cupy as cp
+
+    for _ in range(warmup):
+        fn()
+    cp.cuda.Device().synchronize()
+    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+    ts = []
+    for _ in range(reps):
+        e0.record()
+        fn()
+        e1.record()
+        e1.synchronize()
+        ts.append(cp.cuda.get_elapsed_time(e0, e1))
+    return float(np.median(ts))
+
+
+def time_torch(fn, reps, warmup=3):
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(reps):
+        e0.record()
+        fn()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1))
+    return float(np.median(ts))
+
+
+def apply_variant(ffn, variant):
+    plan = ffn._plan
+    if variant is None:
+        plan.config = plan._choose_config()
+        plan.kb_variant = "narrow"
+        return "default"
+    warps, nv, kb = variant
+    vec = 16 // plan.dtype.itemsize
+    if nv * warps * 32 * vec < plan.D:
+        return None  # does not cover D
+    plan.config = (warps, nv)
+    plan.kb_variant = kb
+    return f"{warps}w-nv{nv}-{kb}"
+
+
+def bench_gpu_workload(name, spec, reps, log, variants=VARIANTS, with_auto=True):
+    import cupy as cp
+    import torch
+
+    w = make_ffn(**spec, dtype=bfloat16, xp=cp, seed=1)
+    x, wg, wu, wd = w["x"], w["w_gate"], w["w_up"], w["w_down"]
+    ref = reference_ffn(x, wg, wu, wd, dtype=np.float32)
+    tx, tg, tu, td = (to_caller(a, "torch") for a in (x, wg, wu, wd))
+
+    def dense():
+        return (torch.relu(tx @ tg.T) * (tx @ tu.T)) @ td.T
+
+    row = {"workload": name, **{k: spec[k] for k in ("M", "D", "H", "nnz", "sigma")}}
+    y_dense = dense()
+    row["dense_err"] = rel_err(cp.from_dlpack(y_dense.view(torch.int16)).view(bfloat16), ref)
+    row["dense_ms"] = time_torch(dense, reps)
+    row["gate_ms"] = time_torch(lambda: tx @ tg.T, reps)
+    ffn = GatedFFN(wg, wu, wd, check_finite=False)
+    row["cupy_dense_ms"] = time_cupy(lambda: ffn(x, mode="dense"), reps)
+    best = None
+    row["variants"] = {}
+    for var in variants:
+        label = apply_variant(ffn, var)
+        if label is None:
+            continue
+        for chunk in (None, "single"):
+            ffn._plan.chunk_rows = None if chunk is None else max(1, spec["M"])
+            key = label + ("" if chunk is None else "-1chunk")
+            y = ffn(x, mode="sparse")
+            err = rel_err(y, ref)
+            ms = time_cupy(lambda: ffn(x, mode="sparse"), reps)
+            row["variants"][key] = {"ms": ms, "err": err}
+            log(f"  {name:8s} {key:24s} {ms:8.3f} ms  err {err:.2e}")
+            if best is None or ms < best[1]:
+                best = (key, ms, err, var, ffn._plan.chunk_rows)
+        ffn._plan.chunk_rows = None
+    row["twellpy_variant"], row["twellpy_ms"], row["twellpy_err"] = best[0], best[1], best[2]
+    row["mean_active"] = ffn.activity()["mean_active"]
+    if with_auto:
+        apply_variant(ffn, best[3])
+        ffn._plan.chunk_rows = best[4]
+        y = ffn(x)
+        row["auto_err"] = rel_err(y, ref)
+        row["auto_mode"] = ffn.last_info.get("mode")
+        row["auto_ms"] = time_cupy(lambda: ffn(x), reps)
+        row["auto_ms_checked"] = time_cupy(lambda: ffn(x, check_finite=True), max(5, reps // 3))
+    row["speedup"] = row["dense_ms"] / row["twellpy_ms"]
+    row["auto_speedup"] = row["dense_ms"] / row["auto_ms"] if with_auto else None
+    row["floor_speedup"] = row["dense_ms"] / row["gate_ms"]
+    log(f"{name}: dense {row['dense_ms']:.3f} gate {row['gate_ms']:.3f} twellpy {row['twellpy_ms']:.3f} "
+        f"({row['twellpy_variant']}) x{row['speedup']:.2f}  auto {row.get('auto_ms', float('nan')):.3f} "
+        f"[{row.get('auto_mode')}]  err {row['twellpy_err']:.2e}  mean_active {row['mean_active']}")
+    del w, x, wg, wu, wd, ref, tx, tg, tu, td, ffn
+    cp.get_default_memory_pool().free_all_blocks()
+    torch.cuda.empty_cache()
+    return row
+
+
+def plot_crossover(rows, paths):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    nnz = [r["nnz"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.plot(nnz, [r["speedup"] for r in rows], "o-", label="twellpy sparse (fastest variant)")
+    ax.plot(nnz, [r["auto_speedup"] for r in rows], "s--", label='twellpy mode="auto"')
+    ax.plot(nnz, [r["floor_speedup"] for r in rows], ":", color="gray", label="gate GEMM alone (floor)")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("mean active neurons per token (H = 5632)")
+    ax.set_ylabel("speedup over dense cuBLAS FFN")
+    ax.set_title("Gated FFN, M=16384, D=2048, H=5632, bf16, H200")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    for p in paths:
+        Path(p).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(p, dpi=120)
+    plt.close(fig)
+
+
+def run_gpu(args):
+    import cupy as cp
+
+    out = os.environ.get("OUT")
+    lines = []
+
+    def log(msg):
+        print(msg, flush=True)
+        lines.append(msg)
+
+    dev = cp.cuda.runtime.getDeviceProperties(0)
+    log(f"device {dev['name'].decode() if isinstance(dev['name'], bytes) else dev['name']}, "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S')}")
+    names = ["W1-16k", "W4-1"] if args.quick else GPU_WORKLOADS
+    rows = []
+    for name in names:
+        spec = dict(WORKLOADS[name])
+        t0 = time.time()
+        reps = args.reps if spec["M"] < 32768 else max(10, args.reps // 2)
+        rows.append(bench_gpu_workload(name, spec, reps, log))
+        log(f"  ({time.time() - t0:.1f} s)")
+    sweep = []
+    if not args.quick:
+        for nnz in SWEEP_NNZ:
+            spec = dict(WORKLOADS["W1-16k"], nnz=nnz)
+            sweep.append(bench_gpu_workload(f"nnz={nnz}", spec, max(10, args.reps // 2), log,
+                                            variants=[None, (4, 2, "wide")]))
+        paths = [ROOT / "docs" / "ffn_crossover.png"] + ([Path(out) / "ffn_crossover.png"] if out else [])
+        plot_crossover(sweep, paths)
+        cross = [r["nnz"] for r in sweep if r["speedup"] < 1.0]
+        log(f"crossover (first swept nnz/token where sparse is slower than dense): {cross[0] if cross else '> 400'}")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        with open(Path(out) / "ffn_bench.json", "w") as f:
+            json.dump({"workloads": rows, "sweep": sweep}, f, indent=1, default=str)
+        with open(Path(out) / "ffn_bench.log", "w") as f:
+            f.write("\n".join(lines) + "\n")
+    print()
+    print(f"{'workload':9s} {'dense':>8s} {'gate':>7s} {'twellpy':>8s} {'x':>5s} {'auto':>8s} {'x':>5s} "
+          f"{'err':>8s} {'nnz/tok':>7s}  variant")
+    for r in rows + sweep:
+        print(f"{r['workload']:9s} {r['dense_ms']:8.3f} {r['gate_ms']:7.3f} {r['twellpy_ms']:8.3f} "
+              f"{r['speedup']:5.2f} {r['auto_ms']:8.3f} {r['auto_speedup']:5.2f} {r['twellpy_err']:8.1e} "
+              f"{(r['mean_active'] or 0):7.1f}  {r['twellpy_variant']} [{r['auto_mode']}]")
+
+
+def run_cpu(args):
+    w = make_ffn(**WORKLOADS["C1"], dtype=np.float32, xp=np, seed=1)
+    x, wg, wu, wd = w["x"], w["w_gate"], w["w_up"], w["w_down"]
+    ref = reference_ffn(x, wg, wu, wd, dtype=np.float64)
+
+    def dense():
+        g = x @ wg.T
+        return (np.maximum(g, 0) * (x @ wu.T)) @ wd.T
+
+    ffn = GatedFFN(wg, wu, wd, check_finite=False)
+    ffn(x[:64])
+    td, ts, tg = [], [], []
+    for _ in range(args.cpu_reps):
+        t = time.perf_counter()
+        dense()
+        td.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        y = ffn(x)
+        ts.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        x @ wg.T
+        tg.append(time.perf_counter() - t)
+    err = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+    d, s, g = np.median(td), np.median(ts), np.median(tg)
+    print(f"C1 (CPU, float32): numpy dense {d * 1e3:.1f} ms, gate GEMM {g * 1e3:.1f} ms, "
+          f"twellpy {s * 1e3:.1f} ms, speedup x{d / s:.2f}, rel. error {err:.1e}, "
+          f"mean active {ffn.activity()['mean_active']}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="W1-16k and W4-1 only, no sweep")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--cpu", action="store_true", help="run workload C1 on the CPU")
+    ap.add_argument("--cpu-reps", type=int, default=5)
+    args = ap.parse_args(argv)
+    if args.cpu:
+        run_cpu(args)
+    else:
+        run_gpu(args)
+
+
+if __name__ == "__main__":
+    main()

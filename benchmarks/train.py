@@ -1,0 +1,226 @@
+"""Training-step benchmark: twellpy sparse FFN forward+backward vs dense torch autograd.
+
+One command on the GPU machine::
+
+    PYTHONPATH=. python benchmarks/train.py [--workloads W1-16k W2] [--reps 30]
+
+For each workload (BENCHMARKS.md recipe, bf16) it times, with CUDA events
+(median of ``--reps`` after warm-up):
+
+* twellpy ``gated_forward_train`` + ``gated_backward`` (l1 = 2e-5), also the
+  forward and backward alone, and the dense gate GEMM alone (the floor);
+* dense forward+backward through torch autograd in bf16 (same inputs,
+  shared through DLPack, same L1 penalty).
+
+It reports the relative error of y and of every gradient for both against a
+float32 torch autograd reference (TF32 off), and the extra peak device
+memory of each step: peak during forward+backward minus what existed before
+(inputs, weights, dy) minus the outputs (y and the gradients). twellpy's is
+measured with a CuPy memory hook on its pool, torch's with
+``torch.cuda.max_memory_allocated``. A short table is printed last; full
+numbers go to ``$OUT/train_bench.json`` when ``$OUT`` is set.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.workloads import WORKLOADS, make_ffn  # noqa: E402
+from twellpy import _ffn_train as T  # noqa: E402
+from twellpy._array import bfloat16  # noqa: E402
+
+L1 = 2e-5
+
+
+def _cp():
+    import cupy
+
+    return cupy
+
+
+def time_ms(fn, reps, warmup=3):
+    """Median wall time of ``fn`` on the device (CUDA events), in ms."""
+    cp = _cp()
+    for _ in range(warmup):
+        fn()
+    cp.cuda.Device().synchronize()
+    ts = []
+    for _ in range(reps):
+        s, e = cp.cuda.Event(), cp.cuda.Event()
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        ts.append(cp.cuda.get_elapsed_time(s, e))
+    return statistics.median(ts), min(ts), max(ts)
+
+
+class PeakHook:
+    """CuPy memory hook tracking bytes handed out by the pool (current and peak)."""
+
+    def __new__(cls):
+        cp = _cp()
+
+        class _Hook(cp.cuda.MemoryHook):
+            name = "twellpy_peak"
+
+            def __init__(self):
+                self.live = {}
+                self.cur = 0
+                self.peak = 0
+
+            def malloc_postprocess(self, **kw):
+                self.live[kw["mem_ptr"]] = kw["mem_size"]
+                self.cur += kw["mem_size"]
+                self.peak = max(self.peak, self.cur)
+
+            def free_postprocess(self, **kw):
+                self.cur -= self.live.pop(kw["mem_ptr"], 0)
+
+        return _Hook()
+
+
+def to_torch(a):
+    import torch
+
+    if a.dtype == bfloat16:
+        return torch.from_dlpack(a.view(_cp().int16)).view(torch.bfloat16)
+    return torch.from_dlpack(a)
+
+
+def rel(a, b):
+    import torch
+
+    a = a.float()
+    b = b.float()
+    return float(torch.linalg.norm(a - b) / torch.linalg.norm(b))
+
+
+def bench(name, reps):
+    import torch
+
+    cp = _cp()
+    spec = WORKLOADS[name]
+    from twellpy.backends import cuda_train as ct
+
+    w = make_ffn(**spec, dtype=np.float32, xp=cp, seed=0)
+    # bf16 through twellpy's cast kernel: works whatever CuPy's bfloat16 support is
+    x, wg, wu, wd = (ct.from_acc(w[k], bfloat16) for k in ("x", "w_gate", "w_up", "w_down"))
+    del w
+    M, D = x.shape
+    dy = ct.from_acc(cp.random.default_rng(5).standard_normal((M, D), dtype=cp.float32) / np.float32(np.sqrt(M)),
+                     bfloat16)
+    res = {"workload": name, **spec}
+
+    # ---------------- twellpy
+    def tw_step():
+        y, ctx = T.gated_forward_train(x, wg, wu, wd, l1=L1, check_finite=False)
+        return (y,) + T.gated_backward(ctx, dy)
+
+    def tw_fwd():
+        return T.gated_forward_train(x, wg, wu, wd, l1=L1, check_finite=False)
+
+    t0 = time.perf_counter()
+    outs = tw_step()  # compiles kernels
+    res["tw_first_call_s"] = time.perf_counter() - t0
+    y, ctx = tw_fwd()
+    res["tw_width"] = ctx.stats["width"]
+    res["tw_backup_rows"] = ctx.stats["n_backup_rows"]
+    res["l0"] = ctx.stats["l0"]
+    res["tw_ms"] = time_ms(tw_step, reps)
+    res["tw_fwd_ms"] = time_ms(tw_fwd, reps)
+    res["tw_bwd_ms"] = time_ms(lambda: T.gated_backward(ctx, dy), reps)
+    del ctx, y
+    res["gate_gemm_ms"] = time_ms(lambda: ct.gemm(x, wg.T, bfloat16), reps)
+
+    # memory: pool bytes in use during one step, minus the outputs it returns
+    del outs
+    cp.cuda.Device().synchronize()
+    hook = PeakHook()
+    with hook:
+        base = hook.cur
+        outs = tw_step()
+        cp.cuda.Device().synchronize()
+    out_bytes = sum(o.nbytes for o in outs)
+    res["tw_extra_peak_MB"] = (hook.peak - base - out_bytes) / 2**20
+    tw_outs = outs
+
+    # ---------------- torch dense (bf16 autograd) and the fp32 reference
+    tt = [to_torch(a) for a in (x, wg, wu, wd, dy)]
+
+    def torch_step(dtype=torch.bfloat16, keep=False):
+        xs, wgs, wus, wds = (t.to(dtype).detach().requires_grad_(True) for t in tt[:4])
+        h = torch.relu(xs @ wgs.T) * (xs @ wus.T)
+        yy = h @ wds.T
+        pen = L1 * h.abs().sum() / M
+        torch.autograd.backward([yy, pen], [tt[4].to(dtype), torch.ones_like(pen)])
+        return (yy.detach(), xs.grad, wgs.grad, wus.grad, wds.grad)
+
+    res["torch_ms"] = time_ms(torch_step, reps)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    t_outs = torch_step()
+    torch.cuda.synchronize()
+    # requires_grad leaves are fresh copies of the inputs inside torch_step (.to
+    # of a bf16 tensor is a no-op view, .detach() shares storage), so nothing
+    # besides intermediates and outputs is allocated by torch here
+    out_bytes = sum(o.numel() * o.element_size() for o in t_outs)
+    res["torch_extra_peak_MB"] = (torch.cuda.max_memory_allocated() - base - out_bytes) / 2**20
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref = torch_step(torch.float32)
+    names = ("y", "dx", "dw_gate", "dw_up", "dw_down")
+    res["tw_rel_err"] = {n: rel(to_torch(o), r) for n, o, r in zip(names, tw_outs, ref)}
+    res["torch_rel_err"] = {n: rel(o, r) for n, o, r in zip(names, t_outs, ref)}
+    del ref, t_outs, tw_outs
+    torch.cuda.empty_cache()
+    res["speedup"] = res["torch_ms"][0] / res["tw_ms"][0]
+    res["mem_ratio"] = res["tw_extra_peak_MB"] / max(res["torch_extra_peak_MB"], 1e-9)
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", nargs="+", default=["W1-16k", "W2"])
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args(argv)
+    cp = _cp()
+    dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    results = []
+    for name in args.workloads:
+        r = bench(name, args.reps)
+        print(json.dumps(r), flush=True)
+        results.append(r)
+        cp.get_default_memory_pool().free_all_blocks()
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "train_bench.json").write_text(json.dumps({"device": dev, "results": results}, indent=1))
+    print(f"\ntraining fwd+bwd, gated FFN, bf16, l1={L1}, {dev}")
+    print(f"{'workload':9} {'l0':>6} {'W':>4} {'R':>5} {'dense ms':>9} {'twellpy ms':>10} {'(fwd/bwd)':>13} "
+          f"{'speedup':>7} {'gate GEMM':>9} {'mem dense MB':>12} {'mem tw MB':>9} {'ratio':>5} "
+          f"{'max rel err tw / dense':>22}")
+    for r in results:
+        e_tw = max(r["tw_rel_err"].values())
+        e_d = max(r["torch_rel_err"].values())
+        print(f"{r['workload']:9} {r['l0']:6.1f} {r['tw_width']:4d} {r['tw_backup_rows']:5d} "
+              f"{r['torch_ms'][0]:9.3f} {r['tw_ms'][0]:10.3f} "
+              f"{r['tw_fwd_ms'][0]:6.2f}/{r['tw_bwd_ms'][0]:<6.2f} {r['speedup']:6.2f}x "
+              f"{r['gate_gemm_ms'][0]:9.3f} {r['torch_extra_peak_MB']:12.0f} {r['tw_extra_peak_MB']:9.0f} "
+              f"{r['mem_ratio']:5.2f} {e_tw:10.2e} / {e_d:9.2e}")
+    print("targets: speedup >= 2.0x at W1-16k, >= 1.2x at W2; memory ratio <= 0.5; rel err <= 1e-2")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+"""CPU tests of the fused FFN inference (twellpy._ffn_infer + backends/cpu_ffn)."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from benchmarks.workloads import find_threshold, make_ffn, make_inputs, reference_ffn
+from conftest import RTOL, rel_err
+from twellpy._array import bfloat16
+from twellpy._ffn_infer import GatedFFN, ReluFFN, gated_forward, relu_forward
+from twellpy.backends import cpu_ffn
+
+ALL_DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), bfloat16]
+
+
+def ref64(w, gated=True):
+    return reference_ffn(w["x"], w["w_gate"] if gated else None, w["w_up"], w["w_down"], dtype=np.float64)
+
+
+def run(w, gated=True, **kw):
+    if gated:
+        return gated_forward(w["x"], w["w_gate"], w["w_up"], w["w_down"], **kw)
+    return relu_forward(w["x"], w["w_up"], w["w_down"], **kw)
+
+
+def h_ref64(w, gated=True):
+    x = w["x"].astype(np.float64)
+    if gated:
+        g = x @ w["w_gate"].astype(np.float64).T
+        return np.where(g <= 0, 0, g * (x @ w["w_up"].astype(np.float64).T))
+    g = x @ w["w_up"].astype(np.float64).T
+    return np.where(g <= 0, 0, g)
+
+
+# ---- exactness against a float64 reference -------------------------------------------
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("mode", ["sparse", "dense", "auto"])
+def test_matches_float64_reference(dtype, gated, mode):
+    w = make_ffn(301, 48, 200, 12, sigma=0.2, gated=gated, dtype=dtype, seed=1)
+    y = run(w, gated, mode=mode)
+    assert isinstance(y, np.ndarray) and y.dtype == dtype and y.shape == (301, 48)
+    assert np.isfinite(y.astype(np.float64)).all()
+    assert rel_err(y, ref64(w, gated)) <= max(RTOL[dtype], 1e-6 if dtype == np.float32 else 0)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_sparse_equals_dense_mode(gated):
+    w = make_ffn(257, 64, 256, 20, sigma=0.3, gated=gated, dtype=np.float64, seed=2)
+    ys = run(w, gated, mode="sparse")
+    yd = run(w, gated, mode="dense")
+    assert rel_err(ys, yd) <= 1e-12
+
+
+def test_workload_generator_hits_target_density():
+    w = make_ffn(2048, 128, 1024, 30, seed=3)
+    g = w["x"].astype(np.float64) @ w["w_gate"].astype(np.float64).T
+    mean = (g > 0).sum(axis=1).mean()
+    assert 27 <= mean <= 33
+    x = make_inputs(16, 8, sigma=0.5, seed=0)
+    assert (x[:, 0] == 1).all() and x.dtype == np.float32
+    # threshold is monotone: a higher target gives a lower threshold
+    wg = np.random.default_rng(0).standard_normal((64, 8)).astype(np.float32)
+    assert find_threshold(x, wg, 10) < find_threshold(x, wg, 2)
+
+
+def test_tokens_firing_many_neurons_and_uneven_rows():
+    w = make_ffn(64, 32, 512, 10, dtype=np.float32, seed=4)
+    x = w["x"].copy()
+    x[3, 0] = 0.0     # no threshold: about half of the neurons fire
+    x[7, 0] = -5.0    # almost every neuron fires
+    x[8, :] = 0.0     # nothing fires... and x[8, 0] = 0 keeps it that way
+    w["x"] = x
+    fired = (x.astype(np.float64) @ w["w_gate"].astype(np.float64).T > 0).sum(axis=1)
+    assert fired[3] > 150 and fired[7] > 450 and fired[8] == 0
+    y, h = run(w, return_activations=True, slots=4, tile=64)
+    assert rel_err(y, ref64(w)) <= 1e-6
+    assert np.all(y[8] == 0)
+    # rows over the 4-slot capacity live in the dense backup, nothing is lost
+    assert 3 in h.backup_rows and 7 in h.backup_rows
+    assert rel_err(h.toarray(), h_ref64(w)) <= 1e-6
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
+def test_return_activations(gated, dtype):
+    w = make_ffn(123, 40, 300, 25, sigma=0.3, gated=gated, dtype=dtype, seed=5)
+    y, h = run(w, gated, return_activations=True, slots=8, tile=32)
+    assert h.format == "twell" and h.shape == (123, 300) and h.dtype == dtype
+    assert h.tile == 32 and h.values.shape == (123, 10, 8)
+    assert rel_err(h.toarray(), h_ref64(w, gated)) <= RTOL[dtype]
+    # padding is 0 / -1, entries are sorted inside each (row, tile)
+    live = np.arange(8)[None, None, :] < h.counts[:, :, None]
+    assert (h.indices[~live] == -1).all() and (h.values[~live].astype(np.float32) == 0).all()
+    idx = np.where(live, h.indices, np.iinfo(np.int32).max)
+    assert (np.diff(idx, axis=2)[live[:, :, 1:]] > 0).all()
+    y2 = run(w, gated)
+    np.testing.assert_array_equal(y.view(np.uint8), y2.view(np.uint8))
+
+
+@pytest.mark.parametrize("M", [0, 1, 2, 1025])
+def test_row_counts(M):
+    w = make_ffn(max(M, 1), 16, 64, 5, dtype=np.float32, seed=M)
+    x = w["x"][:M]
+    y = gated_forward(x, w["w_gate"], w["w_up"], w["w_down"])
+    assert y.shape == (M, 16) and y.dtype == np.float32
+    if M:
+        assert rel_err(y, reference_ffn(x, w["w_gate"], w["w_up"], w["w_down"], dtype=np.float64)) <= 1e-6
+    y, h = gated_forward(x, w["w_gate"], w["w_up"], w["w_down"], return_activations=True)
+    assert h.shape == (M, 64)
+
+
+def test_batch_dims_and_odd_shapes():
+    w = make_ffn(30, 13, 37, 6, dtype=np.float64, seed=6)   # D, H not multiples of 8: still exact
+    assert rel_err(run(w), ref64(w)) <= 1e-12
+    y3 = gated_forward(w["x"].reshape(2, 3, 5, 13), w["w_gate"], w["w_up"], w["w_down"])
+    assert y3.shape == (2, 3, 5, 13)
+    np.testing.assert_array_equal(y3.reshape(30, 13), run(w))
+    y1 = gated_forward(w["x"][4], w["w_gate"], w["w_up"], w["w_down"])   # one token, 1-D
+    assert y1.shape == (13,)
+    np.testing.assert_allclose(y1, run(w)[4], rtol=1e-12, atol=1e-14)
+
+
+def test_deterministic_bits():
+    w = make_ffn(600, 64, 512, 30, sigma=0.3, dtype=np.float32, seed=7)
+    ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"], mode="sparse")
+    a, b = ffn(w["x"]), ffn(w["x"])
+    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_auto_mode_switches_to_dense_when_dense():
+    w = make_ffn(2048, 32, 256, 120, dtype=np.float32, seed=8)
+    ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"])
+    y = ffn(w["x"])
+    assert ffn.last_info["mode"] == "sparse+dense"
+    assert ffn.last_info["mean_active"] > ffn.auto_threshold
+    assert rel_err(y, ref64(w)) <= 1e-6
+    w = make_ffn(2048, 32, 256, 3, dtype=np.float32, seed=8)
+    ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"])
+    ffn(w["x"])
+    assert ffn.last_info["mode"] == "sparse"
+    assert 1 <= ffn.activity()["mean_active"] <= 6
+    ffn.auto_threshold = 0.5
+    ffn(w["x"])
+    assert ffn.last_info["mode"] == "sparse+dense"
+
+
+def test_reusable_object_matches_functional():
+    w = make_ffn(100, 32, 128, 10, dtype=bfloat16, seed=9)
+    ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"])
+    assert "GatedFFN(D=32, H=128" in repr(ffn)
+    np.testing.assert_array_equal(ffn(w["x"]).view(np.uint16), run(w).view(np.uint16))
+    r = ReluFFN(w["w_up"], w["w_down"], mode="dense")
+    assert "ReluFFN" in repr(r)
+    np.testing.assert_array_equal(r(w["x"]).view(np.uint16), run(w, False, mode="dense").view(np.uint16))
+
+
+# ---- NaN semantics ----------------------------------------------------------------
+
+def test_nan_propagates_with_check_finite_false():
+    w = make_ffn(40, 16, 64, 8, dtype=np.float64, seed=10)
+    x = w["x"].copy()
+    x[3, 7] = np.nan
+    wu = w["w_up"].copy()
+    wu[11, 2] = np.nan
+    with pytest.raises(ValueError, match="x contains 1 NaN"):
+        gated_forward(x, w["w_gate"], w["w_up"], w["w_down"])
+    with pytest.raises(ValueError, match="w_up contains 1 NaN"):
+        gated_forward(w["x"], w["w_gate"], wu, w["w_down"])
+    for mode in ("sparse", "dense"):
+        y = gated_forward(x, w["w_gate"], wu, w["w_down"], check_finite=False, mode=mode)
+        ref = reference_ffn(x, w["w_gate"], wu, w["w_down"], dtype=np.float64)
+        np.testing.assert_array_equal(np.isnan(y), np.isnan(ref))
+        assert np.isnan(y[3]).all()          # relu(NaN) = NaN is active everywhere
+        ok = ~np.isnan(ref).any(axis=1)
+        assert ok.sum() > 20
+        assert rel_err(y[ok], ref[ok]) <= 1e-12
+
+
+def test_nan_gate_counts_as_active_in_activation():
+    w = make_ffn(6, 8, 32, 4, gated=False, dtype=np.float32, seed=11)
+    wu = w["w_up"].copy()
+    wu[5, 3] = np.nan   # neuron 5 is NaN for every token
+    y, h = relu_forward(w["x"], wu, w["w_down"], check_finite=False, return_activations=True)
+    dense_h = h.toarray()
+    assert np.isnan(dense_h[:, 5]).all()
+    assert np.isnan(y).all()
+
+
+# ---- bad input ----------------------------------------------------------------------
+
+def test_bad_shapes_and_dtypes_name_the_argument():
+    w = make_ffn(4, 16, 32, 4, dtype=np.float32, seed=12)
+    x, wg, wu, wd = w["x"], w["w_gate"], w["w_up"], w["w_down"]
+    with pytest.raises(ValueError, match=r"w_gate has shape \(32, 15\), expected \(32, 16\)"):
+        gated_forward(x, wg[:, :15], wu, wd)
+    with pytest.raises(ValueError, match=r"w_down has shape \(32, 16\), expected \(16, 32\)"):
+        gated_forward(x, wg, wu, wd.T)
+    with pytest.raises(ValueError, match=r"x has shape \(4, 15\), expected \(\.\.\., 16\)"):
+        gated_forward(x[:, :15], wg, wu, wd)
+    with pytest.raises(ValueError, match="w_up must be 2-D"):
+        gated_forward(x, wg, wu[0], wd)
+    with pytest.raises(TypeError, match="x has dtype float64 but the weights have dtype float32"):
+        gated_forward(x.astype(np.float64), wg, wu, wd)
+    with pytest.raises(TypeError, match="w_down has dtype float16 but w_gate has dtype float32"):
+        gated_forward(x, wg, wu, wd.astype(np.float16))
+    with pytest.raises(TypeError, match="w_up has dtype int32"):
+        gated_forward(x, wg, wu.astype(np.int32), wd)
+    with pytest.raises(TypeError, match="x has dtype int64"):
+        gated_forward(np.ones((2, 16), np.int64), wg, wu, wd)
+    with pytest.raises(TypeError, match="w_gate must be an array, got None"):
+        gated_forward(x, None, wu, wd)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        gated_forward(x, wg, wu, wd, mode="fast")
+    with pytest.raises(ValueError, match="slots must be a positive integer"):
+        gated_forward(x, wg, wu, wd, slots=0)
+    with pytest.raises(ValueError, match="tile must be a positive integer"):
+        GatedFFN(wg, wu, wd, tile=2.5)
+    with pytest.raises(ValueError, match="w_up has shape"):
+        relu_forward(x, np.zeros((0, 16), np.float32), np.zeros((16, 0), np.float32))
+    with pytest.raises(ValueError, match="heavy_limit must be None or an int"):
+        GatedFFN(wg, wu, wd).heavy_limit = 5000
+    with pytest.raises(ValueError, match="x must have at least 1 dimension"):
+        gated_forward(np.float32(1.0), wg, wu, wd)
+
+
+def test_inf_in_weights_rejected_by_default():
+    w = make_ffn(4, 16, 32, 4, dtype=np.float32, seed=13)
+    wd = w["w_down"].copy()
+    wd[0, 0] = np.inf
+    with pytest.raises(ValueError, match="w_down contains 0 NaN and 1 Inf"):
+        GatedFFN(w["w_gate"], w["w_up"], wd)
+
+
+# ---- CPU kernel directly; random shapes ------------------------------------------------
+
+@settings(max_examples=30, deadline=None)
+@given(M=st.integers(0, 40), D=st.integers(1, 24), H=st.integers(1, 70),
+       nnz=st.floats(0.5, 20), gated=st.booleans(), seed=st.integers(0, 2**16))
+def test_random_shapes(M, D, H, nnz, gated, seed):
+    w = make_ffn(max(M, 1), D, H, min(nnz, H), gated=gated, dtype=np.float64, seed=seed, sample_rows=64)
+    w["x"] = w["x"][:M]
+    y, h = run(w, gated, return_activations=True, slots=3, tile=16)
+    assert y.shape == (M, D)
+    if M:
+        assert rel_err(y, ref64(w, gated)) <= 1e-12
+        assert rel_err(h.toarray(), h_ref64(w, gated)) <= 1e-12
+
+
+def test_pack_activation_layout():
+    h = np.zeros((3, 10), np.float32)
+    h[0, [1, 4, 9]] = [1.0, -2.0, 3.0]
+    h[1, :] = np.arange(1, 11)          # 5 per tile of 5 > slots=2: backup row
+    h[2, 7] = np.nan                    # NaN is a stored non-zero
+    values, indices, counts, backup, rows = cpu_ffn.pack_activation(h, 5, 2)
+    assert values.shape == (3, 2, 2) and counts.tolist() == [[2, 1], [0, 0], [0, 1]]
+    assert indices[0].tolist() == [[1, 4], [9, -1]]
+    assert values[0].tolist() == [[1.0, -2.0], [3.0, 0.0]]
+    assert rows.tolist() == [1] and backup.shape == (1, 10) and (backup[0] == h[1]).all()
+    assert (indices[1] == -1).all() and (values[1] == 0).all()
+    assert indices[2, 1, 0] == 7 and np.isnan(values[2, 1, 0])

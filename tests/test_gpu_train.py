@@ -1,0 +1,230 @@
+"""GPU tests of the training step and primitives: float64 reference, CPU backend,
+torch autograd; outputs come from a memory pool poisoned with NaN first."""
+import numpy as np
+import pytest
+
+import twellpy as tw
+from twellpy import _ffn_train as T
+from twellpy import ops
+from twellpy._array import bfloat16
+
+from _train_ref import dense_gated, dense_relu, f64, make_problem, to_gpu
+
+pytestmark = pytest.mark.gpu
+
+TOL = {np.dtype(np.float32): 1e-5, bfloat16: 1e-2, np.dtype(np.float64): 1e-10}
+
+
+def poison():
+    """Fill free pool memory with NaN so unwritten outputs cannot pass."""
+    import cupy as cp
+
+    a = cp.full((1 << 27,), cp.nan, dtype=cp.float32)  # 512 MiB, returned to the pool
+    del a
+
+
+def rel(got, ref):
+    got, ref = f64(got), f64(ref)
+    den = np.linalg.norm(ref)
+    return float(np.linalg.norm(got - ref) / den) if den else float(np.linalg.norm(got))
+
+
+CASES = {
+    "uniform": dict(M=2048, D=256, H=1024, nnz=30),
+    "uneven03": dict(M=1024, D=256, H=1024, nnz=30, sigma=0.3),
+    "uneven1": dict(M=1024, D=128, H=1024, nnz=30, sigma=1.0),
+    "hot2000": dict(M=256, D=64, H=2304, nnz=20, hot=(17, 2000)),
+    "empty_rows": dict(M=300, D=64, H=512, nnz=10, empty=(0, 5, 299)),
+    "M1": dict(M=1, D=64, H=512, nnz=20),
+    "odd": dict(M=333, D=37, H=301, nnz=9, sigma=0.5),
+    "wide_D": dict(M=256, D=4096, H=11008, nnz=30),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16])
+def test_gated_gpu_matches_reference_and_cpu(case, dtype):
+    import cupy as cp
+
+    host = [a.astype(dtype) for a in make_problem(**CASES[case], seed=11)]
+    dev = [to_gpu(a) for a in host]
+    l1 = 0.05
+    poison()
+    y, ctx = T.gated_forward_train(*dev[:4], l1=l1)
+    poison()
+    grads = T.gated_backward(ctx, dev[4])
+    assert isinstance(y, cp.ndarray)
+    ref = dense_gated(*host, l1)
+    yc, cctx = T.gated_forward_train(*host[:4], l1=l1)
+    cgrads = T.gated_backward(cctx, host[4])
+    for name, got, cpu in zip(("y", "dx", "dw_gate", "dw_up", "dw_down"), (y,) + grads, (yc,) + cgrads):
+        assert got.dtype == dtype and got.shape == ref[name].shape, name
+        assert rel(got, ref[name]) <= TOL[dtype], (name, rel(got, ref[name]))
+        assert rel(got, cpu) <= 2 * TOL[dtype], (name, rel(got, cpu))
+    if dtype == np.float32:
+        np.testing.assert_array_equal(f64(ctx.stats["token_counts"]), ref["token_counts"])
+        np.testing.assert_array_equal(f64(ctx.stats["neuron_counts"]), ref["neuron_counts"])
+    assert ctx.stats["l1"] == pytest.approx(ref["l1"], rel=TOL[dtype])
+
+
+@pytest.mark.parametrize("case", ["uniform", "hot2000", "odd", "M1"])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16])
+def test_relu_gpu_matches_reference(case, dtype):
+    import cupy as cp
+
+    host = [a.astype(dtype) for a in make_problem(**CASES[case], seed=12, gated=False)]
+    dev = [to_gpu(a) for a in host]
+    poison()
+    y, ctx = T.relu_forward_train(*dev[:3], l1=0.1)
+    poison()
+    grads = T.relu_backward(ctx, dev[3])
+    ref = dense_relu(*host, 0.1)
+    for name, got in zip(("y", "dx", "dw_up", "dw_down"), (y,) + grads):
+        assert rel(got, ref[name]) <= TOL[dtype], (name, rel(got, ref[name]))
+
+
+def test_gpu_deterministic_bits():
+    import cupy as cp
+
+    dev = [to_gpu(a.astype(bfloat16)) for a in make_problem(**CASES["uneven03"], seed=13)]
+    outs = []
+    for _ in range(2):
+        poison()
+        y, ctx = T.gated_forward_train(*dev[:4], l1=0.01, deterministic=True)
+        outs.append((y,) + T.gated_backward(ctx, dev[4]))
+    for a, b in zip(*outs):
+        assert bool((a.view(cp.uint16) == b.view(cp.uint16)).all())
+
+
+def test_torch_autograd_cross_check():
+    torch = pytest.importorskip("torch")
+    host = make_problem(M=4096, D=512, H=1408, nnz=30, sigma=0.3, seed=14)
+    l1 = 2e-3
+    tt = [torch.tensor(a, device="cuda", dtype=torch.bfloat16) for a in host]
+    x, wg, wu, wd = (t.clone().requires_grad_(True) for t in tt[:4])
+    dy = tt[4]
+    M = x.shape[0]
+    h = torch.relu(x @ wg.T) * (x @ wu.T)
+    y_t = h @ wd.T
+    pen = l1 * h.abs().sum() / M
+    torch.autograd.backward([y_t, pen], [dy, torch.ones_like(pen)])
+    # twellpy takes the torch tensors directly (DLPack) and returns torch tensors
+    y, ctx = T.gated_forward_train(tt[0], tt[1], tt[2], tt[3], l1=l1)
+    dx, dwg, dwu, dwd = T.gated_backward(ctx, dy)
+    assert isinstance(y, torch.Tensor) and isinstance(dwg, torch.Tensor)
+    ref = dense_gated(*(t.float().cpu().numpy() for t in tt), l1)
+    for name, ours, theirs in (("y", y, y_t), ("dx", dx, x.grad), ("dw_gate", dwg, wg.grad),
+                               ("dw_up", dwu, wu.grad), ("dw_down", dwd, wd.grad)):
+        a = ours.float().cpu().numpy()
+        b = theirs.detach().float().cpu().numpy()
+        assert rel(a, ref[name]) <= 1e-2, (name, rel(a, ref[name]))
+        assert rel(b, ref[name]) <= 1e-2, (name, "torch", rel(b, ref[name]))
+        assert rel(a, b) <= 2e-2, (name, rel(a, b))
+
+
+def test_large_m_and_h():
+    """M = 131072 tokens, H = 11008 neurons (int32 offsets, big grids), bf16."""
+    import cupy as cp
+
+    M, D, H = 131072, 128, 11008
+    rs = cp.random.default_rng(15)
+    x = rs.standard_normal((M, D), dtype=cp.float32)
+    x *= cp.exp(0.3 * rs.standard_normal((M, 1), dtype=cp.float32))
+    x[:, 0] = 1
+    wg = rs.standard_normal((H, D), dtype=cp.float32) / np.sqrt(D - 1)
+    wg[:, 0] = -2.3  # about 1% of 11008 neurons fire per token
+    wu = rs.standard_normal((H, D), dtype=cp.float32) / np.sqrt(D)
+    wd = rs.standard_normal((D, H), dtype=cp.float32) / np.sqrt(H)
+    dy = rs.standard_normal((M, D), dtype=cp.float32)
+    from twellpy.backends import cuda_train as ct
+
+    b = [ct.from_acc(a, bfloat16) for a in (x, wg, wu, wd, dy)]
+    poison()
+    y, ctx = T.gated_forward_train(*b[:4], l1=1e-4)
+    poison()
+    dx, dwg, dwu, dwd = T.gated_backward(ctx, b[4])
+    xf, wgf, wuf, wdf, dyf = (ct.to_acc(a) for a in b)
+    z = xf @ wgf.T
+    pat = z > 0
+    g = cp.where(pat, z, 0)
+    u = xf @ wuf.T
+    hh = g * u
+    del z
+    dh = cp.where(pat, dyf @ wdf + (1e-4 / M) * cp.sign(hh), 0)
+    du, dg = dh * g, dh * u
+    del dh
+    refs = {"y": hh @ wdf.T, "dx": du @ wuf + dg @ wgf, "dw_gate": dg.T @ xf, "dw_up": du.T @ xf,
+            "dw_down": dyf.T @ hh}
+    for name, got in (("y", y), ("dx", dx), ("dw_gate", dwg), ("dw_up", dwu), ("dw_down", dwd)):
+        r = float(cp.linalg.norm(ct.to_acc(got) - refs[name]) / cp.linalg.norm(refs[name]))
+        assert r <= 1e-2, (name, r)
+    assert int(ctx.stats["token_counts"].sum()) == int(pat.sum())
+
+
+# ---------------------------------------------------------------------------
+def _dense_sparse(M, N, density, seed, hot_row=None):
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((M, N)) * (rng.random((M, N)) < density)
+    if hot_row is not None:
+        a[hot_row] = rng.standard_normal(N)
+    if M > 2:
+        a[1] = 0.0
+    return a
+
+
+def _containers(a, dtype):
+    ah = a.astype(dtype)
+    return [tw.ELL.from_dense(ah), tw.TwELL.from_dense(ah, tile=64, slots=4),
+            tw.Hybrid.from_dense(ah, width="auto")]
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16])
+@pytest.mark.parametrize("shape", [(1, 70), (257, 300), (1200, 1000)])
+def test_ops_gpu(dtype, shape):
+    import cupy as cp
+
+    M, N = shape
+    a = _dense_sparse(M, N, 0.03, 16, hot_row=0)
+    tol = 2 * TOL[dtype]
+    for A in _containers(a, dtype):
+        Ad = A.to_device("cuda")
+        ad = f64(A.toarray())
+        rng = np.random.default_rng(17)
+        B = rng.standard_normal((N, 24)).astype(dtype)
+        C = rng.standard_normal((M, 24)).astype(dtype)
+        X = rng.standard_normal((M, 40)).astype(dtype)
+        Y = rng.standard_normal((N, 40)).astype(dtype)
+        poison()
+        got = ops.spmm(Ad, to_gpu(B))
+        assert isinstance(got, cp.ndarray)
+        assert rel(got, ad @ f64(B)) <= tol, A.format
+        poison()
+        assert rel(ops.spmm_t(Ad, to_gpu(C)), ad.T @ f64(C)) <= tol, A.format
+        poison()
+        S = ops.sddmm(to_gpu(X), to_gpu(Y), Ad)
+        assert S.format == A.format and S.device.startswith("cuda")
+        assert rel(S.toarray(), (f64(X) @ f64(Y).T) * (ad != 0)) <= tol, A.format
+        poison()
+        Tt = ops.transpose(Ad)
+        np.testing.assert_array_equal(f64(Tt.toarray()), ad.T)
+        assert Tt.indices.dtype == np.int32
+        if dtype == np.float32:
+            Tc = ops.transpose(Ad, format="csr")
+            np.testing.assert_array_equal(Tc.get().toarray(), ad.T)
+        P = ops.multiply(Ad, Ad)
+        np.testing.assert_allclose(f64(P.toarray()), f64((ad * ad).astype(dtype)), rtol=1e-2)
+
+
+def test_transpose_gpu_many_rows():
+    """A (131072+, N) matrix transposes to (N, M) with int32 indices, deterministically."""
+    import cupy as cp
+    import cupyx.scipy.sparse as csp
+
+    M, N = 140000, 600
+    m = csp.random(M, N, density=0.01, format="csr", dtype=cp.float32, random_state=18)
+    A = tw.Hybrid.from_dense(m.toarray())
+    T1 = ops.transpose(A)
+    T2 = ops.transpose(A)
+    assert T1.shape == (N, M) and T1.indices.dtype == cp.int32
+    assert bool((T1.values == T2.values).all()) and bool((T1.indices == T2.indices).all())
+    np.testing.assert_array_equal(T1.toarray().get(), m.toarray().get().T)
