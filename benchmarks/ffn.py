@@ -31,8 +31,10 @@ from twellpy._ffn_infer import GatedFFN  # noqa: E402
 
 GPU_WORKLOADS = ["W1-16k", "W1-64k", "W2", "W3", "W4-1", "W4-16", "W4-128", "W5"]
 SWEEP_NNZ = [5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 400]
-# (warps per block, 16-byte vectors per thread, batch variant); None = plan default
-VARIANTS = [None, (4, 2, "wide"), (8, 1, "narrow"), (8, 1, "wide"), (8, 2, "narrow"), (4, 4, "wide")]
+# (warps per block, 16-byte vectors per thread, batch variant, L2 evict_last hint);
+# None = plan default; nv=0 = the plan's own choice of warps/nv
+VARIANTS = [None, (0, 0, "narrow", True), (0, 0, "wide", False), (8, 1, "narrow", False),
+            (8, 2, "narrow", False)]
 
 
 def rel_err(got, ref):
@@ -79,18 +81,24 @@ def time_torch(fn, reps, warmup=3):
 
 
 def apply_variant(ffn, variant):
+    from twellpy.backends import cuda_ffn
+
     plan = ffn._plan
     if variant is None:
         plan.config = plan._choose_config()
-        plan.kb_variant = "narrow"
+        plan.kb_variant = cuda_ffn.DEFAULT_KB
+        plan.l2_hint = False
         return "default"
-    warps, nv, kb = variant
+    warps, nv, kb, hint = variant
+    if nv == 0:
+        warps, nv = plan._choose_config()
     vec = 16 // plan.dtype.itemsize
     if nv * warps * 32 * vec < plan.D:
         return None  # does not cover D
     plan.config = (warps, nv)
     plan.kb_variant = kb
-    return f"{warps}w-nv{nv}-{kb}"
+    plan.l2_hint = hint
+    return f"{warps}w-nv{nv}-{kb}" + ("-l2hint" if hint else "")
 
 
 def bench_gpu_workload(name, spec, reps, log, variants=VARIANTS, with_auto=True):
@@ -118,9 +126,13 @@ def bench_gpu_workload(name, spec, reps, log, variants=VARIANTS, with_auto=True)
         label = apply_variant(ffn, var)
         if label is None:
             continue
-        for chunk in (None, "single"):
-            ffn._plan.chunk_rows = None if chunk is None else max(1, spec["M"])
-            key = label + ("" if chunk is None else "-1chunk")
+        chunk_opts = (None, "single", "8") if var is None else (None, "single")
+        for chunk in chunk_opts:
+            if chunk == "8" and spec["M"] < 8 * 256:
+                continue
+            ffn._plan.chunk_rows = {None: None, "single": max(1, spec["M"]),
+                                    "8": -(-spec["M"] // 8)}[chunk]
+            key = label + {None: "", "single": "-1chunk", "8": "-8chunks"}[chunk]
             y = ffn(x, mode="sparse")
             err = rel_err(y, ref)
             ms = time_cupy(lambda: ffn(x, mode="sparse"), reps)
@@ -202,7 +214,7 @@ def run_gpu(args):
         for nnz in SWEEP_NNZ:
             spec = dict(WORKLOADS["W1-16k"], nnz=nnz)
             sweep.append(bench_gpu_workload(f"nnz={nnz}", spec, max(10, args.reps // 2), log,
-                                            variants=[None, (4, 2, "wide")]))
+                                            variants=[None, (0, 0, "narrow", True)]))
         paths = [ROOT / "docs" / "ffn_crossover.png"] + ([Path(out) / "ffn_crossover.png"] if out else [])
         plot_crossover(sweep, paths)
         cross = [r["nnz"] for r in sweep if r["speedup"] < 1.0]

@@ -195,21 +195,31 @@ def main(argv=None):
     for tpw in sorted({1, 2, 4, 8, 16, default_tpw, -(-n // tile)}):
         tc.CONSTRUCT_TILES_PER_WARP = tpw
         sweep[tpw] = timer(lambda: tc.dense_to_twell(hb, tile, slots))
-    tc.CONSTRUCT_TILES_PER_WARP = default_tpw
     t_con = sweep[default_tpw]
     best_tpw = min(sweep, key=sweep.get)
+    # loads in flight per lane (CONSTRUCT_UNROLL, a #define) at the best split
+    tc.CONSTRUCT_TILES_PER_WARP = best_tpw
+    unroll_sweep = {}
+    for unroll in (2, 4, 8):
+        tc.CONSTRUCT_DEFINES = {"CONSTRUCT_UNROLL": unroll}
+        unroll_sweep[unroll] = timer(lambda: tc.dense_to_twell(hb, tile, slots))
+    tc.CONSTRUCT_DEFINES = {}
+    tc.CONSTRUCT_TILES_PER_WARP = default_tpw
+    best_unroll = min(unroll_sweep, key=unroll_sweep.get)
+    t_best = min(sweep[best_tpw], unroll_sweep[best_unroll])
     con_gbs = moved / t_con / 1e6
-    best_gbs = moved / sweep[best_tpw] / 1e6
+    best_gbs = moved / t_best / 1e6
     t_rownnz = timer(lambda: tc.dense_row_nnz(hb))
     t_csr_cupyx = timer(lambda: csp.csr_matrix(h32))
     res["construct"] = {"ms": t_con, "GB/s": con_gbs, "pct_copy": 100 * con_gbs / copy_gbs,
                         "bytes_read": hb.nbytes, "bytes_written": out_bytes,
                         "tiles_per_warp_sweep_ms": sweep, "best_tiles_per_warp": best_tpw,
+                        "unroll_sweep_ms_at_best_split": unroll_sweep, "best_unroll": best_unroll,
                         "best_GB/s": best_gbs, "best_pct_copy": 100 * best_gbs / copy_gbs,
                         "overflow_rows": overflow_rows, "max_tile_count": int(row_max.max()),
                         "dense_row_nnz_ms": t_rownnz, "cupyx_csr_from_dense_fp32_ms": t_csr_cupyx}
     log(f"dense->TwELL (T={tile}, S={slots}): {t_con:.3f} ms = {con_gbs:.0f} GB/s "
-        f"({100 * con_gbs / copy_gbs:.0f}% of copy); best tiles/warp {best_tpw}: {sweep[best_tpw]:.3f} ms "
+        f"({100 * con_gbs / copy_gbs:.0f}% of copy); best tiles/warp {best_tpw}, unroll {best_unroll}: {t_best:.3f} ms "
         f"({100 * best_gbs / copy_gbs:.0f}%); max tile count {int(row_max.max())}, overflow rows {overflow_rows}; "
         f"cupyx csr_matrix(dense fp32) {t_csr_cupyx:.3f} ms")
 
@@ -226,15 +236,18 @@ def main(argv=None):
 
     log("h @ W:")
     default_iters = tc.SPMM_MAX_ITERS
-    iters_sweep = {}
+    record("twellpy twell_spmm bf16 (defaults)", lambda: tc.twell_spmm(vals, idx, counts, wb))
+    iters_sweep = {}  # (strips per warp, loads in flight per lane) -> ms
     for it in (1, 2, 4, 8):
-        tc.SPMM_MAX_ITERS = it
-        iters_sweep[it] = timer(lambda: tc.twell_spmm(vals, idx, counts, wb))
-    best_it = min(iters_sweep, key=iters_sweep.get)
-    tc.SPMM_MAX_ITERS = best_it
+        for loads in (8, 16):  # 32 spills registers at 4+ strips
+            tc.SPMM_MAX_ITERS, tc.SPMM_DEFINES = it, {"SPMM_LOADS": loads}
+            iters_sweep[f"{it}x{loads}"] = timer(lambda: tc.twell_spmm(vals, idx, counts, wb))
+    best_key = min(iters_sweep, key=iters_sweep.get)
+    best_it, best_loads = (int(v) for v in best_key.split("x"))
+    tc.SPMM_MAX_ITERS, tc.SPMM_DEFINES = best_it, {"SPMM_LOADS": best_loads}
     record("twellpy twell_spmm bf16", lambda: tc.twell_spmm(vals, idx, counts, wb),
-           f"(strips/warp {best_it}; sweep {', '.join(f'{k}:{v:.3f}' for k, v in iters_sweep.items())})")
-    tc.SPMM_MAX_ITERS = default_iters
+           f"(best strips x loads {best_key}; sweep {', '.join(f'{k}:{v:.3f}' for k, v in iters_sweep.items())})")
+    tc.SPMM_MAX_ITERS, tc.SPMM_DEFINES = default_iters, {}
     v2, i2 = vals.reshape(m, -1), idx.reshape(m, -1)
     record("twellpy slots_spmm bf16 (no counts)", lambda: tc.slots_spmm(v2, i2, wb))
     label, dense_fn = dense_matmul_bf16(cp, hb, wb)
@@ -259,7 +272,7 @@ def main(argv=None):
                 log(f"  torch CSR {tname} unavailable: {type(exc).__name__}: {exc}")
     except ImportError:
         log("  torch not importable: no torch CSR baseline")
-    res["spmm"] = {"iters_sweep_ms": iters_sweep, "best_iters": best_it, "results": prod}
+    res["spmm"] = {"strips_x_loads_sweep_ms": iters_sweep, "best": best_key, "results": prod}
 
     # ---- W @ A direction: h.T @ G -----------------------------------------------------
     log("h.T @ G (W @ A via (A.T @ W.T).T):")
@@ -286,8 +299,11 @@ def main(argv=None):
     dense_key = next(k for k in prod if k.startswith("dense ") and "h.T" not in k)
     rows = [("dense->TwELL GB/s vs copy", f"{con_gbs:.0f} / {copy_gbs:.0f}",
              f"{100 * con_gbs / copy_gbs:.0f}% (best {100 * best_gbs / copy_gbs:.0f}%)", ">= 70%")]
-    rows.append((f"TwELL @ W vs {dense_key}", f"{twell:.3f} / {prod[dense_key]['ms']:.3f} ms",
+    rows.append((f"TwELL @ W (best {best_key}) vs {dense_key}", f"{twell:.3f} / {prod[dense_key]['ms']:.3f} ms",
                  f"{prod[dense_key]['ms'] / twell:.2f}x", "> 1x"))
+    t_def = prod["twellpy twell_spmm bf16 (defaults)"]["ms"]
+    rows.append((f"TwELL @ W (defaults) vs {dense_key}", f"{t_def:.3f} / {prod[dense_key]['ms']:.3f} ms",
+                 f"{prod[dense_key]['ms'] / t_def:.2f}x", "> 1x"))
     for k in prod:
         if "CSR" in k:
             rows.append((f"TwELL @ W vs {k}", f"{twell:.3f} / {prod[k]['ms']:.3f} ms",
@@ -303,9 +319,9 @@ def main(argv=None):
         with open(os.path.join(out_dir, "kernels.json"), "w") as f:
             json.dump(res, f, indent=1, default=str)
     log(f"\n== twellpy container kernels, {args.workload}, {res['device']}, commit {res['commit']}, {res['date']}")
-    log(f"{'measurement':<52s} {'twellpy / baseline':>24s} {'ratio':>16s} {'target':>7s}")
+    log(f"{'measurement':<64s} {'twellpy / baseline':>24s} {'ratio':>16s} {'target':>7s}")
     for r in rows:
-        log(f"{r[0]:<52s} {r[1]:>24s} {r[2]:>16s} {r[3]:>7s}")
+        log(f"{r[0]:<64s} {r[1]:>24s} {r[2]:>16s} {r[3]:>7s}")
     return 0
 
 

@@ -140,6 +140,22 @@ def bench(name, reps):
     res["tw_fwd_ms"] = time_ms(tw_fwd, reps)
     res["tw_bwd_ms"] = time_ms(lambda: T.gated_backward(ctx, dy), reps)
     del ctx, y
+    # per-phase device timeline of one step (gaps include host-side work)
+    phases = {}
+    for part in ("fwd", "bwd"):
+        T._PROFILE = []
+        if part == "fwd":
+            y, ctx = tw_fwd()
+        else:
+            T._PROFILE = []
+            T.gated_backward(ctx, dy)
+        cp.cuda.Device().synchronize()
+        marks = T._PROFILE
+        T._PROFILE = None
+        for (_, e0), (nm, e1) in zip(marks[:-1], marks[1:]):
+            phases[f"{part}: {nm}"] = cp.cuda.get_elapsed_time(e0, e1)
+    res["tw_phases_ms"] = phases
+    del ctx, y
     res["gate_gemm_ms"] = time_ms(lambda: ct.gemm(x, wg.T, bfloat16), reps)
 
     # memory: pool bytes in use during one step, minus the outputs it returns
@@ -218,6 +234,9 @@ def main(argv=None):
               f"{r['tw_fwd_ms'][0]:6.2f}/{r['tw_bwd_ms'][0]:<6.2f} {r['speedup']:6.2f}x "
               f"{r['gate_gemm_ms'][0]:9.3f} {r['torch_extra_peak_MB']:12.0f} {r['tw_extra_peak_MB']:9.0f} "
               f"{r['mem_ratio']:5.2f} {e_tw:10.2e} / {e_d:9.2e}")
+    for r in results:
+        print(f"{r['workload']} twellpy phases (ms): " +
+              ", ".join(f"{k} {v:.3f}" for k, v in r["tw_phases_ms"].items()))
     print("targets: speedup >= 2.0x at W1-16k, >= 1.2x at W2; memory ratio <= 0.5; rel err <= 1e-2")
     return 0
 

@@ -36,6 +36,26 @@ __device__ __forceinline__ unsigned nonzero_bits(const vec_t<T, VEC>& w) {
     return bits;
 }
 
+// NaN or +-Inf: every exponent bit set (decided on the bits, like nonzero()).
+__device__ __forceinline__ bool nonfinite(float v) {
+    return (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u;
+}
+__device__ __forceinline__ bool nonfinite(double v) {
+    return (__double_as_longlong(v) & 0x7ff0000000000000ll) == 0x7ff0000000000000ll;
+}
+__device__ __forceinline__ bool nonfinite(__half v) { return (__half_as_ushort(v) & 0x7c00u) == 0x7c00u; }
+__device__ __forceinline__ bool nonfinite(__nv_bfloat16 v) {
+    return (__bfloat16_as_ushort(v) & 0x7f80u) == 0x7f80u;
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ bool any_nonfinite(const vec_t<T, VEC>& w) {
+    bool bad = false;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) bad |= nonfinite(w.v[k]);
+    return bad;
+}
+
 // Prefix count over the warp of the (lane, k)-ordered non-zero bits: `below` =
 // non-zeros of lower lanes, `total` = non-zeros of the whole warp.
 template <int VEC>
@@ -59,6 +79,8 @@ __device__ __forceinline__ void warp_bit_prefix(unsigned bits, int lane, int& be
 //   counts   (M, n_tiles)       int32  out: min(true count, S)
 //   row_max  (M,)               int32  out: largest TRUE tile count of the row (may exceed S);
 //                                      zero-filled by the caller when n_groups > 1
+//   nonfinite (1,)              int32  in/out: zero-filled by the caller; set to 1 when x holds
+//                                      a NaN or Inf (the finiteness check fused into the pass)
 // Warp w owns (row = w / n_groups, tiles [g*tpw, (g+1)*tpw) of that row) with
 // g = w % n_groups, n_groups = ceil(n_tiles / tpw). grid.x = ceil(M*n_groups / warps per block).
 // row_max of a row split over several warps is combined with atomicMax, whose
@@ -67,7 +89,7 @@ __device__ __forceinline__ void warp_bit_prefix(unsigned bits, int lane, int& be
 template <typename T, int VEC>
 __global__ void __launch_bounds__(CONSTRUCT_WARPS * 32)
 twellpy_dense_to_twell(const T* __restrict__ x, T* __restrict__ values, int* __restrict__ indices,
-                       int* __restrict__ counts, int* __restrict__ row_max,
+                       int* __restrict__ counts, int* __restrict__ row_max, int* __restrict__ nonfinite_flag,
                        int M, int N, int tile, int slots, int n_tiles, int tpw, int n_groups) {
     const long long warp = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
@@ -85,6 +107,7 @@ twellpy_dense_to_twell(const T* __restrict__ x, T* __restrict__ values, int* __r
 
     int run = 0;        // non-zeros seen so far in the current tile (true count)
     int local_max = 0;  // largest true tile count among this warp's tiles
+    bool bad = false;   // this lane saw a NaN / Inf
     for (int c0 = c_begin; c0 < c_end; c0 += CONSTRUCT_UNROLL) {
         // Load phase: CONSTRUCT_UNROLL independent loads in flight per lane.
         vec_t<T, VEC> buf[CONSTRUCT_UNROLL];
@@ -110,6 +133,7 @@ twellpy_dense_to_twell(const T* __restrict__ x, T* __restrict__ values, int* __r
             const int part = c - t * chunks_per_tile;
             const int col = t * tile + part * chunk + lane * VEC;
             if (part == 0) run = 0;
+            bad |= any_nonfinite<T, VEC>(buf[u]);
             const unsigned bits = nonzero_bits<T, VEC>(buf[u]);
             int below, total;
             warp_bit_prefix<VEC>(bits, lane, below, total);
@@ -137,27 +161,32 @@ twellpy_dense_to_twell(const T* __restrict__ x, T* __restrict__ values, int* __r
             }
         }
     }
+    const bool warp_bad = __any_sync(FULL_MASK, bad);
     if (lane == 0) {
         if (n_groups == 1) row_max[row] = local_max;
         else atomicMax(row_max + row, local_max);
+        if (warp_bad) atomicOr(nonfinite_flag, 1);  // a flag: the result does not depend on order
     }
 }
 
 // ---------------------------------------------------------------------------
 // twellpy_dense_row_nnz<T, VEC>: non-zeros per row.
-//   x        (M, N)   T      dense input
-//   row_nnz  (M,)     int32  out
+//   x          (M, N)   T      dense input
+//   row_nnz    (M,)     int32  out
+//   nonfinite  (1,)     int32  in/out: zero-filled by the caller; set to 1 when x holds NaN/Inf
 // One warp per row; grid.x = ceil(M / warps per block).
 // ---------------------------------------------------------------------------
 template <typename T, int VEC>
 __global__ void __launch_bounds__(CONSTRUCT_WARPS * 32)
-twellpy_dense_row_nnz(const T* __restrict__ x, int* __restrict__ row_nnz, int M, int N) {
+twellpy_dense_row_nnz(const T* __restrict__ x, int* __restrict__ row_nnz, int* __restrict__ nonfinite_flag,
+                      int M, int N) {
     const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= M) return;
     const T* __restrict__ xrow = x + row * N;
     const int chunk = 32 * VEC;
     int mine = 0;
+    bool bad = false;
     for (int c0 = 0; c0 < N; c0 += chunk * CONSTRUCT_UNROLL) {
         vec_t<T, VEC> buf[CONSTRUCT_UNROLL];
 #pragma unroll
@@ -170,10 +199,17 @@ twellpy_dense_row_nnz(const T* __restrict__ x, int* __restrict__ row_nnz, int M,
             }
         }
 #pragma unroll
-        for (int u = 0; u < CONSTRUCT_UNROLL; ++u) mine += __popc(nonzero_bits<T, VEC>(buf[u]));
+        for (int u = 0; u < CONSTRUCT_UNROLL; ++u) {
+            mine += __popc(nonzero_bits<T, VEC>(buf[u]));
+            bad |= any_nonfinite<T, VEC>(buf[u]);
+        }
     }
     mine = warp_sum(mine);
-    if (lane == 0) row_nnz[row] = mine;
+    const bool warp_bad = __any_sync(FULL_MASK, bad);
+    if (lane == 0) {
+        row_nnz[row] = mine;
+        if (warp_bad) atomicOr(nonfinite_flag, 1);
+    }
 }
 
 // ---------------------------------------------------------------------------

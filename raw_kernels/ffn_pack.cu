@@ -79,3 +79,82 @@ __global__ void twellpy_ffn_relu(const T* __restrict__ g, T* __restrict__ h, lon
         h[i] = (gv <= A(0)) ? twellpy::zero_value<T>() : g[i];
     }
 }
+
+#ifndef FFN_ROWPACK_UNROLL
+#define FFN_ROWPACK_UNROLL 4
+#endif
+
+// twellpy_ffn_rowpack<T>: per-row list of the ReLU-active entries of g
+// (relu_active: > 0 or NaN), one warp per row, column order.
+//   g          (M, H)     row stride ldg    gate pre-activation
+//   list_idx   (M, capr)  int32             column of the k-th active entry, k < min(count, capr)
+//   list_val   (M, capr)  accum type        its gate value (float; double for double data)
+//   row_count  (M,)       int32             true number of active entries of the row
+//   total      (1,)       uint64            optional (may be null): += active entries of all rows
+// Only live entries are written (no padding: this is an internal work list).
+// Each lane loads FFN_ROWPACK_UNROLL 16-byte vectors per step, so a warp has
+// 4 * 512 bytes in flight; positions come from a warp prefix count, no atomics.
+// Requires H % (16 / sizeof(T)) == 0 and 16-byte aligned rows.
+// Grid: x = ceil(M / warps per block).
+template <typename T>
+__global__ void twellpy_ffn_rowpack(const T* __restrict__ g, long long ldg, int M, int H, int capr,
+                                    int* __restrict__ list_idx,
+                                    typename twellpy::accum<T>::type* __restrict__ list_val,
+                                    int* __restrict__ row_count,
+                                    unsigned long long* __restrict__ total) {
+    typedef typename twellpy::accum<T>::type A;
+    constexpr int VEC = 16 / (int)sizeof(T);
+    const int lane = threadIdx.x & 31;
+    const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= M) return;
+    const T* grow = g + row * ldg;
+    int* lidx = list_idx + row * capr;
+    A* lval = list_val + row * capr;
+    int found = 0;
+    constexpr int U = FFN_ROWPACK_UNROLL;
+    for (int base = 0; base < H; base += 32 * VEC * U) {
+        uint4 raw[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int col = base + (u * 32 + lane) * VEC;
+            raw[u] = (col < H) ? __ldcs(reinterpret_cast<const uint4*>(grow + col)) : make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int col = base + (u * 32 + lane) * VEC;
+            const T* e = reinterpret_cast<const T*>(&raw[u]);
+            unsigned mask = 0u;
+            if (col < H) {
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) {
+                    const A v = twellpy::to_acc<A, T>(e[i]);
+                    if (!(v <= A(0))) mask |= 1u << i;
+                }
+            }
+            const int c = __popc(mask);
+            int incl = c;
+#pragma unroll
+            for (int off = 1; off < 32; off <<= 1) {
+                const int t = __shfl_up_sync(0xffffffffu, incl, off);
+                if (lane >= off) incl += t;
+            }
+            int pos = found + incl - c;
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) {
+                if (mask & (1u << i)) {
+                    if (pos < capr) {
+                        lidx[pos] = col + i;
+                        lval[pos] = twellpy::to_acc<A, T>(e[i]);
+                    }
+                    ++pos;
+                }
+            }
+            found += __shfl_sync(0xffffffffu, incl, 31);
+        }
+    }
+    if (lane == 0) {
+        row_count[row] = found;
+        // integer sums are order independent: deterministic
+        if (total != nullptr) atomicAdd(total, (unsigned long long)found);
+    }
+}

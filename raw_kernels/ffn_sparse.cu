@@ -32,6 +32,11 @@
 #ifndef FFN_LIST_CAP
 #define FFN_LIST_CAP 2048
 #endif
+// 1: gather weight rows with an L2 evict_last cache policy (they are the hot
+// set; x, g and y stream with evict-first hints). 0: plain read-only loads.
+#ifndef FFN_L2_EVICT_LAST
+#define FFN_L2_EVICT_LAST 0
+#endif
 
 namespace twellpy_ffn {
 using namespace twellpy;
@@ -56,6 +61,27 @@ template <typename A> __device__ __forceinline__ A warp_sum(A v) {
 
 __device__ __forceinline__ uint4 zero4() { return make_uint4(0u, 0u, 0u, 0u); }
 
+__device__ __forceinline__ unsigned long long weight_policy() {
+    unsigned long long p = 0;
+#if FFN_L2_EVICT_LAST
+    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
+#endif
+    return p;
+}
+
+// 16-byte read-only load of a weight row vector.
+__device__ __forceinline__ uint4 load_weight(const uint4* ptr, unsigned long long policy) {
+#if FFN_L2_EVICT_LAST
+    uint4 r;
+    asm("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(ptr), "l"(policy));
+    return r;
+#else
+    (void)policy;
+    return __ldg(ptr);
+#endif
+}
+
 
 // Up dot products and down axpys for the n listed neurons of one row.
 // Every thread of the block calls it with the same n; ends with a barrier so
@@ -69,6 +95,7 @@ __device__ __forceinline__ void process_list(
         int D, int DV, int tid, int lane, int warp, int nwarps) {
     typedef typename twellpy::accum<T>::type A;
     constexpr int VEC = vec_of<T>::n;
+    const unsigned long long policy = weight_policy();
     for (int b = 0; b < n; b += KB) {
         int jk[KB];
         A hk[KB];
@@ -87,7 +114,7 @@ __device__ __forceinline__ void process_list(
 #pragma unroll
             for (int q = 0; q < NV; ++q) {
                 const int v = q * blockDim.x + tid;
-                dv[k][q] = (jk[k] >= 0 && v < DV) ? __ldg(wr + v) : zero4();
+                dv[k][q] = (jk[k] >= 0 && v < DV) ? load_weight(wr + v, policy) : zero4();
             }
         }
         if (GATED) {
@@ -98,7 +125,7 @@ __device__ __forceinline__ void process_list(
 #pragma unroll
                 for (int q = 0; q < NV; ++q) {
                     const int v = q * blockDim.x + tid;
-                    wv[k][q] = (jk[k] >= 0 && v < DV) ? __ldg(wr + v) : zero4();
+                    wv[k][q] = (jk[k] >= 0 && v < DV) ? load_weight(wr + v, policy) : zero4();
                 }
             }
             A part[KB];
@@ -160,6 +187,10 @@ __device__ __forceinline__ void process_list(
 //   w_downT  (H, D)   contiguous       w_down transposed: row j is w_down[:, j]
 //   y        (M, D)   row stride ldy   output (rows marked heavy are left untouched)
 //   h_out    (M, H)   row stride ldh   optional (WRITE_H): h written at active positions only
+//   list_idx (M, capr) int32           optional (row_count != null): per-row list of active
+//   list_val (M, capr) accum type      neurons and gate values from twellpy_ffn_rowpack
+//   row_count (M,)    int32            true active count; rows with count <= capr use the list,
+//                                      other rows scan g themselves
 //   heavy    (M,)     int32            1 for rows with more than heavy_limit active neurons, else 0
 //   counters (2,)     uint64           [0] += active neurons seen, [1] += heavy rows
 // heavy_limit: a value <= FFN_LIST_CAP enables the heavy-row hand-off to the
@@ -176,6 +207,9 @@ twellpy_ffn_sparse(const T* __restrict__ x, long long ldx,
                    const T* __restrict__ w_downT,
                    T* __restrict__ y, long long ldy,
                    T* __restrict__ h_out, long long ldh,
+                   const int* __restrict__ list_idx,
+                   const typename twellpy::accum<T>::type* __restrict__ list_val,
+                   const int* __restrict__ row_count, int capr,
                    int* __restrict__ heavy, unsigned long long* __restrict__ counters,
                    int M, int D, int H, int heavy_limit) {
     using namespace twellpy_ffn;
@@ -217,65 +251,86 @@ twellpy_ffn_sparse(const T* __restrict__ x, long long ldx,
 #pragma unroll
             for (int i = 0; i < VEC; ++i) acc[k][i] = A(0);
 
-        int n = 0;          // list length, identical in every thread
-        int row_count = 0;  // true active count so far, identical in every thread
-        for (int c0 = 0; c0 < H; c0 += step) {
-            if (!handoff && n + step > FFN_LIST_CAP) {
-                // list could overflow in this step: drain it first (uniform branch)
-                process_list<T, NV, KB, GATED, WRITE_H>(n, s_idx, s_gval, s_red, parity, xr, acc, w_up,
-                                                        w_downT, h_row, D, DV, tid, lane, warp, nwarps);
-                n = 0;
-            }
-            // ---- scan one step of g, compact active neurons (column order) ----
-            const int col = c0 + tid * VEC;
-            unsigned mask = 0u;
-            A gv[VEC];
-            if (col < H) {
-                const uint4 raw = __ldcs(reinterpret_cast<const uint4*>(grow + col));
-                unpack16<T, A>(raw, gv);
-#pragma unroll
-                for (int i = 0; i < VEC; ++i)
-                    if (active_acc(gv[i])) mask |= 1u << i;
-            }
-            const int c = __popc(mask);
-            int incl = c;
-#pragma unroll
-            for (int off = 1; off < 32; off <<= 1) {
-                const int t = __shfl_up_sync(0xffffffffu, incl, off);
-                if (lane >= off) incl += t;
-            }
-            if (lane == 31) s_warp_tot[warp] = incl;
-            __syncthreads();
-            int warp_off = 0, total = 0;
-            for (int w = 0; w < nwarps; ++w) {
-                const int t = s_warp_tot[w];
-                warp_off += (w < warp) ? t : 0;
-                total += t;
-            }
-            row_count += total;
-            if (row_count <= heavy_limit) {
-                int pos = n + warp_off + (incl - c);
-#pragma unroll
-                for (int i = 0; i < VEC; ++i) {
-                    if (mask & (1u << i)) {
-                        s_idx[pos] = col + i;
-                        s_gval[pos] = gv[i];
-                        ++pos;
-                    }
-                }
-                n += total;
-            }
-            __syncthreads();  // list visible; s_warp_tot free for the next step
-        }
-        seen_total += (unsigned long long)row_count;
-        if (row_count > heavy_limit) {  // only possible with handoff
+        const int listed = (row_count != nullptr) ? row_count[row] : -1;  // same in every thread
+        if (listed > heavy_limit) {  // only possible with handoff
             if (tid == 0) heavy[row] = 1;
+            seen_total += (unsigned long long)listed;
             ++heavy_total;
-            continue;  // uniform: every thread has the same row_count
+            continue;
         }
-        if (tid == 0) heavy[row] = 0;
-        process_list<T, NV, KB, GATED, WRITE_H>(n, s_idx, s_gval, s_red, parity, xr, acc, w_up,
-                                                w_downT, h_row, D, DV, tid, lane, warp, nwarps);
+        if (listed >= 0 && listed <= capr) {
+            // ---- fast path: the row's list was built by twellpy_ffn_rowpack ----
+            const long long base = row * (long long)capr;
+            for (int i = tid; i < listed; i += blockDim.x) {
+                s_idx[i] = list_idx[base + i];
+                s_gval[i] = list_val[base + i];
+            }
+            __syncthreads();
+            seen_total += (unsigned long long)listed;
+            if (tid == 0) heavy[row] = 0;
+            process_list<T, NV, KB, GATED, WRITE_H>(listed, s_idx, s_gval, s_red, parity, xr, acc, w_up,
+                                                    w_downT, h_row, D, DV, tid, lane, warp, nwarps);
+        } else {
+            int n = 0;          // list length, identical in every thread
+            int row_total = 0;  // true active count so far, identical in every thread
+            for (int c0 = 0; c0 < H; c0 += step) {
+                if (!handoff && n + step > FFN_LIST_CAP) {
+                    // list could overflow in this step: drain it first (uniform branch)
+                    process_list<T, NV, KB, GATED, WRITE_H>(n, s_idx, s_gval, s_red, parity, xr, acc, w_up,
+                                                            w_downT, h_row, D, DV, tid, lane, warp, nwarps);
+                    n = 0;
+                }
+                // ---- scan one step of g, compact active neurons (column order) ----
+                const int col = c0 + tid * VEC;
+                unsigned mask = 0u;
+                A gv[VEC];
+                if (col < H) {
+                    const uint4 raw = __ldcs(reinterpret_cast<const uint4*>(grow + col));
+                    unpack16<T, A>(raw, gv);
+#pragma unroll
+                    for (int i = 0; i < VEC; ++i)
+                        if (active_acc(gv[i])) mask |= 1u << i;
+                }
+                const int c = __popc(mask);
+                int incl = c;
+#pragma unroll
+                for (int off = 1; off < 32; off <<= 1) {
+                    const int t = __shfl_up_sync(0xffffffffu, incl, off);
+                    if (lane >= off) incl += t;
+                }
+                if (lane == 31) s_warp_tot[warp] = incl;
+                __syncthreads();
+                int warp_off = 0, total = 0;
+                for (int w = 0; w < nwarps; ++w) {
+                    const int t = s_warp_tot[w];
+                    warp_off += (w < warp) ? t : 0;
+                    total += t;
+                }
+                row_total += total;
+                if (row_total <= heavy_limit) {
+                    int pos = n + warp_off + (incl - c);
+#pragma unroll
+                    for (int i = 0; i < VEC; ++i) {
+                        if (mask & (1u << i)) {
+                            s_idx[pos] = col + i;
+                            s_gval[pos] = gv[i];
+                            ++pos;
+                        }
+                    }
+                    n += total;
+                }
+                __syncthreads();  // list visible; s_warp_tot free for the next step
+            }
+            seen_total += (unsigned long long)row_total;
+            if (row_total > heavy_limit) {  // only possible with handoff
+                if (tid == 0) heavy[row] = 1;
+                ++heavy_total;
+                continue;  // uniform: every thread has the same row_total
+            }
+            if (tid == 0) heavy[row] = 0;
+            process_list<T, NV, KB, GATED, WRITE_H>(n, s_idx, s_gval, s_red, parity, xr, acc, w_up,
+                                                    w_downT, h_row, D, DV, tid, lane, warp, nwarps);
+        }
 
         // ---- write the output row ----
         uint4* yv = reinterpret_cast<uint4*>(y + row * ldy);

@@ -7,9 +7,10 @@
 //   * the warp reads the row's slots 32 at a time (coalesced), and appends
 //     the valid (index, value) pairs to a per-warp list in shared memory
 //     (positions from a ballot prefix count). When the list is nearly full it
-//     is flushed: GROUP = 16 / ITERS entries at a time, every lane issues
-//     GROUP * ITERS independent loads of B before any FMA, so that ~16 loads
-//     per lane are in flight whatever the distribution of entries over tiles;
+//     is flushed: GROUP = SPMM_LOADS / ITERS entries at a time, every lane
+//     issues GROUP * ITERS independent loads of B before any FMA, so that
+//     SPMM_LOADS (16) loads per lane are in flight whatever the distribution
+//     of entries over tiles;
 //   * accumulation in fp32 registers (fp64 for fp64), one rounding at the end;
 //   * entries are summed in slot order: results are bitwise reproducible.
 // VEC = 16 / sizeof(T) when K % VEC == 0 and B / out are 16-byte aligned,
@@ -23,16 +24,20 @@
 #ifndef SPMM_LIST
 #define SPMM_LIST 128            // per-warp list of pending (index, value) entries
 #endif
+#ifndef SPMM_LOADS
+#define SPMM_LOADS 16            // B loads in flight per lane: GROUP = max(1, SPMM_LOADS / ITERS) entries at once
+#endif
 
 static_assert(SPMM_WARPS >= 1 && SPMM_WARPS <= 32, "SPMM_WARPS out of range");
 static_assert(SPMM_LIST >= 64 && SPMM_LIST % 32 == 0, "SPMM_LIST must be a multiple of 32, >= 64");
+static_assert(SPMM_LOADS >= 1 && SPMM_LOADS <= 64, "SPMM_LOADS out of range");
 
 using namespace twellpy;
 
 template <typename T, int VEC, int ITERS>
 struct SpmmLane {
     typedef typename accum<T>::type A;
-    static constexpr int GROUP = 16 / ITERS;  // list entries gathered together
+    static constexpr int GROUP = SPMM_LOADS / ITERS > 0 ? SPMM_LOADS / ITERS : 1;  // entries gathered together
     A acc[ITERS][VEC];
     int col0;   // first column of this lane in strip 0
     int K;      // columns of B / out

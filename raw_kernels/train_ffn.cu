@@ -90,6 +90,7 @@ __device__ __forceinline__ A warp_dot(const T* __restrict__ a, const T* __restri
     A s = A(0);
     if (vec) {
         constexpr int N = VecN<T>::N;
+#pragma unroll 4
         for (int c = lane * N; c < D; c += 32 * N) {
             A av[N], bv[N];
             load_vec<T, A>(a + c, av);
@@ -114,48 +115,92 @@ using namespace twellpy_train;
 // twellpy_train_relu_count<T>: stored entries of relu(z) per row.
 //   z        (rows, H) T     gate GEMM output (one row chunk)
 //   row_nnz  (rows,)   int   out
-// One warp per row.
+// One warp per row; vec = 1 when rows start 16-byte aligned and H*sizeof(T) % 16 == 0.
 template <typename T>
 __global__ void __launch_bounds__(32 * TW_WARPS)
-twellpy_train_relu_count(const T* __restrict__ z, long long rows, int H, int* __restrict__ row_nnz) {
+twellpy_train_relu_count(const T* __restrict__ z, long long rows, int H, int vec, int* __restrict__ row_nnz) {
     const int lane = threadIdx.x & 31;
     const long long r = (long long)blockIdx.x * TW_WARPS + (threadIdx.x >> 5);
     if (r >= rows) return;
     const T* zr = z + r * (long long)H;
     int n = 0;
-    for (int c = lane; c < H; c += 32) n += relu_on(zr[c]) ? 1 : 0;
+    if (vec) {
+        constexpr int N = VecN<T>::N;
+#pragma unroll 4
+        for (int c = lane * N; c < H; c += 32 * N) {
+            const uint4 raw = __ldg(reinterpret_cast<const uint4*>(zr + c));
+            const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+            for (int i = 0; i < N; ++i) n += relu_on(e[i]) ? 1 : 0;
+        }
+    } else {
+        for (int c = lane; c < H; c += 32) n += relu_on(zr[c]) ? 1 : 0;
+    }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) n += __shfl_xor_sync(0xffffffffu, n, off);
     if (lane == 0) row_nnz[r] = n;
 }
 
-// twellpy_train_relu_pack<T>: CSR of relu(z), columns ascending; slot
-// positions come from a warp ballot prefix count (deterministic).
+// twellpy_train_relu_pack<T>: CSR of relu(z), columns ascending; positions come
+// from warp prefix counts (ballot / shuffle scan), never from atomics.
 //   z        (rows, H) T
 //   indptr   (rows+1,) long long   row starts in col/val (exclusive scan of row_nnz)
 //   col      (nnz,)    int   out
 //   val      (nnz,)    T     out (relu(z) = z on the pattern; NaN kept)
 template <typename T>
 __global__ void __launch_bounds__(32 * TW_WARPS)
-twellpy_train_relu_pack(const T* __restrict__ z, long long rows, int H, const long long* __restrict__ indptr,
-                        int* __restrict__ col, T* __restrict__ val) {
+twellpy_train_relu_pack(const T* __restrict__ z, long long rows, int H, int vec,
+                        const long long* __restrict__ indptr, int* __restrict__ col, T* __restrict__ val) {
     const int lane = threadIdx.x & 31;
     const long long r = (long long)blockIdx.x * TW_WARPS + (threadIdx.x >> 5);
     if (r >= rows) return;
     const T* zr = z + r * (long long)H;
     long long pos = indptr[r];
-    const unsigned below = (1u << lane) - 1u;
-    for (int c0 = 0; c0 < H; c0 += 32) {
-        const int c = c0 + lane;
-        T v = c < H ? zr[c] : zero_value<T>();
-        const bool on = c < H && relu_on(v);
-        const unsigned mask = __ballot_sync(0xffffffffu, on);
-        if (on) {
-            const long long p = pos + __popc(mask & below);
-            col[p] = c;
-            val[p] = v;
+    if (vec) {
+        constexpr int N = VecN<T>::N;
+        for (int c0 = 0; c0 < H; c0 += 32 * N) {
+            const int c = c0 + lane * N;
+            uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+            unsigned bitsm = 0u;
+            if (c < H) {  // H % N == 0 here, so the whole vector is in range
+                raw = __ldg(reinterpret_cast<const uint4*>(zr + c));
+                const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+                for (int i = 0; i < N; ++i) bitsm |= (relu_on(e[i]) ? 1u : 0u) << i;
+            }
+            const int cnt = __popc(bitsm);
+            int incl = cnt;  // inclusive warp scan of the per-lane counts
+#pragma unroll
+            for (int off = 1; off < 32; off <<= 1) {
+                const int t = __shfl_up_sync(0xffffffffu, incl, off);
+                if (lane >= off) incl += t;
+            }
+            long long p = pos + (incl - cnt);
+            const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                if ((bitsm >> i) & 1u) {
+                    col[p] = c + i;
+                    val[p] = e[i];
+                    ++p;
+                }
+            }
+            pos += __shfl_sync(0xffffffffu, incl, 31);
         }
-        pos += __popc(mask);
+    } else {
+        const unsigned below = (1u << lane) - 1u;
+        for (int c0 = 0; c0 < H; c0 += 32) {
+            const int c = c0 + lane;
+            T v = c < H ? zr[c] : zero_value<T>();
+            const bool on = c < H && relu_on(v);
+            const unsigned mask = __ballot_sync(0xffffffffu, on);
+            if (on) {
+                const long long p = pos + __popc(mask & below);
+                col[p] = c;
+                val[p] = v;
+            }
+            pos += __popc(mask);
+        }
     }
 }
 
@@ -239,6 +284,7 @@ twellpy_train_fwd(const T* __restrict__ x, const T* __restrict__ w_up, const T* 
             A acc[N];
 #pragma unroll
             for (int i = 0; i < N; ++i) acc[i] = A(0);
+#pragma unroll 4
             for (int s = 0; s < n; ++s) {
                 const int k = idx[base + s];
                 const A h = h_value<T, A, GATED>(gval[base + s], GATED ? uval[base + s] : gval[base + s]);
@@ -311,6 +357,7 @@ twellpy_train_bwd(const T* __restrict__ dy, const T* __restrict__ w_downT, const
             A acc[N];
 #pragma unroll
             for (int i = 0; i < N; ++i) acc[i] = A(0);
+#pragma unroll 4
             for (int s = 0; s < n; ++s) {
                 const long long k = idx[base + s];
                 const A a = to_acc<A, T>(da[base + s]);
@@ -446,7 +493,45 @@ twellpy_train_wgrad(const int* __restrict__ indptr, const int* __restrict__ rows
     if (vec) {
         const int c = (blockIdx.y * TW_GATHER_THREADS + threadIdx.x) * N;
         if (c >= D) return;
-        for (int e = e0; e < e1; ++e) {
+        int e = e0;
+        // Four entries per step: their loads are all issued before the FMAs, so
+        // four gathers are in flight (the loop is latency-bound otherwise). The
+        // summation order is unchanged (entry by entry).
+        for (; e + 4 <= e1; e += 4) {
+            long long m4[4];
+            int p4[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                m4[j] = rows[e + j];
+                p4[j] = pos[e + j];
+            }
+            A a4[4], h4[4], b4[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                a4[j] = to_acc<A, T>(da[p4[j]]);
+                h4[j] = h_value<T, A, GATED>(gval[p4[j]], GATED ? uval[p4[j]] : gval[p4[j]]);
+                b4[j] = GATED ? to_acc<A, T>(db[p4[j]]) : A(0);
+            }
+            uint4 xr[4], dr[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                xr[j] = __ldg(reinterpret_cast<const uint4*>(x + m4[j] * D + c));
+                dr[j] = __ldg(reinterpret_cast<const uint4*>(dy + m4[j] * D + c));
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const T* xe = reinterpret_cast<const T*>(&xr[j]);
+                const T* de = reinterpret_cast<const T*>(&dr[j]);
+#pragma unroll
+                for (int i = 0; i < N; ++i) {
+                    const A xv = to_acc<A, T>(xe[i]);
+                    acc_a[i] += a4[j] * xv;
+                    acc_h[i] += h4[j] * to_acc<A, T>(de[i]);
+                    if (GATED) acc_b[i] += b4[j] * xv;
+                }
+            }
+        }
+        for (; e < e1; ++e) {
             const long long m = rows[e];
             const int p = pos[e];
             const A a = to_acc<A, T>(da[p]);
@@ -518,6 +603,7 @@ twellpy_train_gather_t(const int* __restrict__ indptr, const int* __restrict__ r
     if (vec) {
         const int c = (blockIdx.y * TW_GATHER_THREADS + threadIdx.x) * N;
         if (c >= Kc) return;
+#pragma unroll 4
         for (int e = e0; e < e1; ++e) {
             const A a = to_acc<A, T>(vals[pos[e]]);
             A bv[N];

@@ -87,6 +87,14 @@ def make_problem(M, D, H, nnz, *, sigma=0.0, hot=None, empty=(), seed=0, gated=T
         x[r, 1:] = 0.0                                # z = -t < 0 everywhere
     if H and np.any(w_act[:, 0] >= 0) and empty:
         w_act[:, 0] = -abs(t) - 0.1
+    # keep every gate value away from the ReLU kink, so that a last-bit
+    # difference between two correct GEMMs cannot flip a neuron
+    eps = 1e-3
+    for _ in range(20):
+        near = (np.abs(x @ w_act.T) < eps).any(axis=0) if M else np.zeros(H, bool)
+        if not near.any():
+            break
+        w_act[near, 0] -= eps * (2.0 + rng.random(int(near.sum())))
     w_other = rng.standard_normal((H, D)) / np.sqrt(D)
     w_down = rng.standard_normal((D, H)) / np.sqrt(H)
     dy = rng.standard_normal((M, D))

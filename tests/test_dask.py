@@ -206,6 +206,25 @@ def test_ffn_equals_single_process(client, kind):
     assert rel_err(got, ref) < RTOL[np.dtype(np.float32)]
 
 
+def test_distinct_calls_get_distinct_keys(client):
+    """Two FFN calls on different data never share output keys (would silently mix results)."""
+    x, w_gate, w_up, w_down = ffn_problem(64, 16, 48, seed=19)
+    x2 = x[::-1].copy()
+    dx, dx2 = da.from_array(x, chunks=(16, 16)), da.from_array(x2, chunks=(16, 16))
+    y1 = twd.gated_forward(dx, w_gate, w_up, w_down)
+    y2 = twd.gated_forward(dx2, w_gate, w_up, w_down)
+    y3 = twd.relu_forward(dx, w_up, w_down)
+    y4 = twd.gated_forward(dx, w_gate, w_up * 2, w_down)
+    assert len({y1.name, y2.name, y3.name, y4.name}) == 4
+    assert twd.gated_forward(dx, w_gate, w_up, w_down).name == y1.name  # deterministic
+    assert twd.gated_forward(dx, w_gate, w_up, w_down, name="fresh").name == "fresh"
+    g1, g2, g3, g4 = dask.compute(y1, y2, y3, y4)
+    np.testing.assert_array_equal(g1, tw.ffn.gated_forward(x, w_gate, w_up, w_down))
+    np.testing.assert_array_equal(g2, tw.ffn.gated_forward(x2, w_gate, w_up, w_down))
+    np.testing.assert_array_equal(g3, tw.ffn.relu_forward(x, w_up, w_down))
+    np.testing.assert_array_equal(g4, tw.ffn.gated_forward(x, w_gate, w_up * 2, w_down))
+
+
 def test_weights_reach_each_worker_once(client):
     x, w_gate, w_up, w_down = ffn_problem(240, 32, 128, seed=8)
     shared = [twd.share(w, name) for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down))]

@@ -186,6 +186,32 @@ def test_construct_dense_to_twell_special_values(dtype):
     assert_same_bits(cuda.dense_row_nnz(xg), np.array([1, 2, 2], np.int32), "row_nnz")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_construct_finiteness_check_fused_into_the_pass(dtype):
+    rng = np.random.default_rng(59)
+    x = random_sparse(rng, 40, 1000, 20).astype(dtype)
+    x[3, 17] = 60000.0 if dtype == np.float16 else 1e30  # large but finite
+    xg = to_gpu(x)
+    *built, finite = cuda.dense_to_twell_finite(xg, 256, 32)
+    assert finite is True
+    for g, w, name in zip(built, cpu.dense_to_twell(x, 256, 32), ("values", "indices", "counts", "row_max")):
+        assert_same_bits(g, w, name)
+    row_nnz, finite = cuda.dense_row_nnz_finite(xg)
+    assert finite is True
+    assert_same_bits(row_nnz, cpu.dense_row_nnz(x), "row_nnz")
+    assert cuda.all_finite(xg) is True and cuda.all_finite(xg.reshape(-1)) is True
+    for bad in (np.nan, np.inf, -np.inf):
+        for r, c in ((39, 999), (0, 0), (20, 512)):
+            y = x.copy()
+            y[r, c] = bad
+            yg = to_gpu(y)
+            assert cuda.dense_to_twell_finite(yg, 256, 32)[4] is False, (bad, r, c)
+            assert cuda.dense_row_nnz_finite(yg)[1] is False, (bad, r, c)
+            assert cuda.all_finite(yg) is False
+            assert cuda.all_finite(yg.reshape(-1)) is False  # 1-D: 8192-wide rows plus a tail
+            assert cpu.all_finite(y) is False
+
+
 @pytest.mark.parametrize("maker", list(MAKERS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_construct_dense_row_nnz_and_dense_to_ell(maker, dtype):

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 import twellpy as tw
-from twellpy import _array
 from twellpy._array import as_array, bfloat16, to_caller
 
 torch = pytest.importorskip("torch")
@@ -28,13 +27,21 @@ KINDS = {
     "numpy": (lambda a: a, lambda o: isinstance(o, np.ndarray)),
     "torch": (lambda a: _torch_from_numpy(a, "cpu"), lambda o: isinstance(o, torch.Tensor) and o.device.type == "cpu"),
     "jax": (lambda a: jnp.asarray(a), lambda o: isinstance(o, jax.Array) and o.devices().pop().platform == "cpu"),
-    "cupy": (lambda a: __import__("cupy").asarray(a), lambda o: type(o).__module__.startswith("cupy")),
+    "cupy": (lambda a: _cupy_from_numpy(a), lambda o: type(o).__module__.startswith("cupy")),
     "torch_cuda": (lambda a: _torch_from_numpy(a, "cuda"), lambda o: isinstance(o, torch.Tensor) and o.is_cuda),
     "jax_gpu": (lambda a: jax.device_put(jnp.asarray(a), _jax_gpu()[0]),
                 lambda o: isinstance(o, jax.Array) and o.devices().pop().platform in ("gpu", "cuda")),
 }
 CPU_KINDS = ["numpy", "torch", "jax"]
 GPU_KINDS = [pytest.param(k, marks=pytest.mark.gpu) for k in ("cupy", "torch_cuda", "jax_gpu")]
+
+
+def _cupy_from_numpy(a):
+    import cupy
+
+    if a.dtype == bfloat16:  # move the bits, whatever CuPy thinks of bfloat16
+        return cupy.asarray(a.view(np.int16)).view(bfloat16)
+    return cupy.asarray(a)
 
 
 def _torch_from_numpy(a, device):
@@ -143,6 +150,30 @@ def test_unsupported_inputs_are_named():
         as_array(torch.empty(3, device="meta"), "x")
     with pytest.raises(ValueError, match="x must be 2-D"):
         as_array(torch.zeros(3), "x", ndim=2)
+
+
+class _DLPackOnly:
+    """A foreign array type that only speaks the DLPack protocol."""
+
+    def __init__(self, a):
+        self._a = a
+
+    def __dlpack__(self, **kw):
+        return self._a.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+def test_any_dlpack_producer_is_accepted():
+    x, wg, wu, wd, _ = _ffn_problem()
+    arr, k = as_array(_DLPackOnly(x), "x")
+    assert k == "dlpack" and np.shares_memory(arr, x)
+    y = tw.ffn.gated_forward(*[_DLPackOnly(v) for v in (x, wg, wu, wd)])
+    assert isinstance(y, np.ndarray)  # generic producers get numpy (itself a DLPack producer)
+    np.testing.assert_array_equal(y, tw.ffn.gated_forward(x, wg, wu, wd))
+    A = tw.TwELL.from_dense(_DLPackOnly(_acts()), tile=64, slots=8)
+    np.testing.assert_array_equal(A.toarray(), _acts())
 
 
 def test_import_twellpy_imports_no_framework():

@@ -12,7 +12,10 @@ from twellpy._array import bfloat16  # noqa: E402
 @pytest.fixture
 def x64():
     """float64 inside the test only (jax's x64 switch is global state)."""
-    with jax.enable_x64(True):
+    enable = getattr(jax, "enable_x64", None)
+    if enable is None:  # older jax keeps it in jax.experimental
+        from jax.experimental import enable_x64 as enable
+    with enable(True):
         yield
 
 
@@ -152,3 +155,20 @@ def test_gpu_arrays_eager_and_jit():
             x, wg, wu, wd)
         for a, b in zip(got, ref):
             assert _rel(a, b) < 1e-4
+
+
+def test_vmap_runs_one_call_per_element(x64):
+    x, wg, wu, wd, dy = _problem((3, 5), 8, 32)
+    wgs = jnp.stack([wg, wg * 0.9, wg * 1.1])  # a different gate per batch element
+
+    def ours(xb, wgb):
+        return jnp.vdot(twj.gated_ffn(xb, wgb, wu, wd, l1=0.1), dy[0])
+
+    def ref(xb, wgb):
+        y, pen = _ref_gated(0.1)(xb, wgb, wu, wd)
+        return jnp.vdot(y, dy[0]) + pen
+
+    got = jax.vmap(jax.grad(ours, argnums=(0, 1)))(x, wgs)
+    want = jax.vmap(jax.grad(ref, argnums=(0, 1)))(x, wgs)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and _rel(a, b) < 1e-10

@@ -97,7 +97,7 @@ def test_matmul_shape_errors():
 
 # --- backend kernels directly, outputs poisoned -----------------------------
 def _poisoned_empty(monkeypatch):
-    """Make np.empty in the cpu backend return NaN/garbage-filled arrays."""
+    """Make the cpu backend allocate its outputs filled with NaN/garbage."""
     real_empty = np.empty
 
     def poisoned(shape, dtype=float, *a, **k):
@@ -109,7 +109,7 @@ def _poisoned_empty(monkeypatch):
             out[...] = np.iinfo(dt).max if dt.kind in "iu" else 0
         return out
 
-    monkeypatch.setattr(cpu.np, "empty", poisoned)
+    monkeypatch.setattr(cpu, "_empty", poisoned)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -178,10 +178,17 @@ def test_cpu_fast_paths_with_poisoned_outputs(monkeypatch, dtype):
     assert rel_err(cpu.dense_rows_spmm_t(rows, bsel), rows.astype(np.float64).T @ bsel.astype(np.float64)) \
         <= _ref_tol(dtype)
     assert cpu.all_finite(x)
+    assert cpu.dense_to_twell_finite(x, 64, 8)[4] and cpu.dense_row_nnz_finite(x)[1]
+    fused = cpu.dense_to_twell_finite(x, 64, 8)
+    for a, g in zip(fused[:4], cpu.dense_to_twell(x, 64, 8)):
+        assert np.array_equal(a.view(np.uint8), g.view(np.uint8))
     for bad in (np.nan, np.inf, -np.inf):
-        y = x.copy()
-        y[1, 3] = bad
-        assert not cpu.all_finite(y)
+        for col in (3, 37, n - 1):  # inside a 16-column chunk and in a tile's tail
+            y = x.copy()
+            y[1, col] = bad
+            assert not cpu.all_finite(y)
+            assert not cpu.dense_to_twell_finite(y, 64, 8)[4]
+            assert not cpu.dense_row_nnz_finite(y)[1]
 
 
 def test_cpu_dense_to_ell_leaves_wide_rows_as_padding():

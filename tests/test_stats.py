@@ -47,10 +47,15 @@ def test_nnz_per_token_dense_containers_and_frameworks():
     np.testing.assert_array_equal(stats.nnz_per_token(a.reshape(4, 10, 200)), want)
 
 
-def test_nan_counts_as_active():
+def test_nan_counts_as_active_and_negative_zero_does_not():
     a = np.zeros((2, 5))
     a[0, 1] = np.nan
+    a[1, 2] = -0.0
     np.testing.assert_array_equal(stats.nnz_per_token(a), [1, 0])
+    np.testing.assert_array_equal(stats.nnz_per_token(a.astype(np.float16)), [1, 0])
+    mask = np.array([[True, False, True], [False, False, False]])
+    np.testing.assert_array_equal(stats.nnz_per_token(mask), [2, 0])
+    np.testing.assert_array_equal(stats.firing_counts(mask.astype(np.int8)), [1, 0, 1])
 
 
 def test_nnz_per_position():

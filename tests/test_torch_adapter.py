@@ -1,7 +1,6 @@
 """twellpy.torch: autograd functions and Llama-style MLP modules against torch autograd."""
 import copy
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -40,7 +39,7 @@ def _ref_relu(x, wu, wd, l1):
 
 
 def _rel(a, b):
-    a, b = a.double(), b.double()
+    a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
@@ -107,11 +106,12 @@ def test_relu_function_matches_autograd(l1):
 def test_gradcheck_float64():
     # torch's own finite-difference check of the whole Function (l1 = 0: the
     # L1 term is injected, not part of the output, so it has no finite difference).
-    d, h = 6, 16
+    d, h = 4, 12
     wg, wu, wd = _weights(d, h, gate_bias=0.0)
-    x = _x((5, d), sigma=0.0)
+    x = _x((3, d), sigma=0.0)
     inputs = [t.clone().requires_grad_(True) for t in (x, wg, wu, wd)]
-    assert torch.autograd.gradcheck(lambda *a: twt.sparse_gated_ffn(*a), inputs, eps=1e-6, atol=1e-6)
+    assert torch.autograd.gradcheck(lambda *a: twt.sparse_gated_ffn(*a), inputs, eps=1e-6, atol=1e-6,
+                                    fast_mode=True)
 
 
 def test_float32_and_bfloat16_forward_backward():
@@ -259,6 +259,7 @@ def test_cuda_tensors_match_autograd(dtype, tol):
     dev = [t.to("cuda", dtype).requires_grad_(True) for t in (x, wg, wu, wd)]
     ref = [t.clone().requires_grad_(True) for t in (x, wg, wu, wd)]  # float64 CPU reference
     side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # the inputs were made on the default stream
     with torch.cuda.stream(side):  # a non-default torch stream must be honoured
         y = twt.sparse_gated_ffn(*dev, l1=1e-3)
         (y.float() ** 2).sum().backward()
@@ -270,3 +271,29 @@ def test_cuda_tensors_match_autograd(dtype, tol):
     for name, a, b in zip(("x", "w_gate", "w_up", "w_down"), dev, ref):
         assert a.grad.is_cuda and a.grad.dtype == dtype, name
         assert _rel(a.grad.cpu(), b.grad) < 4 * tol, name
+
+
+def test_autocast_runs_in_autocast_dtype_with_float32_master_weights():
+    torch.manual_seed(3)
+    mlp = _LlamaMLPLike(16, 64)
+    with torch.no_grad():
+        mlp.gate_proj.weight[:, 0] -= 0.5
+    sparse = twt.SparseGatedMLP.from_llama_mlp(copy.deepcopy(mlp))
+    x = _x((2, 7, 16), dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = sparse(x)
+        y_ref = mlp(x)
+    assert y.dtype == torch.bfloat16 == y_ref.dtype
+    assert _rel(y.float(), y_ref.float()) < 2e-2
+    y.float().sum().backward()
+    y_ref.float().sum().backward()
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        g = getattr(sparse, name).weight.grad
+        assert g.dtype == torch.float32, name
+        assert _rel(g, getattr(mlp, name).weight.grad) < 5e-2, name
+
+
+def test_mismatched_dtypes_name_the_tensor():
+    wg, wu, wd = _weights(8, 16, dtype=torch.float32)
+    with pytest.raises(TypeError, match="w_gate has dtype"):
+        twt.sparse_gated_ffn(_x((3, 8), dtype=torch.float32), wg.double(), wu, wd)

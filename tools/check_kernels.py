@@ -85,6 +85,10 @@ def main(argv=None):
 
     from cupy_backends.cuda.libs import nvrtc
 
+    # Runnable as ``python tools/check_kernels.py`` from a checkout (no PYTHONPATH needed).
+    repo_root = str(Path(__file__).resolve().parent.parent)
+    if repo_root not in sys.path:
+        sys.path.insert(0, repo_root)
     from twellpy.backends import _registry as reg
 
     _import_backends()

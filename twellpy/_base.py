@@ -347,11 +347,28 @@ class SparseArray:
         _array.check_float(x, "x")
         check_shape(x.shape, "x.shape")
         x = _array.contiguous(x, "x")
+        return cls._from_dense_xp(x, check_finite=bool(check_finite), **params)
+
+    @staticmethod
+    def _check_dense_finite(x):
+        """NaN/Inf check of a dense input: backend fast path, else the generic one."""
+        fast = getattr(backends.get(x), "all_finite", None)
+        if fast is None or not fast(x):
+            _array.check_finite(x, "x")  # builds the message (and is the fallback)
+
+    @staticmethod
+    def _dense_row_nnz(x, check_finite):
+        """Row non-zero counts of a dense input, with the finiteness check fused when possible."""
+        be = backends.get(x)
+        fused = getattr(be, "dense_row_nnz_finite", None)
+        if check_finite and fused is not None:
+            row_nnz, finite = fused(x)
+            if not finite:
+                _array.check_finite(x, "x")
+            return row_nnz
         if check_finite:
-            fast = getattr(backends.get(x), "all_finite", None)
-            if fast is None or not fast(x):
-                _array.check_finite(x, "x")  # the slow path also builds the message
-        return cls._from_dense_xp(x, **params)
+            SparseArray._check_dense_finite(x)
+        return be.dense_row_nnz(x)
 
     @classmethod
     def from_scipy(cls, m, *, dtype=None, check_finite=True, **params):

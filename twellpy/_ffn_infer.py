@@ -26,12 +26,15 @@ inactive, even if the up projection of that neuron is NaN/Inf. (A non-finite
 *down* weight column still reaches every row on the dense path, through the
 GEMM's ``0 * NaN``; the sparse path only reads active columns.)
 
-Mode. ``"sparse"`` always uses the sparse step, ``"dense"`` the dense GEMMs,
-``"auto"`` measures the active count of the first row chunk and runs the
-remaining chunks dense when the mean active neurons per token exceeds the
-plan's ``auto_threshold`` (CUDA: ~``0.012 * H`` in 16-bit, from the measured
-H200 crossover; CPU: ``0.06 * H``). The decision is reported in
-``last_info``.
+Mode. ``"sparse"`` always uses the sparse step, ``"dense"`` the dense GEMMs.
+``"auto"`` measures the active neurons per token after the gate GEMM and
+runs dense when the mean exceeds ``auto_threshold``. CUDA: the first row
+chunk's count decides the whole call (the host waits for that chunk's gate
+GEMM only, while the GPU runs the next one; a call of a single chunk, M <= 512,
+always runs sparse); threshold ~``0.012 * H`` for 16-bit data, from the
+measured H200 crossover. CPU: each chunk of 1024 rows decides for itself from
+a 64-row sample; threshold ``0.06 * H``. The decision is reported in
+``last_info["mode"]``.
 """
 from __future__ import annotations
 
@@ -105,8 +108,8 @@ class _FFN:
         self.device = devices[first]
         self._backend = backends.get(wu, "ffn")
         self._plan = self._backend.prepare(arrs.get("w_gate"), wu, wd)
-        #: details of the last call: ``mode`` used (``"sparse"``, ``"dense"`` or
-        #: ``"sparse+dense"`` when auto switched), ``mean_active`` when measured
+        #: details of the last call: ``mode`` used (``"sparse"``, ``"dense"``, or on
+        #: the CPU ``"sparse+dense"`` when auto switched some chunks), ``mean_active`` when measured
         #: on the host, ``heavy_rows`` handed to the dense sub-FFN
         self.last_info = {}
 

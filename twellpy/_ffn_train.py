@@ -34,8 +34,49 @@ from ._array import as_array, check_float, contiguous, device_of, same_device, t
 __all__ = ["gated_forward_train", "gated_backward", "relu_forward_train", "relu_backward",
            "TrainContext", "choose_width"]
 
-#: Bytes of gate-GEMM output handled at once while extracting the pattern.
-GATE_CHUNK_BYTES = 64 << 20
+#: Bytes of gate-GEMM output handled at once while extracting the pattern
+#: (bounds the only M x H temporary; a dense step keeps several of those).
+GATE_CHUNK_BYTES = 192 << 20
+
+#: Set to a list to collect ``(phase, cupy.cuda.Event)`` marks (benchmarks).
+_PROFILE = None
+
+
+def _mark(name, xp):
+    if _PROFILE is not None and xp is not np:
+        ev = xp.cuda.Event()
+        ev.record()
+        _PROFILE.append((name, ev))
+
+
+class _Stats(dict):
+    """``ctx.stats``: a dict whose device scalars become floats on first access.
+
+    Keeping the L1 value on the device avoids a host synchronisation in the
+    forward pass; it is read back only when someone asks for it.
+    """
+
+    def _resolve(self, key):
+        v = dict.__getitem__(self, key)
+        if callable(v):
+            v = v()
+            dict.__setitem__(self, key, v)
+        return v
+
+    def __getitem__(self, key):
+        return self._resolve(key)
+
+    def get(self, key, default=None):
+        return self._resolve(key) if key in self else default
+
+    def items(self):
+        return [(k, self._resolve(k)) for k in self.keys()]
+
+    def values(self):
+        return [self._resolve(k) for k in self.keys()]
+
+    def __repr__(self):
+        return repr(dict(self.items()))
 
 
 # ---------------------------------------------------------------------------
@@ -236,6 +277,7 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
     xp = xp_of(x)
 
     # 1) pattern: dense GEMM of the activation that is ReLU'd, in row chunks
+    _mark("start", xp)
     w_act = w_gate if gated else w_up
     chunk = max(256, GATE_CHUNK_BYTES // max(1, H * dt.itemsize))
     counts, cols, vals = [], [], []
@@ -259,6 +301,7 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
     if M:
         xp.cumsum(token_counts, dtype=np.int64, out=indptr[1:])
 
+    _mark("gate GEMM + pattern", xp)
     # 2) Hybrid layout: width from the counts, backup rows for wider rows
     counts_host = token_counts.get() if hasattr(token_counts, "get") else token_counts
     n_vals = 2 if gated else 1
@@ -280,7 +323,9 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
     w_downT = be.transpose_copy(w_down)
     uvals = xp.empty_like(gvals) if gated else None
     u_ell, u_bk = be.split_combined(uvals, M, W, R, H) if gated else (None, None)
+    _mark("hybrid + w_down^T", xp)
     y = be.ffn_forward_ell(x, w_up, w_downT, idx, ell_nnz, g_ell, u_ell, gated)
+    _mark("fused fwd kernel", xp)
     if R:
         xb = be.take_rows(x, backup_rows)
         gb = be.to_acc(g_bk)
@@ -293,23 +338,25 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
             hb = g_bk
         be.put_rows(y, backup_rows, be.from_acc(be.gemm_acc(hb, w_down.T), dt))
 
-    # 4) statistics
+    _mark("backup rows fwd", xp)
+    # 4) statistics (the L1 value stays on the device until read)
     if not gvals.size:
         h_abs = 0.0
     elif gated:
-        h_abs = float(xp.abs(be.to_acc(be.from_acc(be.to_acc(gvals) * be.to_acc(uvals), dt))).sum())
+        h_abs = xp.abs(be.to_acc(be.from_acc(be.to_acc(gvals) * be.to_acc(uvals), dt))).sum()
     else:
-        h_abs = float(xp.abs(be.to_acc(gvals)).sum())
-    stats = {
+        h_abs = xp.abs(be.to_acc(gvals)).sum()
+    stats = _Stats({
         "l0": float(counts_host.sum()) / M if M else 0.0,
-        "l1": l1 * h_abs / M if M else 0.0,
+        "l1": (lambda: l1 * float(h_abs) / M) if M else 0.0,
         "l1_coef": l1,
         "n_backup_rows": R,
         "width": W,
         "token_counts": token_counts,
         "neuron_counts": neuron_counts,
         "deterministic": True,
-    }
+    })
+    _mark("stats", xp)
     ctx = TrainContext(gated=gated, kind=kind, xp=xp, _be=be, device=device_of(x),
                        dtype=dt, M=M, D=D, H=H, width=W, R=R, x=x, w_gate=w_gate, w_up=w_up,
                        w_down=w_down, w_downT=w_downT, idx=idx, ell_nnz=ell_nnz, row_map=row_map,
@@ -337,6 +384,7 @@ def _backward(ctx, dy, gated):
     l1s = ctx.l1_coef / M if M else 0.0
 
     # 1) dh on the pattern (+ fused L1), du/dg, and the ELL rows of dx
+    _mark("start", xp)
     da = xp.empty(M * W + R * H, dtype=dt)
     db = xp.empty_like(da) if gated else None
     da_ell, da_bk = be.split_combined(da, M, W, R, H)
@@ -345,6 +393,7 @@ def _backward(ctx, dy, gated):
     u_ell, u_bk = be.split_combined(ctx.uvals, M, W, R, H) if gated else (None, None)
     dx = be.ffn_backward_ell(dy, ctx.w_downT, ctx.w_up, ctx.w_gate, ctx.idx, ctx.ell_nnz, g_ell, u_ell,
                              l1s, gated, da_ell, db_ell)
+    _mark("fused bwd kernel", xp)
 
     # 2) backup rows: dense products restricted to those rows
     if R:
@@ -370,11 +419,15 @@ def _backward(ctx, dy, gated):
             dxb = be.gemm_acc(da_bk, ctx.w_up)
         be.put_rows(dx, br, be.from_acc(dxb, dt))
 
+    _mark("backup rows bwd", xp)
     # 3) weight gradients from the deterministic transpose of the pattern
     indptr, rows, pos = be.transpose_pattern(ctx.idx, ctx.row_map, g_bk, H)
+    _mark("transpose (counting sort)", xp)
     dw_up, dw_gate, dw_downT = be.ffn_weight_grads(indptr, rows, pos, ctx.x, dy, da, db, ctx.gvals,
                                                    ctx.uvals, H, gated)
+    _mark("weight grads", xp)
     dw_down = be.transpose_copy(dw_downT)
+    _mark("dw_down^T", xp)
     out_kind = kind if kind not in (None, "numpy", "cupy") else ctx.kind
     if gated:
         return tuple(to_caller(a, out_kind) for a in (dx, dw_gate, dw_up, dw_down))

@@ -693,7 +693,7 @@ def from_dask(x, format="twell", *, rechunk=True, **params):
 _FFN_INIT_KWARGS = ("tile", "slots", "mode", "check_finite")
 
 
-def _ffn(kind, x, weights, client, broadcast, rechunk, ffn_kwargs):
+def _ffn(kind, x, weights, client, broadcast, rechunk, out_name, ffn_kwargs):
     if "return_activations" in ffn_kwargs:
         raise ValueError("return_activations is not supported by twellpy.dask; the result is "
                          "the dense FFN output only")
@@ -703,11 +703,11 @@ def _ffn(kind, x, weights, client, broadcast, rechunk, ffn_kwargs):
                         f"expected {', '.join(_FFN_INIT_KWARGS)}")
     x = _check_row_chunked(x, "x", rechunk)
     check_float(x, "x")
-    named = [(name, _describe(w, name)) for name, w in weights]
-    for name, w in named:
+    named = [(arg, _describe(w, arg)) for arg, w in weights]
+    for arg, w in named:
         if w.ndim != 2:
-            raise ValueError(f"{name} must be 2-D, got {w.ndim}-D array of shape {w.shape}")
-        check_float(w, name)
+            raise ValueError(f"{arg} must be 2-D, got {w.ndim}-D array of shape {w.shape}")
+        check_float(w, arg)
     d_model = x.shape[1]
     if kind == "gated":
         (_, w_gate), (_, w_up), (_, w_down) = named
@@ -717,33 +717,33 @@ def _ffn(kind, x, weights, client, broadcast, rechunk, ffn_kwargs):
         (_, w_up), (_, w_down) = named
         hidden = w_up.shape[0]
         want = {"w_up": (hidden, d_model)}
-    for name, w in named:
-        if name in want and w.shape != want[name]:
-            raise ValueError(f"{name} has shape {w.shape}, expected {want[name]} "
+    for arg, w in named:
+        if arg in want and w.shape != want[arg]:
+            raise ValueError(f"{arg} has shape {w.shape}, expected {want[arg]} "
                              f"(x has {d_model} columns, w_up has {hidden} rows)")
     if w_down.shape != (d_model, hidden):
         raise ValueError(f"w_down has shape {w_down.shape}, expected {(d_model, hidden)} "
                          f"(nn.Linear layout: (D, H))")
     chunk_kind = "cupy" if is_cupy(x._meta) else "numpy"
-    for name, w in named:
+    for arg, w in named:
         if w.array_type != chunk_kind:
-            raise ValueError(f"{name} is a {w.array_type} array but x has {chunk_kind} chunks; "
+            raise ValueError(f"{arg} is a {w.array_type} array but x has {chunk_kind} chunks; "
                              f"put the weights where the chunks are")
-    for name, w in named:
+    for arg, w in named:
         if w.dtype != x.dtype:
-            raise TypeError(f"{name} has dtype {w.dtype} but x has dtype {x.dtype}; "
+            raise TypeError(f"{arg} has dtype {w.dtype} but x has dtype {x.dtype}; "
                             f"the FFN needs one dtype (cast with .astype)")
     dtype = np.dtype(x.dtype)
     out_cols = w_down.shape[0]
-    shared = [_share_described(w, name, client, broadcast) for name, w in named]
+    shared = [_share_described(w, arg, client, broadcast) for arg, w in named]
     return x.map_blocks(
         _ffn_chunk, *[w.ref for w in shared], kind=kind, ffn_kwargs=dict(ffn_kwargs),
         dtype=dtype, chunks=(x.chunks[0], (out_cols,)), meta=_array_meta(x, dtype),
-        token=f"twellpy-{kind}-forward")
+        **({"name": out_name} if out_name is not None else {"token": f"twellpy-{kind}-forward"}))
 
 
 def gated_forward(x, w_gate, w_up, w_down, *, client=None, broadcast=True, rechunk=True,
-                  **ffn_kwargs):
+                  name=None, **ffn_kwargs):
     """Gated sparse FFN inference over the row chunks of a dask array.
 
     Each row chunk runs a :class:`twellpy.ffn.GatedFFN` on the worker that
@@ -770,6 +770,10 @@ def gated_forward(x, w_gate, w_up, w_down, *, client=None, broadcast=True, rechu
         Scatter the weights to every worker up front (see :func:`share`).
     rechunk : bool
         See ``x``.
+    name : str, optional
+        Key name of the output. By default it is a hash of the inputs, so
+        identical calls share keys (and results already in memory); give a
+        fresh name to force a new computation (e.g. when timing).
     **ffn_kwargs
         ``tile``, ``slots``, ``mode``, ``check_finite``: passed to
         :class:`twellpy.ffn.GatedFFN` (``return_activations`` is not
@@ -791,10 +795,11 @@ def gated_forward(x, w_gate, w_up, w_down, *, client=None, broadcast=True, rechu
         device.
     """
     weights = [("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)]
-    return _ffn("gated", x, weights, client, broadcast, rechunk, ffn_kwargs)
+    return _ffn("gated", x, weights, client, broadcast, rechunk, name, ffn_kwargs)
 
 
-def relu_forward(x, w_up, w_down, *, client=None, broadcast=True, rechunk=True, **ffn_kwargs):
+def relu_forward(x, w_up, w_down, *, client=None, broadcast=True, rechunk=True, name=None,
+                 **ffn_kwargs):
     """ReLU sparse FFN inference over the row chunks of a dask array.
 
     Same as :func:`gated_forward` without the gate: every chunk runs a
@@ -807,7 +812,7 @@ def relu_forward(x, w_up, w_down, *, client=None, broadcast=True, rechunk=True, 
         (M, D), chunks ``(x.chunks[0], (D,))``.
     """
     weights = [("w_up", w_up), ("w_down", w_down)]
-    return _ffn("relu", x, weights, client, broadcast, rechunk, ffn_kwargs)
+    return _ffn("relu", x, weights, client, broadcast, rechunk, name, ffn_kwargs)
 
 
 # Workers import this module to unpickle chunk functions; registering at import

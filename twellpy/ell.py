@@ -120,9 +120,9 @@ class ELL(SparseArray):
         return super().from_scipy(m, width=width, dtype=dtype, check_finite=check_finite)
 
     @classmethod
-    def _from_dense_xp(cls, x, width=None):
+    def _from_dense_xp(cls, x, width=None, check_finite=False):
         be = backends.get(x)
-        row_nnz = be.dense_row_nnz(x)
+        row_nnz = cls._dense_row_nnz(x, check_finite)
         w = resolve_fixed_width(width, row_nnz)
         values, indices = be.dense_to_ell(x, w, row_nnz)
         return cls(values, indices, row_nnz, shape=x.shape, check=False, check_finite=False)

@@ -209,11 +209,11 @@ class Hybrid(SparseArray):
         return super().from_scipy(m, width=width, dtype=dtype, check_finite=check_finite)
 
     @classmethod
-    def _from_dense_xp(cls, x, width="auto"):
+    def _from_dense_xp(cls, x, width="auto", check_finite=False):
         xp = _array.xp_of(x)
         m, n = x.shape
         be = backends.get(x)
-        row_nnz = be.dense_row_nnz(x)
+        row_nnz = cls._dense_row_nnz(x, check_finite)
         w = choose_width(row_nnz, n, x.dtype.itemsize, width)
         values, indices = be.dense_to_ell(x, w, row_nnz)
         over = row_nnz > w

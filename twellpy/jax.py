@@ -12,9 +12,11 @@ Two execution paths, chosen automatically per call:
 * **Traced** (under ``jax.jit``, ``jax.lax.scan`` ...): the step runs through
   :func:`jax.pure_callback` on host (numpy) copies of the arrays, i.e. on
   twellpy's **CPU** backend even if jax computes on a GPU. It is exact but
-  pays host transfers; for GPU speed call the wrappers eagerly. ``vmap`` is
-  not supported (flatten the batch dimensions instead: the wrappers accept
-  ``x`` of shape (..., D)).
+  pays host transfers; for GPU speed call the wrappers eagerly.
+* **Vectorised** (``jax.vmap``): the callback runs once per batch element
+  (``vmap_method="sequential"``), and the L1 term is normalised by each
+  element's own token count. To batch tokens, prefer ``x`` of shape
+  (..., D): the wrappers flatten leading dimensions into one call.
 
 The forward pass keeps twellpy's sparse context in a small host-side cache,
 keyed by an int32 handle that travels as a residual; the backward pass uses
@@ -37,6 +39,7 @@ Examples
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import numbers
 import threading
@@ -88,6 +91,12 @@ def _take(handle):
         return _ctx_cache.pop(int(handle), None)
 
 
+# Under jax.vmap the callbacks run once per batch element (jax >= 0.4.34
+# understands vmap_method; older versions reject vmap of a pure_callback).
+_VMAP = ({"vmap_method": "sequential"}
+         if "vmap_method" in inspect.signature(jax.pure_callback).parameters else {})
+
+
 def _is_traced(*arrays):
     return any(isinstance(a, jax.core.Tracer) for a in arrays)
 
@@ -131,7 +140,7 @@ def _primal(kind, l1, *arrays):
     if _is_traced(*arrays):
         def host(*arrs):
             return np.asarray(infer(*[np.asarray(a) for a in arrs])).astype(out.dtype, copy=False)
-        return jax.pure_callback(host, out, *arrays)
+        return jax.pure_callback(host, out, *arrays, **_VMAP)
     return jnp.asarray(infer(*arrays), dtype=out.dtype)
 
 
@@ -141,7 +150,7 @@ def _fwd(kind, l1, *arrays):
     if _is_traced(*arrays):
         y, handle = jax.pure_callback(
             functools.partial(_host_forward_train, kind, l1, out.dtype),
-            (out, jax.ShapeDtypeStruct((), np.int32)), *arrays)
+            (out, jax.ShapeDtypeStruct((), np.int32)), *arrays, **_VMAP)
     else:
         y, ctx = _run_forward_train(kind, arrays, l1)
         y = jnp.asarray(y, dtype=out.dtype)
@@ -155,7 +164,7 @@ def _bwd(kind, l1, res, dy):
     if _is_traced(handle, dy, *arrays):
         shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
         return jax.pure_callback(functools.partial(_host_backward, kind, l1, dtypes),
-                                 shapes, handle, dy, *arrays)
+                                 shapes, handle, dy, *arrays, **_VMAP)
     grads = _backward_from(kind, handle, arrays, l1, dy)
     return tuple(jnp.asarray(g, dtype=dt) for g, dt in zip(grads, dtypes))
 

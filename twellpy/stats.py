@@ -5,7 +5,8 @@ Every function accepts *activations* ``acts`` as
 * a dense array of shape (M, H) -- or (..., H), whose leading dimensions are
   flattened into M token rows -- as numpy, cupy, torch (CPU or CUDA), jax, or
   any ``__dlpack__`` array; a neuron is *active* where the value is non-zero
-  (NaN counts as active, as everywhere in twellpy);
+  (NaN counts as active and -0.0 as inactive, as everywhere in twellpy);
+  boolean masks and integer arrays are accepted too;
 * a twellpy container (:class:`~twellpy.ELL`, :class:`~twellpy.TwELL`,
   :class:`~twellpy.Hybrid`) of shape (M, H); its *stored entries* are counted
   (slot entries, plus the non-zeros of its dense backup rows), which equals
@@ -34,7 +35,8 @@ import math
 
 import numpy as np
 
-from ._array import as_array, is_cupy
+from ._array import as_array, bfloat16, is_cupy
+from ._base import nonzero_mask
 
 __all__ = [
     "nnz_per_token",
@@ -67,6 +69,18 @@ def _is_container(a):
 
 def _to_numpy(a):
     return a.get() if is_cupy(a) else np.asarray(a)
+
+
+def _active(a):
+    """Boolean mask of active entries: non-zero, NaN included, -0.0 excluded.
+
+    Float data is tested on its bit pattern (the containers' rule, and it
+    needs no float16/bfloat16 arithmetic on the device); other dtypes
+    (bool masks, integers) with ``!= 0``.
+    """
+    if a.dtype.kind == "f" or a.dtype == bfloat16:
+        return nonzero_mask(a)
+    return a != 0
 
 
 def _xp(a):
@@ -121,22 +135,21 @@ class _Acts:
         return self.shape[1]
 
     def nnz_per_row(self):
-        xp = self.xp
         if self.dense is not None:
-            return (self.dense != 0).sum(axis=1)
+            return _active(self.dense).sum(axis=1)
         counts = (self.indices >= 0).sum(axis=1).astype(np.int64)
         if self.backup.shape[0]:
-            counts[self.backup_rows] += (self.backup != 0).sum(axis=1)
+            counts[self.backup_rows] += _active(self.backup).sum(axis=1)
         return counts
 
     def per_neuron(self):
         xp = self.xp
         if self.dense is not None:
-            return (self.dense != 0).sum(axis=0)
+            return _active(self.dense).sum(axis=0)
         idx = self.indices[self.indices >= 0]
         counts = xp.bincount(idx.ravel().astype(np.int64), minlength=self.n).astype(np.int64)
         if self.backup.shape[0]:
-            counts = counts + (self.backup != 0).sum(axis=0)
+            counts = counts + _active(self.backup).sum(axis=0)
         return counts
 
     def occupancy(self, tile):
@@ -145,7 +158,7 @@ class _Acts:
         m, n = self.shape
         n_tiles = -(-n // tile) if n else 0
         if self.dense is not None:
-            nz = self.dense != 0
+            nz = _active(self.dense)
             pad = n_tiles * tile - n
             if pad:
                 nz = xp.concatenate([nz, xp.zeros((m, pad), dtype=bool)], axis=1)
@@ -156,7 +169,7 @@ class _Acts:
         occ = xp.bincount(rows * n_tiles + tiles, minlength=m * n_tiles).reshape(m, n_tiles)
         if self.backup.shape[0]:
             r = self.backup.shape[0]
-            nz = self.backup != 0
+            nz = _active(self.backup)
             pad = n_tiles * tile - n
             if pad:
                 nz = xp.concatenate([nz, xp.zeros((r, pad), dtype=bool)], axis=1)
@@ -620,7 +633,7 @@ def tile_occupancy_histogram(acts, tile=256):
     return np.bincount(occ.ravel(), minlength=tile + 1).astype(np.int64)
 
 
-def _check_slots(slots, tile=None):
+def _check_slots(slots):
     if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots < 0:
         raise ValueError(f"slots must be a non-negative integer, got {slots!r}")
     return int(slots)

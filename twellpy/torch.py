@@ -153,6 +153,24 @@ class ReluFFNFunction(torch.autograd.Function):
         return dx, dw_up, dw_down, None, None
 
 
+def _autocast(x, weights):
+    """Apply torch.autocast's rule for linear layers: compute in the autocast dtype.
+
+    Under ``torch.autocast`` a Llama MLP's ``nn.Linear`` layers run in the
+    autocast dtype (e.g. bfloat16) with float32 master weights; the casts here
+    are differentiable, so gradients reach the float32 weights as usual.
+    """
+    dev = x.device.type
+    if dev not in ("cpu", "cuda") or not torch.is_autocast_enabled(dev):
+        return x, weights
+    dt = torch.get_autocast_dtype(dev)
+
+    def cast(t):
+        return t.to(dt) if t.is_floating_point() and t.dtype != dt else t
+
+    return cast(x), [cast(w) for w in weights]
+
+
 def _needs_grad(*tensors):
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
@@ -183,10 +201,15 @@ def sparse_gated_ffn(x, w_gate, w_up, w_down, l1=0.0, *, stats_out=None):
     -----
     When no input requires a gradient (or under ``torch.no_grad()``), the
     faster inference kernel :func:`twellpy.ffn.gated_forward` is used.
+    Under ``torch.autocast`` the computation runs in the autocast dtype, as
+    ``nn.Linear`` would. Otherwise all four tensors must share one dtype and
+    device (a mismatch raises ``TypeError``/``ValueError`` naming the tensor).
     """
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         _check_tensor(w, name, ndim=2)
     l1 = _check_l1(l1)
+    _check_tensor(x, "x")
+    x, (w_gate, w_up, w_down) = _autocast(x, [w_gate, w_up, w_down])
     x2, lead = _flatten_tokens(x, w_gate.shape[1])
     if _needs_grad(x, w_gate, w_up, w_down) or stats_out is not None:
         y = GatedFFNFunction.apply(x2, w_gate.contiguous(), w_up.contiguous(), w_down.contiguous(),
@@ -202,6 +225,8 @@ def sparse_relu_ffn(x, w_up, w_down, l1=0.0, *, stats_out=None):
     for name, w in (("w_up", w_up), ("w_down", w_down)):
         _check_tensor(w, name, ndim=2)
     l1 = _check_l1(l1)
+    _check_tensor(x, "x")
+    x, (w_up, w_down) = _autocast(x, [w_up, w_down])
     x2, lead = _flatten_tokens(x, w_up.shape[1])
     if _needs_grad(x, w_up, w_down) or stats_out is not None:
         y = ReluFFNFunction.apply(x2, w_up.contiguous(), w_down.contiguous(), l1, stats_out)

@@ -193,10 +193,19 @@ class TwELL(SparseArray):
         return over
 
     @classmethod
-    def _from_dense_xp(cls, x, tile=256, slots=32, overflow="backup"):
+    def _from_dense_xp(cls, x, tile=256, slots=32, overflow="backup", check_finite=False):
         tile, slots = cls._params_ok(tile, slots, overflow)
         xp = _array.xp_of(x)
-        values, indices, counts, row_max = backends.get(x).dense_to_twell(x, tile, slots)
+        be = backends.get(x)
+        fused = getattr(be, "dense_to_twell_finite", None)  # optional: NaN/Inf test in the same pass
+        if check_finite and fused is not None:
+            values, indices, counts, row_max, finite = fused(x, tile, slots)
+            if not finite:
+                _array.check_finite(x, "x")
+        else:
+            if check_finite:
+                cls._check_dense_finite(x)
+            values, indices, counts, row_max = be.dense_to_twell(x, tile, slots)
 
         def row_cols(r):
             from ._base import nonzero_mask

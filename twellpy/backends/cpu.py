@@ -22,6 +22,13 @@ _INT32_MAX = 2**31 - 1
 # Unsigned "bits" dtype and the all-but-sign mask, by itemsize.
 _BITS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 _MASK = {2: np.uint16(0x7FFF), 4: np.uint32(0x7FFFFFFF), 8: np.uint64(0x7FFFFFFFFFFFFFFF)}
+# All-ones exponent by dtype (bfloat16 is looked up by _exp_mask).
+_EXP = {np.dtype(np.float16): np.uint16(0x7C00), np.dtype(np.float32): np.uint32(0x7F800000),
+        np.dtype(np.float64): np.uint64(0x7FF0000000000000)}
+
+
+# Output allocation of the Python wrappers (tests swap in a poisoning version).
+_empty = np.empty
 
 
 def _bits(a):
@@ -50,24 +57,45 @@ def _check_int32(n, what):
 # --------------------------------------------------------------------------
 # construction from dense
 # --------------------------------------------------------------------------
+_CHUNK = 16  # columns tested at once for "all zero" (vectorised max reduction)
+
+
 @numba.njit(cache=True, nogil=True, parallel=True)
-def _k_dense_to_twell(xb, mask, tile, slots, vals, idx, counts, row_max):
+def _k_dense_to_twell(xb, mask, tile, slots, vals, idx, counts, row_max, row_maxbits):
     m, n = xb.shape
     n_tiles = counts.shape[1]
     for i in prange(m):
         pos = np.empty(max(tile, 1), np.int32)
         row = xb[i]
         best = 0
+        mb = row_maxbits.dtype.type(0)
         for t in range(n_tiles):
             lo = t * tile
             hi = min(lo + tile, n)
             # Branch-free compaction: always store the column, advance only on
-            # a non-zero. The positions are the prefix count, so the result is
-            # deterministic and sorted.
+            # a non-zero. Positions are a prefix count, so the result is
+            # deterministic and sorted. Activation rows are mostly zero, so
+            # chunks whose largest |bits| is 0 are skipped after one
+            # vectorised max; that max also finds NaN/Inf (|bits| >= exponent
+            # mask) without a second pass over x.
             c = 0
-            for j in range(lo, hi):
+            j = lo
+            while j + _CHUNK <= hi:
+                cm = row[j] & mask
+                for u in range(1, _CHUNK):
+                    cm = max(cm, row[j + u] & mask)
+                if cm != 0:
+                    mb = max(mb, cm)
+                    for u in range(_CHUNK):
+                        pos[c] = j + u
+                        c += (row[j + u] & mask) != 0
+                j += _CHUNK
+            while j < hi:
+                b = row[j] & mask
+                mb = max(mb, b)
                 pos[c] = j
-                c += (row[j] & mask) != 0
+                c += b != 0
+                j += 1
             k = min(c, slots)
             for s in range(k):
                 j = pos[s]
@@ -80,6 +108,29 @@ def _k_dense_to_twell(xb, mask, tile, slots, vals, idx, counts, row_max):
             if c > best:
                 best = c
         row_max[i] = best
+        row_maxbits[i] = mb
+
+
+def _exp_mask(dtype):
+    """Bits of the all-ones exponent: ``bits & 0x7f..f >= this`` means NaN or Inf."""
+    from .._array import bfloat16
+
+    return np.uint16(0x7F80) if np.dtype(dtype) == bfloat16 else _EXP[np.dtype(dtype)]
+
+
+def _dense_to_twell(x, tile, slots):
+    m, n = x.shape
+    _check_int32(n, "the number of columns")
+    n_tiles = -(-n // tile) if n else 0
+    vals = _empty((m, n_tiles, slots), x.dtype)
+    idx = _empty((m, n_tiles, slots), np.int32)
+    counts = _empty((m, n_tiles), np.int32)
+    row_max = _empty(m, np.int32)
+    xb = _bits(x)
+    row_maxbits = _empty(m, xb.dtype)
+    _k_dense_to_twell(xb, _MASK[x.dtype.itemsize], tile, slots, _bits(vals), idx, counts, row_max, row_maxbits)
+    finite = m == 0 or row_maxbits.max() < _exp_mask(x.dtype)
+    return vals, idx, counts, row_max, bool(finite)
 
 
 def dense_to_twell(x, tile, slots):
@@ -100,34 +151,46 @@ def dense_to_twell(x, tile, slots):
     row_max_count : (M,) int32, largest true tile count of each row (may be > S;
         such a row holds only its first S entries per tile).
     """
-    m, n = x.shape
-    _check_int32(n, "the number of columns")
-    n_tiles = -(-n // tile) if n else 0
-    vals = np.empty((m, n_tiles, slots), x.dtype)
-    idx = np.empty((m, n_tiles, slots), np.int32)
-    counts = np.empty((m, n_tiles), np.int32)
-    row_max = np.empty(m, np.int32)
-    _k_dense_to_twell(_bits(x), _MASK[x.dtype.itemsize], tile, slots, _bits(vals), idx, counts, row_max)
-    return vals, idx, counts, row_max
+    return _dense_to_twell(x, tile, slots)[:4]
+
+
+def dense_to_twell_finite(x, tile, slots):
+    """:func:`dense_to_twell` plus a fifth result: True when ``x`` has no NaN/Inf.
+
+    Same single pass over ``x``: the finiteness test is fused into the scan.
+    """
+    return _dense_to_twell(x, tile, slots)
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def _k_dense_row_nnz(xb, mask, out):
+def _k_dense_row_nnz(xb, mask, out, row_maxbits):
     m, n = xb.shape
     for i in prange(m):
         c = 0
+        mb = row_maxbits.dtype.type(0)
         row = xb[i]
         for j in range(n):
-            c += (row[j] & mask) != 0
+            b = row[j] & mask
+            mb = max(mb, b)
+            c += b != 0
         out[i] = c
+        row_maxbits[i] = mb
+
+
+def dense_row_nnz_finite(x):
+    """:func:`dense_row_nnz` plus True when ``x`` has no NaN/Inf (same pass)."""
+    _check_int32(x.shape[1], "the number of columns")
+    out = _empty(x.shape[0], np.int32)
+    xb = _bits(x)
+    row_maxbits = _empty(x.shape[0], xb.dtype)
+    _k_dense_row_nnz(xb, _MASK[x.dtype.itemsize], out, row_maxbits)
+    finite = x.shape[0] == 0 or row_maxbits.max() < _exp_mask(x.dtype)
+    return out, bool(finite)
 
 
 def dense_row_nnz(x):
     """Number of non-zeros (NaN included, -0.0 excluded) of each row: (M,) int32."""
-    _check_int32(x.shape[1], "the number of columns")
-    out = np.empty(x.shape[0], np.int32)
-    _k_dense_row_nnz(_bits(x), _MASK[x.dtype.itemsize], out)
-    return out
+    return dense_row_nnz_finite(x)[0]
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
@@ -157,8 +220,8 @@ def dense_to_ell(x, width, row_nnz):
     elsewhere). Returns ``values`` (M, width) and ``indices`` (M, width) int32.
     """
     m, n = x.shape
-    vals = np.empty((m, width), x.dtype)
-    idx = np.empty((m, width), np.int32)
+    vals = _empty((m, width), x.dtype)
+    idx = _empty((m, width), np.int32)
     _k_dense_to_ell(_bits(x), _MASK[x.dtype.itemsize], width, row_nnz, _bits(vals), idx)
     return vals, idx
 
@@ -202,10 +265,10 @@ def csr_to_twell(indptr, indices, data, n_cols, tile, slots):
     m = indptr.shape[0] - 1
     _check_int32(n_cols, "the number of columns")
     n_tiles = -(-n_cols // tile) if n_cols else 0
-    vals = np.empty((m, n_tiles, slots), data.dtype)
-    idx = np.empty((m, n_tiles, slots), np.int32)
-    counts = np.empty((m, n_tiles), np.int32)
-    row_max = np.empty(m, np.int32)
+    vals = _empty((m, n_tiles, slots), data.dtype)
+    idx = _empty((m, n_tiles, slots), np.int32)
+    counts = _empty((m, n_tiles), np.int32)
+    row_max = _empty(m, np.int32)
     _k_csr_to_twell(indptr, indices, _bits(data), tile, slots, _bits(vals), idx, counts, row_max)
     return vals, idx, counts, row_max
 
@@ -235,9 +298,9 @@ def csr_to_ell(indptr, indices, data, width):
     count of every row. Returns ``values, indices, row_nnz``.
     """
     m = indptr.shape[0] - 1
-    vals = np.empty((m, width), data.dtype)
-    idx = np.empty((m, width), np.int32)
-    row_nnz = np.empty(m, np.int32)
+    vals = _empty((m, width), data.dtype)
+    idx = _empty((m, width), np.int32)
+    row_nnz = _empty(m, np.int32)
     _k_csr_to_ell(indptr, indices, _bits(data), width, _bits(vals), idx, row_nnz)
     return vals, idx, row_nnz
 
@@ -299,8 +362,8 @@ def slots_to_csr(values, indices, row_counts):
     nnz = int(indptr64[-1])
     _check_int32(nnz, "the number of stored entries")
     indptr = indptr64.astype(np.int32)
-    col = np.empty(nnz, np.int32)
-    data = np.empty(nnz, values.dtype)
+    col = _empty(nnz, np.int32)
+    data = _empty(nnz, values.dtype)
     _k_slots_to_csr(_bits(values), indices, indptr, col, _bits(data))
     return indptr, col, data
 
@@ -340,8 +403,8 @@ def _transpose(values, indices, n_cols):
     _k_transpose_count(indices, n_cols, indptr64)
     nnz = int(indptr64[-1])
     _check_int32(nnz, "the number of stored entries")
-    col = np.empty(nnz, np.int32)
-    data = np.empty(nnz, values.dtype)
+    col = _empty(nnz, np.int32)
+    data = _empty(nnz, values.dtype)
     _k_transpose_fill(values, indices, indptr64, col, data)
     return indptr64.astype(np.int32), col, data
 
@@ -388,7 +451,7 @@ def slots_spmm(values, indices, B):
     """
     res = _result_dtype(values.dtype, B.dtype)
     acc = _accum_dtype(res)
-    out = np.empty((values.shape[0], B.shape[1]), acc)
+    out = _empty((values.shape[0], B.shape[1]), acc)
     _k_slots_spmm(_as_acc(values, acc), indices, np.ascontiguousarray(_as_acc(B, acc)), out)
     return out if res == acc else out.astype(res)
 
@@ -419,7 +482,7 @@ def slots_spmm_t(values, indices, B, n_cols):
     res = _result_dtype(values.dtype, B.dtype)
     acc = _accum_dtype(res)
     indptr, col, data = _transpose(_as_acc(values, acc), indices, n_cols)
-    out = np.empty((n_cols, B.shape[1]), acc)
+    out = _empty((n_cols, B.shape[1]), acc)
     _k_csr_spmm(indptr, col, data, np.ascontiguousarray(_as_acc(B, acc)), out)
     return out if res == acc else out.astype(res)
 
@@ -447,7 +510,7 @@ def twell_spmm(values, indices, counts, B):
     """``A @ B`` for TwELL slots (M, n_tiles, S) with their counts; as :func:`slots_spmm`."""
     res = _result_dtype(values.dtype, B.dtype)
     acc = _accum_dtype(res)
-    out = np.empty((values.shape[0], B.shape[1]), acc)
+    out = _empty((values.shape[0], B.shape[1]), acc)
     _k_twell_spmm(_as_acc(values, acc), indices, counts, np.ascontiguousarray(_as_acc(B, acc)), out)
     return out if res == acc else out.astype(res)
 
@@ -482,8 +545,8 @@ def _twell_transpose(values, indices, counts, n_cols):
     _k_twell_transpose_count(indices, counts, n_cols, indptr64)
     nnz = int(indptr64[-1])
     _check_int32(nnz, "the number of stored entries")
-    col = np.empty(nnz, np.int32)
-    data = np.empty(nnz, values.dtype)
+    col = _empty(nnz, np.int32)
+    data = _empty(nnz, values.dtype)
     _k_twell_transpose_fill(values, indices, counts, indptr64, col, data)
     return indptr64, col, data
 
@@ -500,7 +563,7 @@ def twell_spmm_t(values, indices, counts, B, n_cols):
     res = _result_dtype(values.dtype, B.dtype)
     acc = _accum_dtype(res)
     indptr, col, data = _twell_transpose(_as_acc(values, acc), indices, counts, n_cols)
-    out = np.empty((n_cols, B.shape[1]), acc)
+    out = _empty((n_cols, B.shape[1]), acc)
     _k_csr_spmm(indptr, col, data, np.ascontiguousarray(_as_acc(B, acc)), out)
     return out if res == acc else out.astype(res)
 
@@ -530,7 +593,7 @@ def dense_rows_spmm(rows, B):
     """
     res = _result_dtype(rows.dtype, B.dtype)
     acc = _accum_dtype(res)
-    out = np.empty((rows.shape[0], B.shape[1]), acc)
+    out = _empty((rows.shape[0], B.shape[1]), acc)
     _k_rows_spmm(_as_acc(rows, acc), np.ascontiguousarray(_as_acc(B, acc)), out)
     return out if res == acc else out.astype(res)
 
@@ -564,7 +627,7 @@ def dense_rows_spmm_t(rows, B):
     res = _result_dtype(rows.dtype, B.dtype)
     acc = _accum_dtype(res)
     n = rows.shape[1]
-    out = np.empty((n, B.shape[1]), acc)
+    out = _empty((n, B.shape[1]), acc)
     chunk = max(64, -(-n // (4 * numba.get_num_threads())))
     _k_rows_spmm_t(_as_acc(rows, acc), np.ascontiguousarray(_as_acc(B, acc)), out, chunk)
     return out if res == acc else out.astype(res)
@@ -586,15 +649,11 @@ def _k_count_nonfinite(xb, exp_mask):
     return bad
 
 
-_EXP = {np.dtype(np.float16): np.uint16(0x7C00), np.dtype(np.float32): np.uint32(0x7F800000),
-        np.dtype(np.float64): np.uint64(0x7FF0000000000000)}
 
 
 def all_finite(x):
     """True when the 2-D float array ``x`` holds no NaN/Inf (one pass, no temporaries)."""
-    from .._array import bfloat16
-
-    exp = np.uint16(0x7F80) if x.dtype == bfloat16 else _EXP[x.dtype]
+    exp = _exp_mask(x.dtype)
     if x.size == 0:
         return True
     x2 = x if x.ndim == 2 else x.reshape(1, -1)

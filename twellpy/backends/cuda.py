@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._array import FLOAT_DTYPES, bfloat16, cupy_module
+from .._array import FLOAT_DTYPES, cupy_module
 from . import _registry as reg
 
 _INT32_MAX = 2**31 - 1
@@ -54,6 +54,11 @@ SPMM_WARPS = 4
 #: More strips -> fewer index reads, more registers. Benchmarked in
 #: benchmarks/kernels.py.
 SPMM_MAX_ITERS = 8
+#: Extra ``#define``s for construct.cu / spmm.cu (e.g. ``{"SPMM_LOADS": 8}``).
+#: Empty = the declared defaults, compiled once per file; anything else
+#: compiles the one kernel needed on first use (benchmarks/kernels.py sweeps them).
+CONSTRUCT_DEFINES: dict = {}
+SPMM_DEFINES: dict = {}
 #: Grid cap of the grid-stride kernels.
 _MAX_GRID = 1 << 20
 #: Budget of (row chunk, column) counters of the transpose (int32 entries).
@@ -273,6 +278,32 @@ def _dense_vec(x, *multiples):
     return 1
 
 
+def _dense_to_twell(x, tile, slots):
+    cp = _cp()
+    x = _values_array(x, "x", ndim=2)
+    tile = _positive(tile, "tile")
+    slots = _positive(slots, "slots")
+    m, n = x.shape
+    _check_int32(n, "the number of columns")
+    _check_int32(m, "the number of rows")
+    n_tiles = -(-n // tile) if n else 0
+    values = _alloc((m, n_tiles, slots), x.dtype)
+    indices = _alloc((m, n_tiles, slots), _I32)
+    counts = _alloc((m, n_tiles), _I32)
+    nonfinite = cp.zeros(1, _I32)
+    tpw = max(1, int(CONSTRUCT_TILES_PER_WARP))
+    n_groups = -(-n_tiles // tpw)
+    if m == 0 or n_tiles == 0:
+        return values, indices, counts, cp.zeros(m, _I32), nonfinite
+    row_max = cp.zeros(m, _I32) if n_groups > 1 else _alloc(m, _I32)
+    vec = _dense_vec(x, n, tile)
+    k = reg.get_kernel("construct.cu", _name_dense("dense_to_twell", x.dtype, vec), **CONSTRUCT_DEFINES)
+    k((_blocks(m * n_groups, CONSTRUCT_WARPS),), (32 * CONSTRUCT_WARPS,),
+      (x, values, indices, counts, row_max, nonfinite, _i32(m), _i32(n), _i32(tile), _i32(slots),
+       _i32(n_tiles), _i32(tpw), _i32(n_groups)))
+    return values, indices, counts, row_max, nonfinite
+
+
 def dense_to_twell(x, tile, slots):
     """Pack a dense (M, N) cupy array into TwELL slots in one pass.
 
@@ -295,44 +326,65 @@ def dense_to_twell(x, tile, slots):
     row_max_count : (M,) int32, largest true tile count of each row (may be
         larger than S; such a row holds only its first S entries per tile).
     """
+    return _dense_to_twell(x, tile, slots)[:4]
+
+
+def dense_to_twell_finite(x, tile, slots):
+    """:func:`dense_to_twell` plus a fifth result: True when ``x`` has no NaN/Inf.
+
+    The finiteness test is fused into the same pass over ``x`` (reading the
+    flag synchronises with the device).
+    """
+    *res, nonfinite = _dense_to_twell(x, tile, slots)
+    return (*res, _not_flagged(nonfinite))
+
+
+def _dense_row_nnz(x):
     cp = _cp()
-    x = _values_array(x, "x", ndim=2)
-    tile = _positive(tile, "tile")
-    slots = _positive(slots, "slots")
-    m, n = x.shape
-    _check_int32(n, "the number of columns")
-    _check_int32(m, "the number of rows")
-    n_tiles = -(-n // tile) if n else 0
-    values = _alloc((m, n_tiles, slots), x.dtype)
-    indices = _alloc((m, n_tiles, slots), _I32)
-    counts = _alloc((m, n_tiles), _I32)
-    tpw = max(1, int(CONSTRUCT_TILES_PER_WARP))
-    n_groups = -(-n_tiles // tpw)
-    if m == 0 or n_tiles == 0:
-        return values, indices, counts, cp.zeros(m, _I32)
-    row_max = cp.zeros(m, _I32) if n_groups > 1 else _alloc(m, _I32)
-    vec = _dense_vec(x, n, tile)
-    k = reg.get_kernel("construct.cu", _name_dense("dense_to_twell", x.dtype, vec))
-    k((_blocks(m * n_groups, CONSTRUCT_WARPS),), (32 * CONSTRUCT_WARPS,),
-      (x, values, indices, counts, row_max, _i32(m), _i32(n), _i32(tile), _i32(slots),
-       _i32(n_tiles), _i32(tpw), _i32(n_groups)))
-    return values, indices, counts, row_max
-
-
-def dense_row_nnz(x):
-    """Non-zeros (NaN included, -0.0 excluded) of each row of a dense (M, N) array: (M,) int32."""
     x = _values_array(x, "x", ndim=2)
     m, n = x.shape
     _check_int32(n, "the number of columns")
     out = _alloc(m, _I32)
+    nonfinite = cp.zeros(1, _I32)
     if m == 0:
-        return out
+        return out, nonfinite
     if n == 0:
-        return _zero_fill(out)
+        return _zero_fill(out), nonfinite
     vec = _dense_vec(x, n)
     k = reg.get_kernel("construct.cu", _name_dense("dense_row_nnz", x.dtype, vec))
-    k((_blocks(m, CONSTRUCT_WARPS),), (32 * CONSTRUCT_WARPS,), (x, out, _i32(m), _i32(n)))
-    return out
+    k((_blocks(m, CONSTRUCT_WARPS),), (32 * CONSTRUCT_WARPS,), (x, out, nonfinite, _i32(m), _i32(n)))
+    return out, nonfinite
+
+
+def dense_row_nnz(x):
+    """Non-zeros (NaN included, -0.0 excluded) of each row of a dense (M, N) array: (M,) int32."""
+    return _dense_row_nnz(x)[0]
+
+
+def dense_row_nnz_finite(x):
+    """:func:`dense_row_nnz` plus True when ``x`` has no NaN/Inf (same pass; synchronises)."""
+    out, nonfinite = _dense_row_nnz(x)
+    return out, _not_flagged(nonfinite)
+
+
+def all_finite(x):
+    """True when the float cupy array ``x`` holds no NaN/Inf (one pass, no temporaries)."""
+    x = _values_array(x, "x")
+    if x.size == 0:
+        return True
+    if x.ndim >= 2:
+        return _not_flagged(_dense_row_nnz(x.reshape(-1, x.shape[-1]))[1])
+    # 1-D: rows of 8192 (one warp each) plus the tail, so long vectors use the whole GPU
+    flat, width = x.reshape(-1), 8192
+    rows = flat.size // width
+    parts = [flat[rows * width:].reshape(1, -1)] if flat.size % width else []
+    if rows:
+        parts.append(flat[:rows * width].reshape(rows, width))
+    return all(_not_flagged(_dense_row_nnz(p)[1]) for p in parts)
+
+
+def _not_flagged(flag):
+    return not bool(int(flag[0]))
 
 
 def dense_to_ell(x, width, row_nnz):
@@ -610,7 +662,7 @@ def twell_spmm(values, indices, counts, B):
     if m == 0 or k_cols == 0:
         return out
     vec, iters, n_cb = _spmm_plan(k_cols, res, B, out)
-    k = reg.get_kernel("spmm.cu", _name_spmm("twell_spmm", res, vec, iters))
+    k = reg.get_kernel("spmm.cu", _name_spmm("twell_spmm", res, vec, iters), **SPMM_DEFINES)
     k((_blocks(m * n_cb, SPMM_WARPS),), (32 * SPMM_WARPS,),
       (values, indices, counts, B, out, _i32(m), _i32(n_tiles), _i32(slots), _i32(n_rows_b),
        _i32(k_cols), _i32(n_cb)))
@@ -634,7 +686,7 @@ def slots_spmm(values, indices, B):
     if n_slots == 0:
         return _zero_fill(out)
     vec, iters, n_cb = _spmm_plan(k_cols, res, B, out)
-    k = reg.get_kernel("spmm.cu", _name_spmm("slots_spmm", res, vec, iters))
+    k = reg.get_kernel("spmm.cu", _name_spmm("slots_spmm", res, vec, iters), **SPMM_DEFINES)
     k((_blocks(m * n_cb, SPMM_WARPS),), (32 * SPMM_WARPS,),
       (values, indices, B, out, _i32(m), _i32(n_slots), _i32(n_rows_b), _i32(k_cols), _i32(n_cb)))
     return out
@@ -657,7 +709,7 @@ def csr_spmm(indptr, indices, data, B):
     if r <= 0 or k_cols == 0:
         return out
     vec, iters, n_cb = _spmm_plan(k_cols, res, B, out)
-    k = reg.get_kernel("spmm.cu", _name_spmm("csr_spmm", res, vec, iters))
+    k = reg.get_kernel("spmm.cu", _name_spmm("csr_spmm", res, vec, iters), **SPMM_DEFINES)
     k((_blocks(r * n_cb, SPMM_WARPS),), (32 * SPMM_WARPS,),
       (indptr, cols, data, B, out, _i32(r), _i32(n_rows_b), _i32(k_cols), _i32(n_cb)))
     return out

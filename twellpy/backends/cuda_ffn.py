@@ -46,10 +46,13 @@ def _sparse_name(dtype, nv, kb, gated, write_h):
             f"{'true' if gated else 'false'}, {'true' if write_h else 'false'}>")
 
 
-def _group_define(dtype, nv, kb, gated, write_h):
+def _group_define(dtype, nv, kb, gated, write_h, l2_hint=False):
     # One compiled module per instantiation: a call compiles only the kernel it
     # uses (the registry compiles all names declared with equal defines together).
-    return {"FFN_GROUP": f"{_DTYPES.index(np.dtype(dtype))}_{nv}_{kb}_{int(gated)}_{int(write_h)}"}
+    d = {"FFN_GROUP": f"{_DTYPES.index(np.dtype(dtype))}_{nv}_{kb}_{int(gated)}_{int(write_h)}"}
+    if l2_hint:
+        d["FFN_L2_EVICT_LAST"] = 1
+    return d
 
 
 for _dt in _DTYPES:
@@ -58,16 +61,24 @@ for _dt in _DTYPES:
             for _nv in _NV_CHOICES:
                 for _wh in (False, True):
                     _kb = _KB_FOR_NV[_var][_nv]
-                    _registry.declare(_SPARSE_FILE, [_sparse_name(_dt, _nv, _kb, _gated, _wh)],
-                                      _group_define(_dt, _nv, _kb, _gated, _wh))
+                    for _hint in (False, True):
+                        _registry.declare(_SPARSE_FILE, [_sparse_name(_dt, _nv, _kb, _gated, _wh)],
+                                          _group_define(_dt, _nv, _kb, _gated, _wh, _hint))
 _registry.declare(_PACK_FILE, [f"twellpy_ffn_{k}<{_registry.ctype(d)}>"
-                               for d in _DTYPES for k in ("pack", "gate_mul", "relu")])
+                               for d in _DTYPES for k in ("pack", "gate_mul", "relu", "rowpack")])
+
+#: capacity of the per-row active lists built by twellpy_ffn_rowpack; rows
+#: firing more neurons are scanned directly by the sparse kernel (still exact)
+LIST_ROW_CAP = 512
 
 # cuBLAS constants (cudaDataType_t / cublasComputeType_t / cublasOperation_t)
 _CUDA_TYPE = {np.dtype(np.float16): 2, bfloat16: 14, np.dtype(np.float32): 0, np.dtype(np.float64): 1}
 _COMPUTE_32F, _COMPUTE_64F = 68, 70
 _OP_N, _OP_T = 0, 1
 _GEMM_DEFAULT = -1
+# host scalars read by cuBLAS at call time (pointer mode host)
+_ONE32, _ZERO32 = np.array(1.0, np.float32), np.array(0.0, np.float32)
+_ONE64, _ZERO64 = np.array(1.0, np.float64), np.array(0.0, np.float64)
 
 
 def _cublas():
@@ -93,22 +104,20 @@ def gemm_nt(a, b, out, handle, stream):
     dt = np.dtype(a.dtype)
     isz = dt.itemsize
     if dt == np.float64:
-        one, zero, compute = np.array(1.0, np.float64), np.array(0.0, np.float64), _COMPUTE_64F
+        one, zero, compute = _ONE64, _ZERO64, _COMPUTE_64F
     else:
-        one, zero, compute = np.array(1.0, np.float32), np.array(0.0, np.float32), _COMPUTE_32F
+        one, zero, compute = _ONE32, _ZERO32, _COMPUTE_32F
     ctype = _CUDA_TYPE[dt]
     lda = a.strides[0] // isz
     ldb = b.strides[0] // isz
     ldc = out.strides[0] // isz
-    old = cublas.getStream(handle)
-    cublas.setStream(handle, stream.ptr)
-    try:
+    # CuPy's cuBLAS wrappers bind the handle to the *current* stream on every
+    # call, so the stream is selected by making it current.
+    with stream:
         # Row-major C = A @ B.T is column-major C^T = B @ A^T: op(B) = T, op(A) = N.
         cublas.gemmEx(handle, _OP_T, _OP_N, n, m, k, one.ctypes.data,
                       b.data.ptr, ctype, ldb, a.data.ptr, ctype, lda,
                       zero.ctypes.data, out.data.ptr, ctype, ldc, compute, _GEMM_DEFAULT)
-    finally:
-        cublas.setStream(handle, old)
     return out
 
 
@@ -213,6 +222,8 @@ class FFNPlan:
         self.kb_variant = os.environ.get("TWELLPY_FFN_KB", DEFAULT_KB)
         if self.kb_variant not in _KB_FOR_NV:
             raise ValueError(f"TWELLPY_FFN_KB must be one of {sorted(_KB_FOR_NV)}, got {self.kb_variant!r}")
+        #: gather weights with an L2 evict_last policy (TWELLPY_FFN_L2HINT=1)
+        self.l2_hint = os.environ.get("TWELLPY_FFN_L2HINT", "0") == "1"
         self.sparse_ok = self.config is not None
         # transposed once: row j of w_downT is column j of w_down (contiguous gathers)
         self.w_downT = cp.ascontiguousarray(self.w_down.T) if self.sparse_ok else None
@@ -276,11 +287,19 @@ class FFNPlan:
         """Grow-only ring buffers; a call with an already-seen size allocates nothing."""
         cp = cupy_module()
         if chunk > self._ws_rows:
+            acc = np.float64 if self.dtype == np.float64 else np.float32
+            capr = LIST_ROW_CAP
             self._ws = {"g": [cp.empty((chunk, self.H), self.dtype) for _ in range(2)],
                         "u": None}
+            if self.sparse_ok:
+                self._ws["list_idx"] = [cp.empty((chunk, capr), np.int32) for _ in range(2)]
+                self._ws["list_val"] = [cp.empty((chunk, capr), acc) for _ in range(2)]
+                self._ws["row_count"] = [cp.empty((chunk,), np.int32) for _ in range(2)]
             self._ws_rows = chunk
         if "counters" not in self._ws:
-            self._ws["counters"] = cp.zeros((2,), np.uint64)
+            # [0] active neurons seen by the sparse kernel, [1] heavy rows,
+            # [2] active neurons of the first chunk (row-pack; "auto" decision)
+            self._ws["counters"] = cp.zeros((3,), np.uint64)
         return self._ws
 
     def _heavy_flags(self, M):
@@ -309,7 +328,19 @@ class FFNPlan:
         return int(min(max(c, 256), 16384))
 
     # ---- kernels ------------------------------------------------------------
-    def _launch_sparse(self, x, g, y, h_out, heavy, counters, stream):
+    def _launch_rowpack(self, g, buf, stream, total=None):
+        m = g.shape[0]
+        if m == 0:
+            return
+        k = _registry.get_kernel(_PACK_FILE, f"twellpy_ffn_rowpack<{_registry.ctype(self.dtype)}>")
+        ws = self._ws
+        args = (g, np.int64(g.strides[0] // self.dtype.itemsize), np.int32(m), np.int32(self.H),
+                np.int32(LIST_ROW_CAP), ws["list_idx"][buf], ws["list_val"][buf], ws["row_count"][buf],
+                np.uint64(0) if total is None else total)
+        with stream:
+            k(((m + 7) // 8,), (256,), args)
+
+    def _launch_sparse(self, x, g, y, h_out, heavy, counters, stream, buf=None):
         warps, nv = self.config
         m = x.shape[0]
         if m == 0:
@@ -318,14 +349,21 @@ class FFNPlan:
         kb = _KB_FOR_NV[self.kb_variant][nv]
         write_h = h_out is not None
         name = _sparse_name(self.dtype, nv, kb, self.gated, write_h)
-        k = _registry.get_kernel(_SPARSE_FILE, name, **_group_define(self.dtype, nv, kb, self.gated, write_h))
+        k = _registry.get_kernel(_SPARSE_FILE, name,
+                                 **_group_define(self.dtype, nv, kb, self.gated, write_h, self.l2_hint))
         grid = (int(min(m, _n_sm() * 16)),)
         isz = self.dtype.itemsize
         h_ptr = h_out if h_out is not None else np.uint64(0)  # null pointer
         ldh = (h_out.strides[0] // isz) if h_out is not None else 0
+        null = np.uint64(0)
+        if buf is None:
+            lists = (null, null, null, np.int32(0))
+        else:
+            lists = (self._ws["list_idx"][buf], self._ws["list_val"][buf], self._ws["row_count"][buf],
+                     np.int32(LIST_ROW_CAP))
         args = (x, np.int64(x.strides[0] // isz), g, np.int64(g.strides[0] // isz),
                 self.w_up, self.w_downT, y, np.int64(y.strides[0] // isz),
-                h_ptr, np.int64(ldh), heavy, counters,
+                h_ptr, np.int64(ldh)) + lists + (heavy, counters,
                 np.int32(m), np.int32(self.D), np.int32(self.H), np.int32(self._heavy_arg()))
         with stream:
             k(grid, (warps * 32,), args)
@@ -402,65 +440,85 @@ class FFNPlan:
         chunk = max(1, min(chunk, M))
         ws = self._workspace(chunk)
         cur = cp.cuda.get_current_stream()
-        start = cur.record()
-        sA.wait_event(start)
-        sB.wait_event(start)
         counters = ws["counters"]
         heavy = self._heavy_flags(M)
-        with sB:
-            counters.fill(0)
-            heavy.fill(0)
-
         chunks = [(r0, min(M, r0 + chunk)) for r0 in range(0, M, chunk)]
         n = len(chunks)
-        gate_done = [None] * n
-        stage2_done = [None] * n
-
-        def launch_gate(ci):
-            r0, r1 = chunks[ci]
-            buf = ws["g"][ci % 2][: r1 - r0]
-            if ci >= 2:
-                sA.wait_event(stage2_done[ci - 2])  # ring buffer reuse
-            gemm_nt(x[r0:r1], self.gate_w, buf, hA, sA)
-            gate_done[ci] = sA.record()
-
-        def launch_stage2(ci, sparse):
-            r0, r1 = chunks[ci]
-            buf = ws["g"][ci % 2][: r1 - r0]
-            sB.wait_event(gate_done[ci])
-            hc = None if h_full is None else h_full[r0:r1]
-            if sparse:
-                self._launch_sparse(x[r0:r1], buf, y[r0:r1], hc, heavy[r0:r1], counters, sB)
-            else:
-                u = self._u_buffer(chunk)[: r1 - r0] if self.gated else None
-                self._dense_stage2(x[r0:r1], buf, y[r0:r1], hc, hB, sB, u)
-            stage2_done[ci] = sB.record()
-
-        launch_gate(0)
-        if n > 1:
-            launch_gate(1)
-        launch_stage2(0, True)
         use_sparse = True
-        if mode == "auto" and n > 1:
-            stage2_done[0].synchronize()
-            seen = int(counters[0:1].get(stream=sB)[0])
-            mean0 = seen / (chunks[0][1] - chunks[0][0])
-            info["mean_active"] = mean0
-            use_sparse = mean0 <= self.auto_threshold
-        for ci in range(1, n):
-            if ci + 1 < n:
-                launch_gate(ci + 1)
-            launch_stage2(ci, use_sparse)
-        cur.wait_event(stage2_done[-1])
-        info["mode"] = "sparse" if use_sparse else "sparse+dense"
+
+        if n == 1:
+            # one chunk: everything on the caller's stream, no events (decode sizes)
+            cp.cuda.runtime.memsetAsync(counters.data.ptr, 0, counters.nbytes, cur.ptr)
+            if self.heavy_limit is not None:
+                heavy.fill(0)
+            g = ws["g"][0][:M]
+            gemm_nt(x, self.gate_w, g, hA, cur)
+            self._launch_rowpack(g, 0, cur)
+            self._launch_sparse(x, g, y, h_full, heavy, counters, cur, buf=0)
+        else:
+            start = cur.record()
+            sA.wait_event(start)
+            sB.wait_event(start)
+            cp.cuda.runtime.memsetAsync(counters.data.ptr, 0, counters.nbytes, sB.ptr)
+            if self.heavy_limit is not None:
+                with sB:
+                    heavy.fill(0)
+            zeroed = sB.record()
+            gate_done = [None] * n
+            stage2_done = [None] * n
+
+            def launch_gate(ci):
+                # stage 1 (stream A): gate GEMM + per-row active lists into ring slot ci % 2
+                r0, r1 = chunks[ci]
+                b = ci % 2
+                g = ws["g"][b][: r1 - r0]
+                if ci >= 2:
+                    sA.wait_event(stage2_done[ci - 2])  # ring buffer reuse
+                if ci == 0:
+                    sA.wait_event(zeroed)  # counters[2] is reset on stream B
+                gemm_nt(x[r0:r1], self.gate_w, g, hA, sA)
+                self._launch_rowpack(g, b, sA, total=counters[2:] if ci == 0 else None)
+                gate_done[ci] = sA.record()
+
+            def launch_stage2(ci, sparse):
+                # stage 2 (stream B): fused sparse up/down, or the dense remainder
+                r0, r1 = chunks[ci]
+                b = ci % 2
+                g = ws["g"][b][: r1 - r0]
+                sB.wait_event(gate_done[ci])
+                hc = None if h_full is None else h_full[r0:r1]
+                if sparse:
+                    self._launch_sparse(x[r0:r1], g, y[r0:r1], hc, heavy[r0:r1], counters, sB, buf=b)
+                else:
+                    u = self._u_buffer(chunk)[: r1 - r0] if self.gated else None
+                    self._dense_stage2(x[r0:r1], g, y[r0:r1], hc, hB, sB, u)
+                stage2_done[ci] = sB.record()
+
+            launch_gate(0)
+            launch_gate(1)
+            if mode == "auto":
+                # the first chunk's measured density decides every chunk; the
+                # GPU keeps running chunk 1's gate GEMM while the host reads it
+                gate_done[0].synchronize()
+                seen = int(counters[2:].get(stream=sA)[0])
+                mean0 = seen / (chunks[0][1] - chunks[0][0])
+                info["mean_active"] = mean0
+                use_sparse = mean0 <= self.auto_threshold
+            launch_stage2(0, use_sparse)
+            for ci in range(1, n):
+                if ci + 1 < n:
+                    launch_gate(ci + 1)
+                launch_stage2(ci, use_sparse)
+            cur.wait_event(stage2_done[-1])
+        info["mode"] = "sparse" if use_sparse else "dense"
         self._last_rows = M
-        self._last_sparse_rows = M if use_sparse else chunks[0][1] - chunks[0][0]
+        self._last_sparse_rows = M if use_sparse else 0
 
         if self.heavy_limit is None:
             # no host synchronisation: statistics stay on the device (activity())
             return y, h_full, info
         # exact path for heavy rows (costs one host synchronisation)
-        stats = counters.get(stream=sB)
+        stats = counters.get()
         n_heavy = int(stats[1])
         if info["mean_active"] is None and use_sparse:
             info["mean_active"] = float(stats[0]) / M

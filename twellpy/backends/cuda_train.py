@@ -94,7 +94,8 @@ def relu_csr(z):
     if rows == 0:
         return row_nnz, cp.zeros(1, cp.int64), cp.empty(0, cp.int32), cp.empty(0, z.dtype)
     g, b = _rows_grid(rows)
-    _k("relu_count", z.dtype)(g, b, (z, _i64(rows), _i32(H), row_nnz))
+    vec = _vec_ok(H, z)
+    _k("relu_count", z.dtype)(g, b, (z, _i64(rows), _i32(H), _i32(vec), row_nnz))
     indptr = cp.empty(rows + 1, dtype=cp.int64)
     indptr[0] = 0
     cp.cumsum(row_nnz, dtype=cp.int64, out=indptr[1:])
@@ -102,7 +103,7 @@ def relu_csr(z):
     col = cp.empty(nnz, dtype=cp.int32)
     val = cp.empty(nnz, dtype=z.dtype)
     if nnz:
-        _k("relu_pack", z.dtype)(g, b, (z, _i64(rows), _i32(H), indptr, col, val))
+        _k("relu_pack", z.dtype)(g, b, (z, _i64(rows), _i32(H), _i32(vec), indptr, col, val))
     return row_nnz, indptr, col, val
 
 
@@ -297,6 +298,7 @@ _CUBLAS_OP_N, _CUBLAS_OP_T = 0, 1
 _CUBLAS_COMPUTE_32F, _CUBLAS_COMPUTE_64F = 68, 70
 _CUBLAS_GEMM_DEFAULT = -1
 _CUBLAS_POINTER_MODE_HOST = 0
+_CUBLAS_DEFAULT_MATH = 0
 
 
 def bits(a):
@@ -404,7 +406,9 @@ def gemm(a, b, out_dtype):
     handle = cp.cuda.device.get_cublas_handle()
     cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
     mode = cublas.getPointerMode(handle)
+    math_mode = cublas.getMathMode(handle)
     cublas.setPointerMode(handle, _CUBLAS_POINTER_MODE_HOST)
+    cublas.setMathMode(handle, _CUBLAS_DEFAULT_MATH)  # never TF32 for float32 data
     try:
         cublas.gemmEx(handle, op_b, op_a, n, m, k, one.ctypes.data, b.data.ptr, _CUDA_DTYPE[b.dtype], ld_b,
                       a.data.ptr, _CUDA_DTYPE[a.dtype], ld_a, zero.ctypes.data, c.data.ptr,
@@ -412,6 +416,7 @@ def gemm(a, b, out_dtype):
                       _CUBLAS_GEMM_DEFAULT)
     finally:
         cublas.setPointerMode(handle, mode)
+        cublas.setMathMode(handle, math_mode)
     return c
 
 

@@ -1,0 +1,267 @@
+"""Shared engine of benchmarks/dask_scaling.py and benchmarks/multi_gpu.py.
+
+Runs ``twellpy.dask.gated_forward`` on a synthetic workload (BENCHMARKS.md)
+with 1, 2, ... workers and compares it with a direct, single-process
+``twellpy.ffn.GatedFFN`` call on the same data:
+
+* CPU: a ``distributed.LocalCluster`` of single-threaded worker processes
+  (Numba and BLAS limited to one thread per worker; the direct call too).
+* GPU: a dask-cuda ``LocalCUDACluster`` (one worker per GPU). Without
+  dask-cuda, a ``distributed.SpecCluster`` of nannies with
+  ``CUDA_VISIBLE_DEVICES`` set per worker does the same job.
+
+What is timed for Dask: building the graph, scheduling, running every chunk
+and waiting for the GPUs; ``x`` already lives on the workers (scattered row
+chunks, round robin) and the weights were broadcast once (twellpy.dask.share).
+Results stay on the workers (persist); they are gathered once, outside the
+timing, to measure the relative error against the direct call.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# NVLink multicast off (device README: a program using it can take the host's
+# shared GPUs out of service). Set before anything touches CUDA, inherited by
+# every worker process.
+NVLS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1"}
+os.environ.update(NVLS_ENV)
+
+THREAD_ENV = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def limit_cpu_threads(n):
+    """One setting for the direct call and every CPU worker; call before importing numpy."""
+    for k in THREAD_ENV:
+        os.environ[k] = str(n)
+
+
+def gpu_count():
+    """Usable CUDA devices (0 without CuPy or a GPU)."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+def have_dask_cuda():
+    try:
+        import dask_cuda  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _sync_device():
+    """Run on a worker: wait for its GPU (tasks return before their kernels end)."""
+    import cupy
+
+    cupy.cuda.runtime.deviceSynchronize()
+    return True
+
+
+def _worker_env():
+    import os as _os
+
+    return {k: _os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "NCCL_NVLS_ENABLE",
+                                            "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
+                                            "NUMBA_NUM_THREADS")}
+
+
+def start_cluster(mode, n_workers, threads):
+    """(cluster, client, description) for ``n_workers`` CPU workers or GPUs."""
+    from distributed import Client
+
+    if mode == "cpu":
+        from distributed import LocalCluster
+
+        cluster = LocalCluster(n_workers=n_workers, threads_per_worker=threads, processes=True,
+                               dashboard_address=None, silence_logs=40)
+        kind = "LocalCluster"
+    elif have_dask_cuda():
+        from dask_cuda import LocalCUDACluster
+
+        cluster = LocalCUDACluster(CUDA_VISIBLE_DEVICES=list(range(n_workers)), n_workers=n_workers,
+                                   threads_per_worker=1, dashboard_address=None, silence_logs=40)
+        kind = "LocalCUDACluster"
+    else:
+        from distributed import Nanny, Scheduler, SpecCluster
+
+        workers = {i: {"cls": Nanny, "options": {"nthreads": 1, "env": {
+            "CUDA_VISIBLE_DEVICES": str(i), **NVLS_ENV}}} for i in range(n_workers)}
+        cluster = SpecCluster(workers=workers, scheduler={"cls": Scheduler, "options": {
+            "dashboard_address": None}}, silence_logs=40)
+        kind = "SpecCluster+CUDA_VISIBLE_DEVICES (dask-cuda not installed)"
+    client = Client(cluster)
+    client.wait_for_workers(n_workers, timeout=300)
+    return cluster, client, kind
+
+
+def scatter_rows(client, x, n_chunks):
+    """Dask array of ``x``'s row chunks, scattered round robin to the workers.
+
+    The chunks are scattered under the dask array's own keys, so the graph
+    holds the futures themselves (as after ``persist``), no alias tasks.
+    """
+    import uuid
+
+    import dask.array as da
+    import numpy as np
+
+    m = x.shape[0]
+    bounds = np.linspace(0, m, n_chunks + 1).astype(int)
+    name = f"bench-x-{uuid.uuid4().hex}"
+    data = {(name, i, 0): x[a:b].copy() for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))}
+    futures = client.scatter(data)
+    sizes = tuple(int(b - a) for a, b in zip(bounds[:-1], bounds[1:]))
+    return (da.Array(dict(futures), name, chunks=(sizes, (x.shape[1],)), dtype=x.dtype, meta=x[:0, :0]),
+            list(futures.values()))
+
+
+def _median_time(fn, reps, warmup=1):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), times
+
+
+def rel_err(got, ref):
+    import numpy as np
+
+    got = np.asarray(got.get() if hasattr(got, "get") else got, dtype=np.float64)
+    ref = np.asarray(ref.get() if hasattr(ref, "get") else ref, dtype=np.float64)
+    den = np.linalg.norm(ref)
+    return float(np.linalg.norm(got - ref) / den) if den else float(np.linalg.norm(got))
+
+
+def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=1, log=print):
+    """Time direct and Dask runs; returns a dict of results (JSON-serialisable)."""
+    import numpy as np
+
+    import twellpy.dask as twd
+    from benchmarks.workloads import make_ffn, reference_ffn
+    from twellpy._array import bfloat16
+    from twellpy.ffn import GatedFFN
+
+    dtype = {"bfloat16": bfloat16, "float16": np.float16, "float32": np.float32,
+             "float64": np.float64}[dtype_name]
+    if mode == "gpu":
+        import cupy as xp
+    else:
+        xp = np
+        import numba
+
+        numba.set_num_threads(threads)
+
+    def sync():
+        if mode == "gpu":
+            xp.cuda.runtime.deviceSynchronize()
+
+    log(f"workload M={sizes['M']} D={sizes['D']} H={sizes['H']} nnz/token={sizes['nnz']} "
+        f"sigma={sizes.get('sigma', 0.0)} dtype={dtype_name} mode={mode} chunks={n_chunks}")
+    w = make_ffn(sizes["M"], sizes["D"], sizes["H"], sizes["nnz"], sizes.get("sigma", 0.0),
+                 dtype=dtype, xp=xp, seed=seed)
+    x, w_gate, w_up, w_down = w["x"], w["w_gate"], w["w_up"], w["w_down"]
+    m = x.shape[0]
+
+    # ---- direct, one process, one device --------------------------------------
+    ffn = GatedFFN(w_gate, w_up, w_down)
+
+    def direct():
+        ffn(x)
+        sync()
+
+    t_direct, _ = _median_time(direct, reps)
+    y_direct = ffn(x)
+    sync()
+    ref = reference_ffn(x, w_gate, w_up, w_down, dtype=np.float32)
+    err_direct = rel_err(y_direct, ref)
+    del ref
+    results = {"mode": mode, "sizes": sizes, "dtype": dtype_name, "chunks": n_chunks, "reps": reps,
+               "direct": {"seconds": t_direct, "tokens_per_s": m / t_direct,
+                          "rel_err_vs_fp32_reference": err_direct, "info": dict(ffn.last_info)},
+               "dask": []}
+    log(f"direct: {t_direct * 1e3:.2f} ms, rel err vs fp32 reference {err_direct:.2e}")
+    y_direct_host = xp.asnumpy(y_direct) if mode == "gpu" else y_direct
+    del ffn
+
+    # ---- Dask with 1, 2, ... workers --------------------------------------------
+    from distributed import wait
+
+    for n in worker_counts:
+        cluster, client, kind = start_cluster(mode, n, threads)
+        try:
+            envs = client.run(_worker_env)
+            dx, x_futures = scatter_rows(client, x, n_chunks)
+            wait(x_futures)
+            shared = [twd.share(a, name, client=client) for name, a in
+                      (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down))]
+
+            counter = iter(range(10**9))
+
+            def dask_run():
+                # a fresh output name per run: identical calls would otherwise share keys
+                # with results still in worker memory and time nothing
+                y = twd.gated_forward(dx, *shared, name=f"bench-y-{n}-{next(counter)}").persist()
+                wait(y)
+                if mode == "gpu":
+                    client.run(_sync_device)
+                return y
+
+            t_dask, all_times = _median_time(dask_run, reps, warmup=2)
+            y = dask_run()
+            got = y.compute()
+            got_host = xp.asnumpy(got) if mode == "gpu" else got
+            err = rel_err(got_host, y_direct_host)
+            per_worker = client.run(lambda dask_worker: len(dask_worker.data))
+            rec = {"workers": n, "cluster": kind, "seconds": t_dask, "all_seconds": all_times,
+                   "tokens_per_s": m / t_dask, "overhead_vs_direct": t_dask / t_direct - 1.0,
+                   "rel_err_vs_direct": err, "worker_env": envs, "keys_per_worker": per_worker}
+            results["dask"].append(rec)
+            log(f"dask {n} worker(s) [{kind}]: {t_dask * 1e3:.2f} ms, {m / t_dask:,.0f} tokens/s, "
+                f"rel err vs direct {err:.2e}")
+            del y, got, dx, x_futures, shared
+        finally:
+            client.close()
+            cluster.close()
+    base = results["dask"][0]["tokens_per_s"] if results["dask"] else None
+    for rec in results["dask"]:
+        rec["scaling_vs_1_worker"] = rec["tokens_per_s"] / base
+    return results
+
+
+def table(results, unit="worker"):
+    """Short text table of :func:`run` results."""
+    d = results["direct"]
+    lines = [f"{'run':<22}{'ms':>10}{'tokens/s':>14}{'vs 1 ' + unit:>12}{'overhead':>11}{'rel err':>11}",
+             f"{'direct (no Dask)':<22}{d['seconds'] * 1e3:>10.2f}{d['tokens_per_s']:>14,.0f}"
+             f"{'':>12}{'':>11}{d['rel_err_vs_fp32_reference']:>11.1e}"]
+    for r in results["dask"]:
+        label = f"dask, {r['workers']} {unit}{'s' if r['workers'] > 1 else ''}"
+        lines.append(f"{label:<22}{r['seconds'] * 1e3:>10.2f}{r['tokens_per_s']:>14,.0f}"
+                     f"{r['scaling_vs_1_worker']:>11.2f}x{r['overhead_vs_direct'] * 100:>10.1f}%"
+                     f"{r['rel_err_vs_direct']:>11.1e}")
+    return "\n".join(lines)
+
+
+def write_out(results, name):
+    out = os.environ.get("OUT")
+    if out:
+        path = Path(out) / name
+        path.write_text(json.dumps(results, indent=2, default=str))
+        print(f"full numbers: {path}")

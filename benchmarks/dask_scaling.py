@@ -1,0 +1,76 @@
+"""Dask scale-out benchmark: throughput with 1 and 2 workers, overhead against direct calls.
+
+Runs ``twellpy.dask.gated_forward`` on a synthetic gated FFN (BENCHMARKS.md)
+with 1 and 2 Dask workers, and the same FFN directly in this process
+(``twellpy.ffn.GatedFFN`` on the whole batch), then prints one table:
+time, tokens/s, scaling against 1 worker, overhead against the direct call,
+and the relative error of the Dask result against the direct one.
+
+* GPU (dask-cuda and a CUDA GPU present, unless ``--cpu``): a
+  ``LocalCUDACluster`` (one worker per GPU), W1-64k sizes (M=65536, D=2048,
+  H=5632, 30 active neurons per token, bfloat16) in 8 row chunks. Target:
+  Dask overhead at 1 worker <= 10%. With one GPU only the 1-worker row runs.
+* CPU: a ``LocalCluster`` of single-threaded worker processes (Numba/BLAS
+  limited to one thread per worker and for the direct call), C1 sizes
+  (M=8192, D=1024, H=2816, 15 per token, float32) by default.
+
+Usage::
+
+    python benchmarks/dask_scaling.py              # GPU if possible, else CPU
+    python benchmarks/dask_scaling.py --cpu --rows 4096
+
+Full numbers go to ``$OUT/dask_scaling.json`` when ``OUT`` is set.
+"""
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _dask_bench as bench  # noqa: E402  (sets the NVLS variables before CUDA is touched)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cpu", action="store_true", help="force a CPU LocalCluster")
+    p.add_argument("--workload", default=None, help="BENCHMARKS.md name (default W1-64k on GPU, C1 on CPU)")
+    p.add_argument("--rows", type=int, default=None, help="override M")
+    p.add_argument("--chunks", type=int, default=8, help="row chunks (default 8)")
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions (median)")
+    p.add_argument("--workers", default="1,2", help="worker counts (default 1,2)")
+    p.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU default)")
+    args = p.parse_args(argv)
+
+    mode = "cpu" if args.cpu else ("gpu" if bench.gpu_count() > 0 and bench.have_dask_cuda() else "cpu")
+    if mode == "cpu":
+        bench.limit_cpu_threads(1)  # before numpy/numba start their thread pools
+    from benchmarks.workloads import WORKLOADS
+
+    name = args.workload or ("W1-64k" if mode == "gpu" else "C1")
+    sizes = dict(WORKLOADS[name])
+    if args.rows:
+        sizes["M"] = args.rows
+    counts = [int(c) for c in args.workers.split(",")]
+    if mode == "gpu":
+        n_gpu = bench.gpu_count()
+        dropped = [c for c in counts if c > n_gpu]
+        counts = [c for c in counts if c <= n_gpu]
+        if dropped:
+            print(f"only {n_gpu} GPU(s): skipping worker counts {dropped}")
+    reps = args.reps or (20 if mode == "gpu" else 5)
+    dtype = args.dtype or ("bfloat16" if mode == "gpu" else "float32")
+    results = bench.run(mode, sizes, counts, args.chunks, reps, dtype)
+    results["workload"] = name
+    bench.write_out(results, "dask_scaling.json")
+    print()
+    print(f"Dask scaling, {name} (M={sizes['M']}), {dtype}, {args.chunks} chunks, {mode}, median of {reps}")
+    print(bench.table(results, unit="GPU" if mode == "gpu" else "worker"))
+    one = [r for r in results["dask"] if r["workers"] == 1]
+    if one:
+        verdict = "ok" if one[0]["overhead_vs_direct"] <= 0.10 else "ABOVE the 10% target"
+        print(f"Dask overhead at 1 worker: {one[0]['overhead_vs_direct'] * 100:.1f}% ({verdict})")
+    return results
+
+
+if __name__ == "__main__":
+    main()
