@@ -14,6 +14,9 @@ untimed runs, so Numba compilation is excluded):
 * ``G @ A`` (left product, G (D', M)) vs ``G @ csr``;
 * ``A.T`` (TwELL transpose) vs ``csr.T.tocsr()``.
 
+twellpy and its baseline are timed interleaved (one call of each per repeat),
+so a busy machine slows both alike and the ratios stay meaningful.
+
 Usage::
 
     python benchmarks/cpu.py [--threads 2] [--repeats 7] [--json results.json]
@@ -68,14 +71,28 @@ def make_c1(m=8192, d=1024, h=2816, target_nnz=15.0, sigma=0.0, seed=0, dtype=np
 
 
 def timeit(fn, repeats, warmup):
+    """Median wall time (ms) of ``repeats`` calls after ``warmup`` untimed calls."""
+    return timeit_pair(fn, None, repeats, warmup)[0]
+
+
+def timeit_pair(fn, base_fn, repeats, warmup):
+    """Time ``fn`` and ``base_fn`` interleaved, so load changes hit both alike.
+
+    Returns ``((ms, times), (base_ms, base_times))``; the second is ``(None, [])``
+    without ``base_fn``.
+    """
+    fns = [f for f in (fn, base_fn) if f is not None]
     for _ in range(warmup):
-        fn()
-    ts = []
+        for f in fns:
+            f()
+    ts = [[] for _ in fns]
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3, ts
+        for k, f in enumerate(fns):
+            t0 = time.perf_counter()
+            f()
+            ts[k].append(time.perf_counter() - t0)
+    res = [(statistics.median(t) * 1e3, t) for t in ts]
+    return res[0], (res[1] if len(res) > 1 else (None, []))
 
 
 def rel_err(got, ref):
@@ -86,7 +103,7 @@ def rel_err(got, ref):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2, help="Numba threads (C1 is defined on 2 cores)")
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--m", type=int, default=8192)
     ap.add_argument("--json", type=Path, default=None, help="write full results here")
@@ -113,9 +130,8 @@ def main(argv=None):
     rows = []  # (name, twellpy_ms, baseline_name, baseline_ms, err)
 
     def add(name, fn, base_name=None, base_fn=None, err=None, base_ms=None):
-        ms, ts = timeit(fn, R, W_)
-        if base_fn is not None:
-            base_ms, _ = timeit(base_fn, R, W_)
+        (ms, ts), (bms, _) = timeit_pair(fn, base_fn, R, W_)
+        base_ms = bms if base_fn is not None else base_ms
         rows.append({"op": name, "twellpy_ms": ms, "baseline": base_name, "baseline_ms": base_ms,
                      "ratio": (base_ms / ms) if base_ms else None, "rel_err": err, "times_s": ts})
         r = rows[-1]
@@ -128,7 +144,7 @@ def main(argv=None):
     add("dense->ELL", lambda: tw.ELL.from_dense(act), "scipy csr_array(dense)", base_ms=scipy_build)
     add("dense->Hybrid(auto)", lambda: tw.Hybrid.from_dense(act), "scipy csr_array(dense)", base_ms=scipy_build)
     spmm_scipy = add("TwELL @ W", lambda: A @ w, "scipy CSR @ W", lambda: csr @ w, err=rel_err(A @ w, ref))
-    dense_ms, _ = timeit(lambda: act @ w, max(3, R // 2), 1)
+    dense_ms, _ = timeit(lambda: act @ w, max(3, R // 2), 1)  # numpy BLAS: slow, fewer repeats
     rows.append({"op": "TwELL @ W", "twellpy_ms": rows[-1]["twellpy_ms"], "baseline": "numpy dense @ W",
                  "baseline_ms": dense_ms, "ratio": dense_ms / rows[-1]["twellpy_ms"], "rel_err": rows[-1]["rel_err"],
                  "times_s": rows[-1]["times_s"]})

@@ -17,9 +17,9 @@ if [[ $what == sanitize || $what == all ]]; then
   TWELLPY_SANITIZE=1 compute-sanitizer --tool memcheck --print-limit 20 \
     python -m pytest -q -m gpu -x tests -k "not slow" -p no:cacheprovider > "$OUT/memcheck.log" 2>&1
   echo "memcheck exit $?: $(grep -c 'Invalid\|ERROR SUMMARY' "$OUT/memcheck.log") lines; $(grep 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)"
-  for tool in racecheck initcheck; do
+  for tool in racecheck initcheck synccheck; do
     TWELLPY_SANITIZE=1 compute-sanitizer --tool $tool --print-limit 20 \
-      python -m pytest -q -m gpu -x tests/test_gpu_containers.py -k "construct or transpose" -p no:cacheprovider > "$OUT/$tool.log" 2>&1
+      python -m pytest -q -m gpu -x tests/test_gpu_containers.py -k "construct or transpose or spmm_misaligned or spmm_w1" -p no:cacheprovider > "$OUT/$tool.log" 2>&1
     echo "$tool exit $?: $(grep 'ERROR SUMMARY' "$OUT/$tool.log" | tail -1)"
   done
 fi

@@ -353,3 +353,11 @@ def test_mixed_devices_are_rejected_by_name():
     wg_cuda = _torch_from_numpy(wg, "cuda") if torch.cuda.is_available() else __import__("cupy").asarray(wg)
     with pytest.raises(ValueError, match="is on"):
         tw.ffn.gated_forward(torch.from_numpy(x), wg_cuda, torch.from_numpy(wu), torch.from_numpy(wd))
+
+
+@pytest.mark.parametrize("mod,framework", [("twellpy.torch", "torch"), ("twellpy.jax", "jax")])
+def test_adapter_without_its_framework_says_what_to_install(mod, framework):
+    code = (f"import sys; sys.modules[{framework!r}] = None\n"
+            f"try:\n    import {mod}\nexcept ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert f"{mod} needs" in out

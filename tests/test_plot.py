@@ -130,7 +130,7 @@ def test_top_tokens():
     assert len(most_ax.patches) == 3
     most, _ = stats.token_ranking(toks, nnz, k=3)
     np.testing.assert_allclose([p.get_width() for p in most_ax.patches], [r[1] for r in most])
-    assert fig._suptitle.get_text() == "bytes"
+    assert fig.get_suptitle() == "bytes"
 
 
 def test_draw_into_existing_axes(acts3d):

@@ -283,3 +283,15 @@ def test_cupy_inputs_and_gpu_containers():
         np.testing.assert_array_equal(stats.tile_occupancy(c, 128), want, err_msg=name)
         np.testing.assert_array_equal(stats.nnz_per_token(c), np.count_nonzero(a, axis=1), err_msg=name)
     assert stats.suggest_slots(ga, tile=128) == stats.suggest_slots(a, tile=128)
+
+
+def test_row_chunking_gives_the_same_counts(monkeypatch):
+    a = _acts(90, 130, target=30)
+    a[4, :100] = 1.0
+    whole = (stats.nnz_per_token(a), stats.firing_counts(a), stats.tile_occupancy(a, 32))
+    c = tw.TwELL.from_dense(a, tile=32, slots=3)
+    monkeypatch.setattr(stats._Acts, "CHUNK_ELEMENTS", 7 * 130)  # 7 rows per chunk
+    for src in (a, c):
+        np.testing.assert_array_equal(stats.nnz_per_token(src), whole[0])
+        np.testing.assert_array_equal(stats.firing_counts(src), whole[1])
+        np.testing.assert_array_equal(stats.tile_occupancy(src, 32), whole[2])

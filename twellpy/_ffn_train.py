@@ -130,7 +130,7 @@ def choose_width(token_counts, spec="auto", *, slot_bytes=8, row_bytes=None, n_c
             raise ValueError(f"width {spec!r}: expected 'quantile:<p>' with 0 <= p <= 1") from None
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"width {spec!r}: quantile p must be in [0, 1], got {p}")
-        return max(int(np.ceil(np.quantile(counts, p, method="higher"))), 1)
+        return max(_quantile_higher(counts, p), 1)
     if name in ("min_storage", "auto"):
         if row_bytes is None:
             if n_cols is None:
@@ -142,10 +142,18 @@ def choose_width(token_counts, spec="auto", *, slot_bytes=8, row_bytes=None, n_c
         cost = M * ws * float(slot_bytes) + rows_wider * float(row_bytes)
         w = int(np.argmin(cost))
         if name == "auto":
-            w = max(w, int(np.ceil(np.quantile(counts, 0.9, method="higher"))))
+            w = max(w, _quantile_higher(counts, 0.9, np.cumsum(hist)))
         return max(w, 1)
     raise ValueError(f"unknown width strategy {spec!r}; expected an int, 'fixed:n', 'quantile:p', "
                      f"'min_storage' or 'auto'")
+
+
+def _quantile_higher(counts, p, cum=None):
+    """``numpy.quantile(counts, p, method="higher")`` for small non-negative ints, via a histogram."""
+    if cum is None:
+        cum = np.cumsum(np.bincount(counts))
+    rank = int(np.ceil(p * (counts.size - 1)))  # index into the sorted counts
+    return int(np.searchsorted(cum, rank, side="right"))
 
 
 class TrainContext:
@@ -302,6 +310,12 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
         xp.cumsum(token_counts, dtype=np.int64, out=indptr[1:])
 
     _mark("gate GEMM + pattern", xp)
+    # work that does not need the width is queued before the host reads the
+    # counts, so the device keeps busy while the host picks W
+    neuron_counts = (xp.bincount(col, minlength=H) if col.size else xp.zeros(H, dtype=np.int64))
+    neuron_counts = neuron_counts.astype(np.int32)
+    w_downT = be.transpose_copy(w_down)
+
     # 2) Hybrid layout: width from the counts, backup rows for wider rows
     counts_host = token_counts.get() if hasattr(token_counts, "get") else token_counts
     n_vals = 2 if gated else 1
@@ -309,18 +323,16 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
                      row_bytes=n_vals * dt.itemsize * H)
     backup_host = np.flatnonzero(counts_host > W).astype(np.int32)
     R = int(backup_host.size)
-    row_map_host = np.full(M, -1, dtype=np.int32)
-    row_map_host[backup_host] = np.arange(R, dtype=np.int32)
-    backup_rows = xp.asarray(backup_host)
-    row_map = xp.asarray(row_map_host)
+    maps_host = np.full(M + R, -1, dtype=np.int32)  # [row_map (M,) | backup_rows (R,)]: one copy
+    maps_host[backup_host] = np.arange(R, dtype=np.int32)
+    maps_host[M:] = backup_host
+    maps = xp.asarray(maps_host)
+    row_map, backup_rows = maps[:M], maps[M:]
     gvals, idx, ell_nnz = be.csr_to_hybrid(indptr, col, val, row_map, W, H, R)
-    neuron_counts = (xp.bincount(col, minlength=H) if col.size else xp.zeros(H, dtype=np.int64))
-    neuron_counts = neuron_counts.astype(np.int32)
     del col, val, indptr
     g_ell, g_bk = be.split_combined(gvals, M, W, R, H)
 
     # 3) forward on the pattern: ELL rows in one fused kernel, backup rows dense
-    w_downT = be.transpose_copy(w_down)
     uvals = xp.empty_like(gvals) if gated else None
     u_ell, u_bk = be.split_combined(uvals, M, W, R, H) if gated else (None, None)
     _mark("hybrid + w_down^T", xp)
@@ -357,7 +369,7 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
         "deterministic": True,
     })
     _mark("stats", xp)
-    ctx = TrainContext(gated=gated, kind=kind, xp=xp, _be=be, device=device_of(x),
+    ctx = TrainContext(gated=gated, nnz_total=int(counts_host.sum()), kind=kind, xp=xp, _be=be, device=device_of(x),
                        dtype=dt, M=M, D=D, H=H, width=W, R=R, x=x, w_gate=w_gate, w_up=w_up,
                        w_down=w_down, w_downT=w_downT, idx=idx, ell_nnz=ell_nnz, row_map=row_map,
                        backup_rows=backup_rows, gvals=gvals, uvals=uvals, l1_coef=l1,
@@ -421,7 +433,8 @@ def _backward(ctx, dy, gated):
 
     _mark("backup rows bwd", xp)
     # 3) weight gradients from the deterministic transpose of the pattern
-    indptr, rows, pos = be.transpose_pattern(ctx.idx, ctx.row_map, g_bk, H)
+    # the forward already counted the entries, so the transpose needs no sync
+    indptr, rows, pos = be.transpose_pattern(ctx.idx, ctx.row_map, g_bk, H, nnz=ctx.nnz_total)
     _mark("transpose (counting sort)", xp)
     dw_up, dw_gate, dw_downT = be.ffn_weight_grads(indptr, rows, pos, ctx.x, dy, da, db, ctx.gvals,
                                                    ctx.uvals, H, gated)

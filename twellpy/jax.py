@@ -45,9 +45,13 @@ import numbers
 import threading
 from collections import OrderedDict
 
-import jax
-import jax.numpy as jnp
 import numpy as np
+
+try:
+    import jax
+    import jax.numpy as jnp
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("twellpy.jax needs JAX: pip install 'twellpy[jax]' (or jax and jaxlib)") from exc
 
 __all__ = ["gated_ffn", "relu_ffn", "last_stats", "CTX_CACHE_SIZE"]
 

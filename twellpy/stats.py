@@ -136,20 +136,21 @@ class _Acts:
 
     def nnz_per_row(self):
         if self.dense is not None:
-            return _active(self.dense).sum(axis=1)
+            return self._dense_rows(self.dense, lambda nz: nz.sum(axis=1), axis=0)
         counts = (self.indices >= 0).sum(axis=1).astype(np.int64)
         if self.backup.shape[0]:
-            counts[self.backup_rows] += _active(self.backup).sum(axis=1)
+            counts[self.backup_rows] += self._dense_rows(self.backup, lambda nz: nz.sum(axis=1), axis=0)
         return counts
 
     def per_neuron(self):
         xp = self.xp
         if self.dense is not None:
-            return _active(self.dense).sum(axis=0)
+            return self._dense_rows(self.dense, lambda nz: nz.sum(axis=0, dtype=np.int64), axis=None)
         idx = self.indices[self.indices >= 0]
         counts = xp.bincount(idx.ravel().astype(np.int64), minlength=self.n).astype(np.int64)
         if self.backup.shape[0]:
-            counts = counts + _active(self.backup).sum(axis=0)
+            counts = counts + self._dense_rows(self.backup, lambda nz: nz.sum(axis=0, dtype=np.int64),
+                                               axis=None)
         return counts
 
     def occupancy(self, tile):
@@ -157,24 +158,36 @@ class _Acts:
         xp = self.xp
         m, n = self.shape
         n_tiles = -(-n // tile) if n else 0
-        if self.dense is not None:
-            nz = _active(self.dense)
+
+        def tiles_of(nz):
             pad = n_tiles * tile - n
             if pad:
-                nz = xp.concatenate([nz, xp.zeros((m, pad), dtype=bool)], axis=1)
-            return nz.reshape(m, n_tiles, tile).sum(axis=2)
+                nz = xp.concatenate([nz, xp.zeros((nz.shape[0], pad), dtype=bool)], axis=1)
+            return nz.reshape(nz.shape[0], n_tiles, tile).sum(axis=2)
+
+        if self.dense is not None:
+            return self._dense_rows(self.dense, tiles_of, axis=0)
         mask = self.indices >= 0
         rows = xp.broadcast_to(xp.arange(m, dtype=np.int64)[:, None], self.indices.shape)[mask]
         tiles = self.indices[mask].astype(np.int64) // tile
         occ = xp.bincount(rows * n_tiles + tiles, minlength=m * n_tiles).reshape(m, n_tiles)
         if self.backup.shape[0]:
-            r = self.backup.shape[0]
-            nz = _active(self.backup)
-            pad = n_tiles * tile - n
-            if pad:
-                nz = xp.concatenate([nz, xp.zeros((r, pad), dtype=bool)], axis=1)
-            occ[self.backup_rows] += nz.reshape(r, n_tiles, tile).sum(axis=2)
+            occ[self.backup_rows] += self._dense_rows(self.backup, tiles_of, axis=0)
         return occ
+
+    #: Elements per chunk of rows: bounds the temporary masks (about 16 MB).
+    CHUNK_ELEMENTS = 1 << 22
+
+    def _dense_rows(self, a, reduce, axis):
+        """``reduce(active mask)`` over row chunks of ``a``; concatenate (axis=0) or sum (None)."""
+        xp = self.xp
+        rows = max(1, self.CHUNK_ELEMENTS // max(1, a.shape[1]))
+        if a.shape[0] <= rows:
+            return reduce(_active(a))
+        parts = [reduce(_active(a[i:i + rows])) for i in range(0, a.shape[0], rows)]
+        if axis is None:
+            return sum(parts[1:], parts[0])
+        return xp.concatenate(parts, axis=0)
 
 
 def _check_tile(tile):

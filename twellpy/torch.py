@@ -31,8 +31,12 @@ from __future__ import annotations
 import contextlib
 import numbers
 
-import torch
-from torch import nn
+try:
+    import torch
+    from torch import nn
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("twellpy.torch needs PyTorch: install the torch build for your machine "
+                      "(e.g. the CPU or CUDA wheel from pytorch.org) and import again") from exc
 
 __all__ = [
     "GatedFFNFunction",

@@ -100,21 +100,23 @@ def read_source(source_file: str) -> str:
 
 
 def _names_for(source_file, defines, name):
-    names = []
-    for exprs, defs in _DECLARED.get(source_file, ()):
-        if defs == defines:
-            names.extend(e for e in exprs if e not in names)
-    if name not in names:
-        names.append(name)
-    return tuple(names)
+    """Name expressions compiled in the module that serves ``name``: just ``name``.
+
+    One kernel per module keeps the first-call latency proportional to what
+    is used (a file such as spmm.cu declares ~100 instantiations, about a
+    minute of NVRTC time together, about a second each); CuPy's disk cache
+    keys on the name expressions, so each kernel is still compiled once per
+    machine. ``declare`` remains the list ``tools/check_kernels.py`` compiles.
+    """
+    return (name,)
 
 
 def get_kernel(source_file: str, name: str, **defines):
     """Compiled ``cupy.RawKernel`` for ``name`` in ``raw_kernels/source_file``.
 
-    Memoized per device, per file and per set of defines; thread-safe. All
-    instantiations declared for the same file and defines are compiled in one
-    module so a file is compiled once.
+    Memoized per device, per file, per name and per set of defines;
+    thread-safe. Each kernel is compiled in its own module on first use (see
+    ``_names_for``), and CuPy's disk cache keeps it across processes.
     """
     cp = cupy_module()
     if cp is None:

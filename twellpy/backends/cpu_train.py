@@ -286,7 +286,7 @@ def _tr_place(idx, row_map, backup, cursor, rows, pos):
                     pos[p] = r * K + s
 
 
-def transpose_pattern(idx, row_map, backup, n_cols):
+def transpose_pattern(idx, row_map, backup, n_cols, nnz=None):
     """Deterministic counting-sort transpose of a slots+backup pattern.
 
     Returns ``indptr (N+1,) int32, rows (nnz,) int32, pos (nnz,) int32``; see
@@ -302,6 +302,8 @@ def transpose_pattern(idx, row_map, backup, n_cols):
     _tr_count(idx, row_map, bk, col_count)
     indptr64 = np.zeros(n_cols + 1, dtype=np.int64)
     np.cumsum(col_count, out=indptr64[1:])
+    if nnz is not None and int(nnz) != int(indptr64[-1]):
+        raise ValueError(f"nnz={nnz} given, but the pattern holds {int(indptr64[-1])} entries")
     nnz = int(indptr64[-1])
     if nnz > _INT32_MAX:
         raise ValueError(f"transpose has {nnz} entries, more than int32 indices can address")

@@ -180,7 +180,7 @@ def _transpose_blocks(M, n_cols):
     return rpb, nb
 
 
-def transpose_pattern(idx, row_map, backup, n_cols):
+def transpose_pattern(idx, row_map, backup, n_cols, nnz=None):
     """Deterministic counting-sort transpose of a slots+backup pattern.
 
     Parameters
@@ -189,6 +189,9 @@ def transpose_pattern(idx, row_map, backup, n_cols):
     row_map : (M,) int32, -1 or the row's position in ``backup``
     backup : (R, N) dense backup rows (their non-zeros are entries)
     n_cols : int, N
+    nnz : int, optional
+        The number of entries when the caller knows it exactly (saves a
+        device-to-host read); it must equal the true count.
 
     Returns
     -------
@@ -212,7 +215,7 @@ def transpose_pattern(idx, row_map, backup, n_cols):
     col_tot = counts.sum(axis=0, dtype=cp.int64)
     indptr64 = cp.zeros(n_cols + 1, dtype=cp.int64)
     cp.cumsum(col_tot, out=indptr64[1:])
-    nnz = int(indptr64[-1])
+    nnz = int(indptr64[-1]) if nnz is None else int(nnz)
     if nnz > _INT32_MAX:
         raise ValueError(f"transpose has {nnz} entries, more than int32 indices can address")
     indptr = indptr64.astype(cp.int32)
