@@ -33,8 +33,7 @@ GPU_WORKLOADS = ["W1-16k", "W1-64k", "W2", "W3", "W4-1", "W4-16", "W4-128", "W5"
 SWEEP_NNZ = [5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 400]
 # (warps per block, 16-byte vectors per thread, batch variant, L2 evict_last hint);
 # None = plan default; nv=0 = the plan's own choice of warps/nv
-VARIANTS = [None, (0, 0, "narrow", True), (0, 0, "wide", False), (8, 1, "narrow", False),
-            (8, 2, "narrow", False)]
+VARIANTS = [None, (0, 0, "narrow", True), (0, 0, "wide", False), (8, 1, "narrow", False)]
 
 
 def rel_err(got, ref):
@@ -126,13 +125,16 @@ def bench_gpu_workload(name, spec, reps, log, variants=VARIANTS, with_auto=True)
         label = apply_variant(ffn, var)
         if label is None:
             continue
-        chunk_opts = (None, "single", "8") if var is None else (None, "single")
+        M = spec["M"]
+        sizes = {None: ffn._plan.default_chunk(M), "single": M, "4": -(-M // 4)}
+        chunk_opts = (None, "single", "4") if var is None else (None,)
+        seen_sizes = set()
         for chunk in chunk_opts:
-            if chunk == "8" and spec["M"] < 8 * 256:
+            if sizes[chunk] in seen_sizes or (chunk == "4" and M < 4 * 256):
                 continue
-            ffn._plan.chunk_rows = {None: None, "single": max(1, spec["M"]),
-                                    "8": -(-spec["M"] // 8)}[chunk]
-            key = label + {None: "", "single": "-1chunk", "8": "-8chunks"}[chunk]
+            seen_sizes.add(sizes[chunk])
+            ffn._plan.chunk_rows = None if chunk is None else sizes[chunk]
+            key = label + {None: "", "single": "-1chunk", "4": "-4chunks"}[chunk]
             y = ffn(x, mode="sparse")
             err = rel_err(y, ref)
             ms = time_cupy(lambda: ffn(x, mode="sparse"), reps)

@@ -3,6 +3,7 @@
 One command on the GPU machine::
 
     PYTHONPATH=. python benchmarks/train.py [--workloads W1-16k W2] [--reps 30]
+    PYTHONPATH=. python benchmarks/train.py --cpu      # small model on the CPU (Numba)
 
 For each workload (BENCHMARKS.md recipe, bf16) it times, with CUDA events
 (median of ``--reps`` after warm-up):
@@ -206,11 +207,64 @@ def bench(name, reps):
     return res
 
 
+def dense_numpy_step(x, wg, wu, wd, dy, l1):
+    """Dense float32 gated FFN forward+backward with numpy (the CPU baseline)."""
+    M = x.shape[0]
+    z = x @ wg.T
+    pat = z > 0
+    g = np.where(pat, z, 0)
+    u = x @ wu.T
+    h = g * u
+    y = h @ wd.T
+    dh = np.where(pat, dy @ wd + np.float32(l1 / M) * np.sign(h), 0)
+    du, dg = dh * g, dh * u
+    return y, du @ wu + dg @ wg, dg.T @ x, du.T @ x, dy.T @ h
+
+
+def bench_cpu(steps=5, M=4096, D=256, H=1024, nnz=30):
+    """CPU (Numba) step of a small model vs dense numpy, float32."""
+    w = make_ffn(M=M, D=D, H=H, nnz=nnz, dtype=np.float32, xp=np, seed=0)
+    x, wg, wu, wd = w["x"], w["w_gate"], w["w_up"], w["w_down"]
+    dy = (np.random.default_rng(1).standard_normal((M, D)) / np.sqrt(M)).astype(np.float32)
+
+    def tw_step():
+        y, ctx = T.gated_forward_train(x, wg, wu, wd, l1=1e-3, check_finite=False)
+        return (y,) + T.gated_backward(ctx, dy)
+
+    def dense_step():
+        return dense_numpy_step(x, wg, wu, wd, dy, 1e-3)
+
+    t0 = time.perf_counter()
+    tw_out = tw_step()  # Numba compiles (or loads its cache) here
+    first = time.perf_counter() - t0
+    res = {"M": M, "D": D, "H": H, "nnz": nnz, "tw_first_call_s": first}
+    for name, fn in (("tw_ms", tw_step), ("dense_ms", dense_step)):
+        ts = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(1e3 * (time.perf_counter() - t0))
+        res[name] = statistics.median(ts)
+    ref = dense_step()
+    res["rel_err"] = {n: float(np.linalg.norm(a - b) / np.linalg.norm(b))
+                      for n, a, b in zip(("y", "dx", "dw_gate", "dw_up", "dw_down"), tw_out, ref)}
+    return res
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", nargs="+", default=["W1-16k", "W2"])
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--cpu", action="store_true",
+                    help="time the CPU (Numba) step of a small model (D=256, H=1024, M=4096) instead")
     args = ap.parse_args(argv)
+    if args.cpu:
+        r = bench_cpu()
+        print(json.dumps(r))
+        print(f"\nCPU training step, gated FFN M={r['M']} D={r['D']} H={r['H']} nnz={r['nnz']} float32: "
+              f"twellpy {r['tw_ms']:.1f} ms, dense numpy {r['dense_ms']:.1f} ms, "
+              f"speedup {r['dense_ms'] / r['tw_ms']:.2f}x, max rel err {max(r['rel_err'].values()):.1e}")
+        return 0
     cp = _cp()
     dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     results = []

@@ -132,7 +132,7 @@ def test_auto_mode_switches_to_dense_when_dense():
     w = make_ffn(2048, 32, 256, 120, dtype=np.float32, seed=8)
     ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"])
     y = ffn(w["x"])
-    assert ffn.last_info["mode"] == "sparse+dense"
+    assert ffn.last_info["mode"] == "dense"
     assert ffn.last_info["mean_active"] > ffn.auto_threshold
     assert rel_err(y, ref64(w)) <= 1e-6
     w = make_ffn(2048, 32, 256, 3, dtype=np.float32, seed=8)
@@ -142,7 +142,17 @@ def test_auto_mode_switches_to_dense_when_dense():
     assert 1 <= ffn.activity()["mean_active"] <= 6
     ffn.auto_threshold = 0.5
     ffn(w["x"])
-    assert ffn.last_info["mode"] == "sparse+dense"
+    assert ffn.last_info["mode"] == "dense"
+    # chunks decide one by one: a sparse chunk next to a dense one
+    x_dense = w["x"].copy()
+    x_dense[:, 0] = 0.0   # no threshold: about half of the neurons fire
+    x2 = np.concatenate([w["x"], x_dense])
+    ffn.auto_threshold = 30
+    ffn._plan.chunk_rows = 2048
+    y2 = ffn(x2)
+    assert ffn.last_info["mode"] == "sparse+dense" and ffn.last_info["dense_chunks"] == 1
+    ref2 = reference_ffn(x2, w["w_gate"], w["w_up"], w["w_down"], dtype=np.float64)
+    assert rel_err(y2, ref2) <= 1e-6
 
 
 def test_reusable_object_matches_functional():

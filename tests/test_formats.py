@@ -207,3 +207,26 @@ def test_lazy_submodules_and_exports():
     except ImportError:
         return
     assert twellpy.ffn is mod
+
+
+class _DLPackOnly:
+    """An object that is only a DLPack producer (like a torch/jax array)."""
+
+    def __init__(self, a):
+        self._a = a
+
+    def __dlpack__(self, **kw):
+        return self._a.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+@pytest.mark.parametrize("cls", [tw.TwELL, tw.ELL, tw.Hybrid])
+def test_from_dense_accepts_any_dlpack_producer(cls):
+    x = MAKERS["ragged_n"](np.random.default_rng(0)).astype(np.float32)
+    A = cls.from_dense(_DLPackOnly(x))
+    assert A.device == "cpu" and bits_equal(A.toarray(), x)
+    w = np.random.default_rng(1).standard_normal((x.shape[1], 3)).astype(np.float32)
+    got = A @ _DLPackOnly(w)
+    assert isinstance(got, np.ndarray) and np.allclose(got, x @ w, rtol=1e-5, atol=1e-5)

@@ -99,11 +99,12 @@ def test_token_firing_2000_neurons(gated, heavy_limit):
     assert rel_err(y[5], ref64(wg, gated)[5]) <= 1e-2
 
 
+@pytest.mark.parametrize("mode", ["auto", "sparse"])
 @pytest.mark.parametrize("M", [0, 1, 7, 65536 + 7])
-def test_row_counts(M):
+def test_row_counts(M, mode):
     w = make_ffn(max(M, 1), 256, 512, 10, dtype=bfloat16, xp=cp, seed=M % 97)
     x = w["x"][:M]
-    ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"])
+    ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"], mode=mode)
     poison()
     y = ffn(x)
     assert y.shape == (M, 256)
@@ -125,6 +126,27 @@ def test_deterministic_bits(variant):
     y2 = ffn(w["x"]).view(np.uint16)
     assert bool((y1 == y2).all())
     assert rel_err(y1.view(bfloat16), ref64(w)) <= 1e-2
+
+
+@pytest.mark.parametrize("mode", ["sparse", "auto"])
+@pytest.mark.parametrize("gated", [True, False])
+def test_two_stream_pipeline(mode, gated):
+    # 5 chunks of 1000 rows: ring-buffer reuse across the two streams
+    w = make_ffn(4500, 256, 1024, 12, sigma=0.3, gated=gated, dtype=bfloat16, xp=cp, seed=21)
+    ffn = (GatedFFN(w["w_gate"], w["w_up"], w["w_down"]) if gated else ReluFFN(w["w_up"], w["w_down"]))
+    ffn._plan.chunk_rows = 1000
+    ffn.auto_threshold = 1e9 if mode == "auto" else ffn.auto_threshold
+    poison()
+    y1 = ffn(w["x"], mode=mode)
+    poison()
+    y2 = ffn(w["x"], mode=mode)
+    assert ffn.last_info["mode"] == "sparse"
+    assert bool((y1.view(np.uint16) == y2.view(np.uint16)).all())
+    assert rel_err(y1, ref64(w, gated)) <= 1e-2
+    ffn.auto_threshold = 0.5   # now the probe of chunk 0 switches every chunk to dense
+    y3 = ffn(w["x"], mode="auto")
+    assert ffn.last_info["mode"] == "dense"
+    assert rel_err(y3, ref64(w, gated)) <= 1e-2
 
 
 def test_return_activations_matches_dense_h():

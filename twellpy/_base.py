@@ -450,8 +450,10 @@ class SparseArray:
         rows_s = (xp.searchsorted(indptr, xp.arange(col.shape[0]), side="right") - 1).astype(np.int64)
         rows = xp.concatenate([rows_s, rows_b])
         cols = xp.concatenate([col.astype(np.int64), cb.astype(np.int64)])
-        datas = xp.concatenate([data, self.backup[rb, cb]])
-        return _coo_to_csr(xp, rows, cols, datas, m, n)
+        # values travel as bit patterns (no 16-bit gather support needed on the device)
+        datas = xp.concatenate([_bits(data), _bits(self.backup)[rb, cb]])
+        indptr, col, datas = _coo_to_csr(xp, rows, cols, datas, m, n)
+        return indptr, col, datas.view(self.dtype)
 
     def to_scipy(self, fmt="csr"):
         """Copy to a ``scipy.sparse`` array (``csr_array`` family) on the host.
@@ -489,7 +491,7 @@ class SparseArray:
         vals, idx = self._slots()
         out = self._backend().slots_to_dense(vals, idx, self.shape[1])
         if self.n_backup:
-            out[self.backup_rows] = self.backup
+            _bits(out)[self.backup_rows] = _bits(self.backup)
         return out
 
     def asformat(self, fmt, **params):
@@ -525,7 +527,8 @@ class SparseArray:
             xp = self.xp
             indptr0, col0, data0 = self._csr()
             rows = (xp.searchsorted(indptr0, xp.arange(col0.shape[0]), side="right") - 1).astype(np.int64)
-            indptr, col, data = _coo_to_csr(xp, col0.astype(np.int64), rows, data0, n, m)
+            indptr, col, data = _coo_to_csr(xp, col0.astype(np.int64), rows, _bits(data0), n, m)
+            data = data.view(self.dtype)
         return type(self)._from_csr(indptr, col, data, (n, m), **self._transpose_params())
 
     @property

@@ -29,7 +29,7 @@ import math
 import numpy as np
 
 from . import _array, backends
-from ._base import (SparseArray, _as_host, _to_int, backup_parts, check_index_array, check_shape,
+from ._base import (SparseArray, _as_host, _bits, _to_int, backup_parts, check_index_array, check_shape,
                     check_value_array, csr_rows_to_dense)
 
 
@@ -218,7 +218,7 @@ class Hybrid(SparseArray):
         values, indices = be.dense_to_ell(x, w, row_nnz)
         over = row_nnz > w
         backup_rows = xp.nonzero(over)[0].astype(np.int32)
-        backup = xp.ascontiguousarray(x[backup_rows])
+        backup = xp.ascontiguousarray(_bits(x)[backup_rows]).view(x.dtype)
         row_nnz = xp.where(over, 0, row_nnz).astype(np.int32)
         return cls(values, indices, row_nnz, shape=(m, n), backup=backup, backup_rows=backup_rows,
                    width_strategy=width, check=False, check_finite=False)

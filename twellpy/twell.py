@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _array, backends
-from ._base import (SparseArray, TileOverflowError, _as_host, _to_int, backup_parts,
+from ._base import (SparseArray, TileOverflowError, _as_host, _bits, _to_int, backup_parts,
                     check_index_array, check_shape, check_value_array, csr_rows_to_dense,
                     positive_int, worst_tile, zero_rows)
 
@@ -215,7 +215,7 @@ class TwELL(SparseArray):
         if isinstance(res, cls):
             return res
         backup_rows = xp.nonzero(res)[0].astype(np.int32)
-        backup = xp.ascontiguousarray(x[backup_rows])
+        backup = xp.ascontiguousarray(_bits(x)[backup_rows]).view(x.dtype)
         zero_rows(backup_rows, (values, 0), (indices, -1), (counts, 0))
         return cls(values, indices, counts, shape=x.shape, tile=tile, backup=backup,
                    backup_rows=backup_rows, check=False, check_finite=False)

@@ -131,14 +131,16 @@ def split_combined(vals, M, W, R, N):
 
 
 # ---------------------------------------------------------------------------
-@numba.njit(parallel=True, **_JIT)
-def _slots_sddmm(X, Y, idx, out):
+# reassociation lets LLVM vectorise the dot products (the order is then fixed
+# by the compiled code, so results stay deterministic); NaN/Inf semantics kept.
+@numba.njit(parallel=True, fastmath={"reassoc", "contract"}, **_JIT)
+def _slots_sddmm(X, Y, idx, out, zero):
     M, K = idx.shape
     N, D = Y.shape
     for r in numba.prange(M):
         for s in range(K):
             k = idx[r, s]
-            acc = 0.0  # float64 accumulator: at least as accurate as the GPU's fp32
+            acc = zero  # typed zero: float32 accumulation for float32 data
             if 0 <= k < N:
                 for c in range(D):
                     acc += X[r, c] * Y[k, c]
@@ -181,7 +183,7 @@ def slots_sddmm(X, Y, idx):
     Xc, Yc = _up(X), _up(Y)
     out = np.empty(idx.shape, dtype=Xc.dtype)
     if idx.size:
-        _slots_sddmm(Xc, Yc, idx, out)
+        _slots_sddmm(Xc, Yc, idx, out, Xc.dtype.type(0))
     return out.astype(X.dtype, copy=False)
 
 

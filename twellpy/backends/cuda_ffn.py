@@ -257,12 +257,12 @@ class FFNPlan:
         return None  # D too large for the register-resident row: dense path
 
     def _default_threshold(self):
-        # Cost model calibrated on the H200 (see benchmarks/ffn.py): the sparse
-        # step streams 2*D*itemsize bytes per active neuron from L2 (~8.5 TB/s);
-        # the dense up+down GEMMs cost 4*D*H flops per token. Crossover
-        # nnz ~= 2*H*L2_bw / (gemm_rate * itemsize).
+        # Cost model calibrated on the H200 (benchmarks/ffn.py): the sparse step
+        # gathers 2*D*itemsize bytes per active neuron at ~6 TB/s (measured
+        # slope); the dense up+down GEMMs cost 4*D*H flops per token. Crossover
+        # nnz ~= 2*H*gather_rate / (gemm_rate * itemsize): ~48 for H = 5632 bf16.
         rate = {2: 700e12, 4: 50e12, 8: 50e12}[self.dtype.itemsize]
-        return max(8.0, 2.0 * self.H * 8.5e12 / (rate * self.dtype.itemsize))
+        return max(8.0, 2.0 * self.H * 6.0e12 / (rate * self.dtype.itemsize))
 
     # ---- resources ----------------------------------------------------------
     def _resources(self):
@@ -318,14 +318,22 @@ class FFNPlan:
             self._ws["u"] = u
         return u
 
-    @staticmethod
-    def default_chunk(M):
-        """Rows per pipeline chunk: 4 chunks (>= 256 rows, <= 16384), one when M <= 512."""
-        if M <= 512:
-            return max(M, 1)
-        c = -(-M // 4)
-        c = -(-c // 256) * 256
-        return int(min(max(c, 256), 16384))
+    #: "auto" never probes calls of at most this many rows (decode sizes run
+    #: sparse without a host synchronisation)
+    AUTO_MIN_ROWS = 512
+
+    #: largest default chunk: bounds the workspaces (g ring, per-row lists)
+    MAX_CHUNK = 16384
+
+    @classmethod
+    def default_chunk(cls, M):
+        """Rows per pipeline chunk: all rows up to MAX_CHUNK, else MAX_CHUNK.
+
+        Measured on the H200 (W1-16k): one chunk ran 7% faster than four
+        overlapped chunks of 4096 rows (the concurrent GEMM and gathers compete
+        for L2), so the two-stream pipeline is only used past MAX_CHUNK rows.
+        """
+        return int(max(1, min(M, cls.MAX_CHUNK)))
 
     # ---- kernels ------------------------------------------------------------
     def _launch_rowpack(self, g, buf, stream, total=None):
@@ -413,7 +421,7 @@ class FFNPlan:
         ws = self._ws
         if "counters" not in ws or self._last_rows == 0:
             return {"mean_active": None, "heavy_rows": 0}
-        seen, n_heavy = (int(v) for v in ws["counters"].get())
+        seen, n_heavy = (int(v) for v in ws["counters"].get()[:2])
         return {"mean_active": seen / self._last_sparse_rows if self._last_sparse_rows else None,
                 "heavy_rows": n_heavy}
 
@@ -447,14 +455,25 @@ class FFNPlan:
         use_sparse = True
 
         if n == 1:
-            # one chunk: everything on the caller's stream, no events (decode sizes)
+            # one chunk: everything on the caller's stream, no extra streams
             cp.cuda.runtime.memsetAsync(counters.data.ptr, 0, counters.nbytes, cur.ptr)
             if self.heavy_limit is not None:
                 heavy.fill(0)
             g = ws["g"][0][:M]
             gemm_nt(x, self.gate_w, g, hA, cur)
-            self._launch_rowpack(g, 0, cur)
-            self._launch_sparse(x, g, y, h_full, heavy, counters, cur, buf=0)
+            probe = mode == "auto" and M > self.AUTO_MIN_ROWS
+            self._launch_rowpack(g, 0, cur, total=counters[2:] if probe else None)
+            if probe:
+                # measured density decides (host waits for the gate GEMM + row lists)
+                cur.record().synchronize()
+                seen = int(counters[2:].get()[0])
+                info["mean_active"] = seen / M
+                use_sparse = seen / M <= self.auto_threshold
+            if use_sparse:
+                self._launch_sparse(x, g, y, h_full, heavy, counters, cur, buf=0)
+            else:
+                u = self._u_buffer(M) if self.gated else None
+                self._dense_stage2(x, g, y, h_full, hA, cur, None if u is None else u[:M])
         else:
             start = cur.record()
             sA.wait_event(start)
