@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import scipy
 import scipy.sparse as sp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -158,7 +159,7 @@ def main(argv=None):
 
     info = {"workload": "C1", "shape": [m, h], "w_shape": [h, d], "mean_nnz_per_row": float(nnz_row.mean()),
             "threads": numba.get_num_threads(), "repeats": R, "warmup": W_, "numpy": np.__version__,
-            "scipy": sp.__name__ and __import__("scipy").__version__, "numba": numba.__version__,
+            "scipy": scipy.__version__, "numba": numba.__version__,
             "twellpy": tw.__version__, "machine": platform.platform(), "cpu": platform.processor(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "results": rows}
     out_paths = [p for p in (args.json, Path(os.environ["OUT"]) / "cpu_benchmark.json" if os.environ.get("OUT") else None) if p]

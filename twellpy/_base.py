@@ -16,6 +16,11 @@ A format subclass provides:
 * ``_check_slots_full()`` (format-specific content scan);
 * ``_init_from_components(d, check, check_finite)`` (classmethod).
 
+It may override ``_spmm``, ``_spmm_t`` and ``_transpose_slots`` to use
+format-specific backend fast paths (e.g. ``twell_spmm``); those are looked up
+with ``getattr`` so a backend without them falls back to the generic
+``slots_*`` functions of the contract.
+
 Formats with dense backup rows keep them in ``backup`` (R, N),
 ``backup_rows`` (R,) and ``row_map`` (M,); ELL has R = 0 always.
 """
@@ -52,7 +57,6 @@ def _bits(a):
 
 def nonzero_mask(a):
     """Boolean array: ``a != 0`` on the bit pattern (NaN true, -0.0 false)."""
-    xp = _array.xp_of(a)
     b = _bits(a)
     return (b & b.dtype.type(_MASK[a.dtype.itemsize])) != 0
 
@@ -80,6 +84,23 @@ def result_dtype(a, b):
 
 def _acc(dtype):
     return _array.accum_dtype(dtype)
+
+
+def cast(a, dtype):
+    """``a`` in value dtype ``dtype`` (``a`` itself when it already is).
+
+    Uses the backend's ``astype`` when it has one (the CUDA backend's works
+    for bfloat16 on every CuPy version), else the array's own ``astype``.
+    """
+    dtype = np.dtype(dtype)
+    if a.dtype == dtype:
+        return a
+    fast = getattr(backends.get(a), "astype", None)
+    return fast(a, dtype) if fast is not None else a.astype(dtype)
+
+
+def _sign_bit(a):
+    return _bits(a).dtype.type(1 << (8 * a.dtype.itemsize - 1))
 
 
 def _as_host(a):
@@ -483,7 +504,7 @@ class SparseArray:
         a = self if self.device != "cpu" else self.to_device("cuda")
         indptr, col, data = a._csr()
         if data.dtype.itemsize == 2:
-            data = data.astype(np.float32)
+            data = cast(data, np.float32)
         return csp.csr_matrix((data, col, indptr), shape=self.shape).asformat(fmt)
 
     def toarray(self):
@@ -546,7 +567,7 @@ class SparseArray:
         d = self.components()
         d["values"] = values
         if "backup" in d:
-            d["backup"] = backup if backup is not None else self.backup.astype(values.dtype)
+            d["backup"] = backup if backup is not None else cast(self.backup, values.dtype)
         return type(self)._init_from_components(d, check=False, check_finite=False)
 
     def with_values(self, values, backup=None, *, check_finite=True):
@@ -596,8 +617,11 @@ class SparseArray:
         if dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype {dtype} is not supported; expected one of "
                             f"{', '.join(str(d) for d in FLOAT_DTYPES)}")
-        b = self.backup.astype(dtype) if self.backup is not None else None
-        return self._with_data(self.values.astype(dtype), b)
+        def conv(a):
+            return a.copy() if a.dtype == dtype else cast(a, dtype)
+
+        b = conv(self.backup) if self.backup is not None else None
+        return self._with_data(conv(self.values), b)
 
     def copy(self):
         """Deep copy (every component array copied)."""
@@ -611,16 +635,26 @@ class SparseArray:
         return self._with_data(fn(self.values), b)
 
     def __neg__(self):
-        # "+ 0" turns -0.0 in the dense backup into +0.0 (same bits as before).
-        return self._map(lambda a: (-a + a.dtype.type(0)).astype(a.dtype))
+        # Exact and dtype-agnostic: flip the sign bit of the non-zeros only, so
+        # zeros stay +0.0 (the same bits as before).
+        xp = self.xp
+
+        def neg(a):
+            b = _bits(a)
+            return xp.where(nonzero_mask(a), b ^ _sign_bit(a), b).astype(b.dtype).view(a.dtype)
+
+        return self._map(neg)
 
     def __pos__(self):
         return self
 
     def abs(self):
         """Element-wise absolute value."""
-        xp = self.xp
-        return self._map(lambda a: xp.abs(a))
+        def absolute(a):  # clear the sign bit: exact, and -0.0 becomes +0.0
+            b = _bits(a)
+            return (b & (_sign_bit(a) - b.dtype.type(1))).view(a.dtype)
+
+        return self._map(absolute)
 
     __abs__ = abs
 
@@ -632,11 +666,10 @@ class SparseArray:
             s = float(other)
             if not np.isfinite(s):
                 raise ValueError(f"scalar factor must be finite, got {other!r}")
-            xp = self.xp
 
             def scale(a):
                 acc = _acc(a.dtype)
-                return (a.astype(acc) * acc.type(s) + acc.type(0)).astype(a.dtype)
+                return cast(cast(a, acc) * acc.type(s) + acc.type(0), a.dtype)
 
             return self._map(scale)
         return NotImplemented
@@ -669,7 +702,7 @@ class SparseArray:
         acc = _acc(res)
 
         def prod(a, b):
-            return (a.astype(acc) * b.astype(acc)).astype(res)
+            return cast(cast(a, acc) * cast(b, acc) + acc.type(0), res)
 
         b = None if self.backup is None else prod(self.backup, other.backup)
         return self._with_data(prod(self.values, other.values), b)
@@ -703,7 +736,7 @@ class SparseArray:
         b = _array.contiguous(b, "W")
         out = self._spmm(b)
         if self.n_backup:
-            out[self.backup_rows] = self._backup_spmm(b).astype(out.dtype, copy=False)
+            out[self.backup_rows] = cast(self._backup_spmm(b), out.dtype)
         if vec:
             out = out[:, 0]
         return _array.to_caller(out, kind)
@@ -722,7 +755,7 @@ class SparseArray:
         if self.n_backup:
             acc = _acc(out_t.dtype)
             extra = self._backup_spmm_t(_array.contiguous(wt[self.backup_rows], "W"))
-            out_t = (out_t.astype(acc, copy=False) + extra.astype(acc, copy=False)).astype(out_t.dtype, copy=False)
+            out_t = cast(cast(out_t, acc) + cast(extra, acc), out_t.dtype)
         out = out_t[:, 0] if vec else self.xp.ascontiguousarray(out_t.T)
         return _array.to_caller(out, kind)
 
@@ -747,7 +780,7 @@ class SparseArray:
         if fast is not None:
             return fast(self.backup, b)
         acc = _acc(result_dtype(self.dtype, b.dtype))
-        return self.backup.astype(acc, copy=False) @ b.astype(acc, copy=False)
+        return cast(self.backup, acc) @ cast(b, acc)
 
     def _backup_spmm_t(self, b):
         """``backup.T @ b`` (N, P) for b (R, P)."""
@@ -755,7 +788,7 @@ class SparseArray:
         if fast is not None:
             return fast(self.backup, b)
         acc = _acc(result_dtype(self.dtype, b.dtype))
-        return self.backup.astype(acc, copy=False).T @ b.astype(acc, copy=False)
+        return cast(self.backup, acc).T @ cast(b, acc)
 
     def dot(self, w):
         """Same as ``self @ w``."""

@@ -29,10 +29,10 @@ GEMM's ``0 * NaN``; the sparse path only reads active columns.)
 Mode. ``"sparse"`` always uses the sparse step, ``"dense"`` the dense GEMMs.
 ``"auto"`` measures the active neurons per token after the gate GEMM and
 runs dense when the mean exceeds ``auto_threshold``. CUDA: the first row
-chunk's count decides the whole call (the host waits for that chunk's gate
-GEMM only, while the GPU runs the next one; a call of a single chunk, M <= 512,
-always runs sparse); threshold ~``0.012 * H`` for 16-bit data, from the
-measured H200 crossover. CPU: each chunk of 1024 rows decides for itself from
+chunk (up to 16384 rows) decides the whole call, at the cost of one host
+synchronisation; calls of at most 512 rows skip the probe and run sparse;
+threshold ``~0.0086 * H`` for 16-bit data (48 at H = 5632, from the measured
+H200 gather rate and crossover). CPU: each chunk of 1024 rows decides for itself from
 a 64-row sample; threshold ``0.06 * H``. The decision is reported in
 ``last_info["mode"]``.
 """

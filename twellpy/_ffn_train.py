@@ -220,7 +220,7 @@ class TrainContext:
 
 
 # ---------------------------------------------------------------------------
-def _prep(arr, name, ndim, kind_from=None):
+def _prep(arr, name, ndim):
     a, kind = as_array(arr, name, ndim=ndim)
     check_float(a, name)
     return contiguous(a, name), kind

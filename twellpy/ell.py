@@ -129,7 +129,6 @@ class ELL(SparseArray):
 
     @classmethod
     def _from_csr(cls, indptr, indices, data, shape, width=None):
-        xp = _array.xp_of(data)
         row_nnz = (indptr[1:] - indptr[:-1]).astype(np.int32)
         w = resolve_fixed_width(width, row_nnz)
         values, idx, row_nnz = backends.get(data).csr_to_ell(indptr, indices, data, w)

@@ -1,23 +1,26 @@
 """CUDA backend of the fused FFN inference (CuPy + cuBLAS + RawKernels).
 
-Pipeline for one call (sparse mode), over row chunks on two streams so that
-the dense gate GEMM of chunk ``i+1`` overlaps the sparse step of chunk ``i``:
+One call (sparse mode):
 
-1. stream A: ``g = x_c @ w_gate.T`` through cuBLAS (``gemmEx``, fp32 compute),
-   written to one of two ring buffers.
-2. stream B: ``twellpy_ffn_sparse`` (``raw_kernels/ffn_sparse.cu``) scans each
-   row of ``g`` once, compacts the active neurons in shared memory, and does
-   the up-projection dot products and down-projection axpys for those neurons
-   only; h never reaches DRAM.
-3. Any number of active neurons per row is exact: the kernel processes and
-   refills its shared-memory list as often as needed. Optionally
-   (``heavy_limit``) rows firing more neurons are flagged and recomputed
-   exactly by a dense sub-FFN on those rows after the pipeline.
+1. ``g = x @ w_gate.T`` (``w_up`` for the plain ReLU FFN) through cuBLAS
+   ``gemmEx`` (fp32 compute; fp64 for fp64 data).
+2. ``twellpy_ffn_rowpack`` (``raw_kernels/ffn_pack.cu``): one warp per row
+   writes the row's active neurons (relu_active: > 0 or NaN) and gate values
+   to a per-row work list (column order, warp prefix counts, no atomics).
+3. ``twellpy_ffn_sparse`` (``raw_kernels/ffn_sparse.cu``): per row, the
+   up-projection dot products and down-projection axpys of the listed neurons
+   only; h never reaches DRAM. A row with more than ``LIST_ROW_CAP`` active
+   neurons scans ``g`` itself and processes its neurons in as many rounds as
+   needed, so any sparsity pattern is exact. Optionally (``heavy_limit``) such
+   rows are handed to an exact dense sub-FFN instead.
 
-``mode="auto"`` reads the active count of the first chunk (the host waits for
-that chunk only, while the GPU already runs the next gate GEMM) and switches
-the remaining chunks to the dense path when the mean active count per token
-exceeds :attr:`FFNPlan.auto_threshold`.
+Calls of more than ``MAX_CHUNK`` rows run as a two-stream pipeline over row
+chunks: stream A does steps 1-2 of chunk ``i+1`` while stream B does step 3
+of chunk ``i`` (ring buffers of two chunks). ``mode="auto"`` reads the active
+count of the first chunk after step 2 (the only host synchronisation; calls of
+at most ``AUTO_MIN_ROWS`` rows skip it and run sparse) and runs the dense
+path (cuBLAS up GEMM, ``twellpy_ffn_gate_mul``, cuBLAS down GEMM) instead when
+the mean active neurons per token exceeds :attr:`FFNPlan.auto_threshold`.
 """
 from __future__ import annotations
 
