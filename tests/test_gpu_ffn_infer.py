@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from benchmarks.workloads import make_ffn, reference_ffn
-from conftest import RTOL, rel_err
+from conftest import rel_err
 from twellpy._array import bfloat16
 from twellpy._ffn_infer import GatedFFN, ReluFFN, gated_forward, relu_forward
 

@@ -53,6 +53,7 @@ import dask
 import dask.array as da
 from dask.array.core import concatenate_lookup, tensordot_lookup
 from dask.array.utils import meta_from_array
+from dask.base import tokenize
 
 from ._array import FLOAT_DTYPES, as_array, check_float, is_cupy, xp_of
 
@@ -242,7 +243,7 @@ _clients_with_plugin = set()
 
 
 def _register():
-    """Teach Dask about the container classes (idempotent, this process)."""
+    """Teach this process's Dask about the container classes (idempotent)."""
     global _registered
     if not _registered:
         classes = _container_classes()
@@ -251,7 +252,6 @@ def _register():
         for cls in classes:
             da.register_chunk_type(cls)
         _registered = True
-    _register_on_workers()
 
 
 def _worker_plugin_class():
@@ -274,7 +274,12 @@ def _worker_plugin_class():
 
 
 def _register_on_workers(client=None):
-    """Register the import plugin with the active distributed client, once per client."""
+    """Register the import plugin with the active distributed client, once per client.
+
+    Called from the public entry points, never at import: with in-process
+    workers (``processes=False``) the plugin's import would wait for an import
+    of this module still in progress.
+    """
     client = client or _active_client()
     if client is None or client.id in _clients_with_plugin:
         return
@@ -383,6 +388,15 @@ def _share_described(desc, name, client, broadcast):
     return share(desc.arr, name, client=client, broadcast=broadcast)
 
 
+def _token(x, shared, kind, kwargs):
+    """Deterministic output token: input name, weight keys, operation, options.
+
+    (Futures do not tokenize by key, so identical calls would otherwise get
+    fresh names; weight keys are content hashes, see :func:`share`.)
+    """
+    return tokenize(x.name, [w.key for w in shared], kind, sorted(kwargs.items()))
+
+
 # ----------------------------------------------------------------------------
 # chunk functions (module level so that workers import them by name)
 # ----------------------------------------------------------------------------
@@ -475,6 +489,7 @@ class SparseDaskArray:
 
     def __init__(self, blocks, fmt, params, array_meta):
         _register()
+        _register_on_workers()
         self.blocks = blocks
         self.format = fmt
         self.params = dict(params)
@@ -634,7 +649,8 @@ class SparseDaskArray:
         w = _share_described(w, "w", client, broadcast)
         return self.blocks.map_blocks(
             _matmul_chunk, w.ref, dtype=dtype, chunks=(self.chunks[0], (w.shape[1],)),
-            meta=meta_from_array(self._array_meta, ndim=2, dtype=dtype), token="twellpy-matmul")
+            meta=meta_from_array(self._array_meta, ndim=2, dtype=dtype),
+            name=f"twellpy-matmul-{_token(self.blocks, [w], 'matmul', {})}")
 
     def __matmul__(self, w):
         if isinstance(w, (SparseDaskArray, da.Array)):
@@ -739,7 +755,7 @@ def _ffn(kind, x, weights, client, broadcast, rechunk, out_name, ffn_kwargs):
     return x.map_blocks(
         _ffn_chunk, *[w.ref for w in shared], kind=kind, ffn_kwargs=dict(ffn_kwargs),
         dtype=dtype, chunks=(x.chunks[0], (out_cols,)), meta=_array_meta(x, dtype),
-        **({"name": out_name} if out_name is not None else {"token": f"twellpy-{kind}-forward"}))
+        name=out_name or f"twellpy-{kind}-forward-{_token(x, shared, kind, ffn_kwargs)}")
 
 
 def gated_forward(x, w_gate, w_up, w_down, *, client=None, broadcast=True, rechunk=True,
