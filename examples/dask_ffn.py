@@ -66,7 +66,8 @@ def main():
         xp = np
         from distributed import LocalCluster
 
-        cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None)
+        cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
+                               silence_logs=40)
     client = Client(cluster)
     try:
         to_dev = (lambda a: xp.asarray(a)) if xp is not np else (lambda a: a)

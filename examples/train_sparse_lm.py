@@ -70,10 +70,10 @@ VOCAB = 256  # byte-level tokens
 # arguments
 #: Defaults of the full run (about 4 minutes for both models on one H200).
 FULL = dict(steps=1200, layers=4, d_model=256, ffn=1024, heads=4, batch=64, seq=256, lr=2e-3, l1=2e-3,
-            eval_batches=4, eval_seqs=64, bench_m="16384,65536")
+            eval_batches=4, eval_seqs=64, bench_m="16384,65536", time_budget=150.0)
 #: Defaults of --smoke (tiny model, CPU, well under a minute).
 SMOKE = dict(steps=12, layers=3, d_model=32, ffn=128, heads=2, batch=8, seq=32, lr=3e-3, l1=2e-3,
-             eval_batches=1, eval_seqs=16, bench_m="512")
+             eval_batches=1, eval_seqs=16, bench_m="512", time_budget=0.0)
 
 
 def parse_args(argv=None):
@@ -98,6 +98,9 @@ def parse_args(argv=None):
     ap.add_argument("--eval-batches", type=int, help="validation batches of --eval-seqs sequences each")
     ap.add_argument("--eval-seqs", type=int,
                     help="sequences per validation batch (64 x 256 = 16384 tokens)")
+    ap.add_argument("--time-budget", type=float,
+                    help="seconds of training for the first run (sparse); if spent, it stops and the "
+                         "other runs stop at the same step (0: no limit)")
     ap.add_argument("--eval-every", type=int, default=0, help="validation loss every N steps (0: 4 times)")
     ap.add_argument("--bench-m",
                     help="token counts M for the FFN inference timing (comma list)")
@@ -158,30 +161,28 @@ def stdlib_docstrings():
     return docs
 
 
-def load_corpus(with_docstrings):
-    """Train/validation byte arrays: whole documents, 10% of the bytes held out.
+#: Bytes per block of the train/validation split.
+SPLIT_BLOCK = 4096
 
-    Documents are taken in a fixed order; one goes to validation whenever
-    the validation share so far is below 10%, so both sets sample the whole
-    corpus (topics and docstrings alike) and no document is split.
+
+def load_corpus(with_docstrings):
+    """Train/validation byte arrays: every 10th block of 4 KiB is held out (10% of the bytes).
+
+    Blocks rather than whole documents, because the topics are few and of
+    very uneven length; this keeps the share at 10% and spreads the held-out
+    text over the whole corpus.
     """
     import pydoc_data.topics
 
     docs = [pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)]
     if with_docstrings:
         docs += stdlib_docstrings()
-    train, val = [], []
-    n_train = n_val = 0
-    for d in docs:
-        b = d.encode("utf-8") + b"\n\n"
-        if n_val < 0.1 * (n_train + n_val + len(b)):
-            val.append(b)
-            n_val += len(b)
-        else:
-            train.append(b)
-            n_train += len(b)
-    to_arr = lambda parts: np.frombuffer(b"".join(parts), dtype=np.uint8).astype(np.int32)  # noqa: E731
-    return to_arr(train), to_arr(val), len(docs)
+    text = np.frombuffer("\n\n".join(docs).encode("utf-8"), dtype=np.uint8).astype(np.int32)
+    block = np.arange(text.size) // SPLIT_BLOCK
+    is_val = block % 10 == 9
+    if not is_val.any():  # a corpus under 10 blocks: hold out its last 10%
+        is_val = np.arange(text.size) >= int(0.9 * text.size)
+    return text[~is_val], text[is_val], len(docs)
 
 
 def batch_windows(data, starts, seq):
@@ -346,6 +347,9 @@ class DenseJaxFFN:
     def __init__(self, pieces):
         self.p = pieces
 
+    def infer(self, w, z):
+        return self.p["dense_ffn"](w, z)
+
     def forward(self, w, z, l1):
         return self.p["dense_ffn"](w, z), (w, z, l1)
 
@@ -367,6 +371,9 @@ class TwellpyFFN:
         import twellpy.ffn
 
         self.ffn = twellpy.ffn
+
+    def infer(self, w, z):
+        return self.ffn.gated_forward(z, w["w_gate"], w["w_up"], w["w_down"], check_finite=False)
 
     def forward(self, w, z, l1):
         y, ctx = self.ffn.gated_forward_train(z, w["w_gate"], w["w_up"], w["w_down"], l1=l1,
@@ -460,8 +467,7 @@ def evaluate(params, pieces, ffn, val_batches, collect=False):
                 if bi == 0:
                     first_acts[li] = ctx.g  # Hybrid: for the per-layer figure
             else:
-                y = ffn.forward(ffn_w[li], z, 0.0)[0] if not isinstance(ffn, TwellpyFFN) else \
-                    ffn.ffn.gated_forward(z, ffn_w[li]["w_gate"], ffn_w[li]["w_up"], ffn_w[li]["w_down"])
+                y = ffn.infer(ffn_w[li], z)
                 if collect:
                     tc_j, nc_j = pieces["ffn_counts"](ffn_w[li]["w_gate"], z)
                     tc, nc = np.asarray(tc_j), np.asarray(nc_j).astype(np.int64)
@@ -558,20 +564,20 @@ def save_figures(ev, val_tokens, args, dirs, tag):
         saved.append(name)
 
     L = args.layers
-    mean_tok = np.stack([c.astype(np.float64) for c in ev["token_counts"]]).mean(axis=0)
+    # integer counts summed over the layers (the stats functions take whole counts)
+    total = np.stack([c.astype(np.int64) for c in ev["token_counts"]]).sum(axis=0)
+    what = f"active neurons per token, sum of {L} layers"
     try:
-        fig = twplot.nnz_vs_position(mean_tok, seq_len=args.seq,
-                                     title=f"{tag}: active neurons vs position (mean of {L} layers)")
+        fig = twplot.nnz_vs_position(total, seq_len=args.seq, title=f"{tag}: {what}")
     except (ValueError, RuntimeError):  # a degenerate curve the trend cannot fit (tiny smoke runs)
-        fig = twplot.nnz_vs_position(mean_tok, seq_len=args.seq, trend=None,
-                                     title=f"{tag}: active neurons vs position (mean of {L} layers)")
+        fig = twplot.nnz_vs_position(total, seq_len=args.seq, trend=None, title=f"{tag}: {what}")
     save(fig, f"{tag}_nnz_vs_position.png")
     layers = {f"L{li}": ev["first_acts"][li] for li in range(L)}
     save(twplot.layer_summary(layers, title=f"{tag}: active neurons per token by layer"),
          f"{tag}_nnz_per_layer.png")
     labels = [bytes([b]) for b in val_tokens.reshape(-1).tolist()]
-    save(twplot.top_tokens(labels, mean_tok.round().astype(np.int64), k=12, min_count=5,
-                           title=f"{tag}: bytes firing the most / fewest neurons (mean of {L} layers)"),
+    save(twplot.top_tokens(labels, total, k=12, min_count=5,
+                           title=f"{tag}: bytes firing the most / fewest neurons ({what})"),
          f"{tag}_top_bytes.png")
     return saved
 
@@ -663,11 +669,13 @@ def _json_default(o):
     return str(o)
 
 
-def run_model(kind, args, jax, jnp, pieces, optimizer, data, res, log):
+def run_model(kind, args, jax, jnp, pieces, optimizer, data, res, log, max_steps=None, time_budget=None):
     """Train one model; return its final parameters and a record of the run.
 
     ``kind``: ``"dense"`` (JAX FFN, L1 = 0), ``"sparse"`` (twellpy FFN, L1 on) or
     ``"sparse-jax"`` (JAX FFN with the same L1: a cross-check of twellpy).
+    ``max_steps`` stops early (the schedules still follow ``args.steps``);
+    ``time_budget`` (seconds) stops the run once its training time exceeds it.
     """
     params = init_params(args, jax, jnp)
     init, update = optimizer
@@ -682,7 +690,10 @@ def run_model(kind, args, jax, jnp, pieces, optimizer, data, res, log):
 
     trackers = [FiringTracker(n_neurons=args.ffn, window=50) for _ in range(args.layers)]
     t_start = time.perf_counter()
-    for step in range(args.steps):
+    steps = args.steps if max_steps is None else min(args.steps, max_steps)
+    log_every = max(1, args.steps // 20)
+    stopped_early = False
+    for step in range(steps):
         starts = rng.integers(0, train.size - args.seq - 1, size=args.batch)
         tokens, targets = batch_windows(train, starts, args.seq)
         lr = lr_at(step, args)
@@ -690,37 +701,44 @@ def run_model(kind, args, jax, jnp, pieces, optimizer, data, res, log):
         t0 = time.perf_counter()
         params, opt_state, loss, gnorm, stats = train_step(
             params, opt_state, pieces, update, ffn, jnp.asarray(tokens), jnp.asarray(targets), lr, l1, jnp)
-        loss = float(loss)  # waits for the step: the time below is a whole step
+        jax.block_until_ready((loss, params))  # the time below is a whole step, optimizer included
         step_times.append(time.perf_counter() - t0)
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"{kind}: loss became {loss} at step {step}")
-        if stats[0] is not None:
-            l0 = [float(s["l0"]) for s in stats]
+        last = step == steps - 1
+        if stats[0] is not None and step >= steps - trackers[0].window:
             for tr, s in zip(trackers, stats):
-                tr.update_counts(_host(s["neuron_counts"]), len(_host(s["token_counts"])))
-            l1_pen = sum(float(s["l1"]) for s in stats) if l1 > 0 else 0.0
-        else:
-            l0, l1_pen = None, None
-        if step % max(1, args.steps // 20) == 0 or step == args.steps - 1:
+                tr.update_counts(_host(s["neuron_counts"]), args.batch * args.seq)
+        over_budget = time_budget and time.perf_counter() - t_start > time_budget and not last
+        if step % log_every == 0 or last or over_budget:
+            loss = float(loss)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"{kind}: loss became {loss} at step {step}")
             rec = {"step": step, "loss": loss, "lr": lr, "l1": l1, "grad_norm": float(gnorm),
                    "step_ms": step_times[-1] * 1e3}
-            if l0 is not None:
-                rec["l0_per_layer"] = l0
-                rec["l1_penalty"] = l1_pen
+            l0s = ""
+            if stats[0] is not None:
+                rec["l0_per_layer"] = [float(s["l0"]) for s in stats]
+                rec["l1_penalty"] = sum(float(s["l1"]) for s in stats)
+                rec["backup_rows"] = [int(s["n_backup_rows"]) for s in stats]
+                l0s = f" l0/layer {[round(v, 1) for v in rec['l0_per_layer']]}"
             if step and step % eval_every == 0:
                 rec["val_loss"] = evaluate(params, pieces, ffn, val_batches[:1])["val_loss"]
             history.append(rec)
-            l0s = f" l0/layer {[round(v, 1) for v in l0]}" if l0 is not None else ""
             log(f"[{kind}] step {step:5d} loss {loss:.4f} lr {lr:.2e} l1 {l1:.2e} "
                 f"{step_times[-1] * 1e3:7.1f} ms{l0s}")
             res.update(**{f"{kind}_progress": history})
+        if over_budget:
+            stopped_early = True
+            log(f"[{kind}] time budget of {time_budget:.0f} s spent: stopping after {step + 1} of "
+                f"{args.steps} steps (the other runs stop at the same step)")
+            break
     train_s = time.perf_counter() - t_start
     steady = step_times[min(len(step_times) - 1, max(2, len(step_times) // 10)):]
     record = {"ffn_impl": ffn.name, "final_l1": final_l1, "train_seconds": train_s,
+              "steps_done": len(step_times), "stopped_early": stopped_early,
               "step_ms_median": float(np.median(steady)) * 1e3,
               "step_ms_first": step_times[0] * 1e3, "history": history}
     if stats[0] is not None:
-        record["train_dead_fraction_last50"] = float(np.mean([tr.dead_fraction() for tr in trackers]))
+        record["train_dead_fraction_last_steps"] = float(np.mean([tr.dead_fraction() for tr in trackers]))
         record["train_backup_rows_last_step"] = [int(s["n_backup_rows"]) for s in stats]
         record["train_width_last_step"] = [int(s["width"]) for s in stats]
     return params, pieces, ffn, record
@@ -774,8 +792,14 @@ def main(argv=None):
     runs = {}
     pieces = build_pieces(args, jax, jnp)
     optimizer = make_adamw(args, jax, jnp)
-    for name in args.runs:
-        params, pieces, ffn, record = run_model(name, args, jax, jnp, pieces, optimizer, data, res, log)
+    max_steps = None
+    # the run whose speed is least known goes first; if it spends its time
+    # budget, the others stop at the same step so the comparison stays fair
+    order = sorted(args.runs, key=lambda r: r != "sparse")
+    for name in order:
+        params, pieces, ffn, record = run_model(name, args, jax, jnp, pieces, optimizer, data, res, log,
+                                                max_steps=max_steps, time_budget=args.time_budget)
+        max_steps = record["steps_done"]
         ev = evaluate(params, pieces, ffn, val_batches, collect=True)
         record["val_loss"] = ev["val_loss"]
         record.update(analyse(ev, val_tokens, train, args))

@@ -110,7 +110,7 @@ def test_demo_on_cpu(capsys):
     assert "demo on cpu" in out
     for fmt in ("TwELL", "ELL", "Hybrid", "CSR (scipy)"):
         assert fmt in out
-    assert "gated_forward" in out
+    assert "twellpy.ffn.GatedFFN" in out and "active neurons per token" in out
     assert "FAIL" not in out
     assert out.strip().splitlines()[-1].startswith("demo OK")
 

@@ -422,21 +422,52 @@ def transpose_slots(values, indices, n_cols):
 # --------------------------------------------------------------------------
 # sparse @ dense
 # --------------------------------------------------------------------------
+@numba.njit(cache=True, nogil=True)
+def _row_axpys(o, vv, jj, n, b):
+    """``o = sum_q vv[q] * b[jj[q]]`` over the first ``n`` entries.
+
+    Four B rows per pass over ``o`` (the output row is read and written a
+    quarter as often); the order of the additions is fixed, so results are
+    deterministic.
+    """
+    ncol = b.shape[1]
+    for c in range(ncol):
+        o[c] = 0
+    q = 0
+    while q + 4 <= n:
+        v0 = vv[q]
+        v1 = vv[q + 1]
+        v2 = vv[q + 2]
+        v3 = vv[q + 3]
+        b0 = b[jj[q]]
+        b1 = b[jj[q + 1]]
+        b2 = b[jj[q + 2]]
+        b3 = b[jj[q + 3]]
+        for c in range(ncol):
+            o[c] += v0 * b0[c] + v1 * b1[c] + v2 * b2[c] + v3 * b3[c]
+        q += 4
+    while q < n:
+        v0 = vv[q]
+        b0 = b[jj[q]]
+        for c in range(ncol):
+            o[c] += v0 * b0[c]
+        q += 1
+
+
 @numba.njit(cache=True, nogil=True, parallel=True)
 def _k_slots_spmm(vals, idx, b, out):
     m, k = vals.shape
-    ncol = b.shape[1]
     for i in prange(m):
-        o = out[i]
-        for c in range(ncol):
-            o[c] = 0
+        vv = np.empty(k, vals.dtype)
+        jj = np.empty(k, np.int64)
+        n = 0
         for s in range(k):
             j = idx[i, s]
             if j >= 0:
-                v = vals[i, s]
-                bj = b[j]
-                for c in range(ncol):
-                    o[c] += v * bj[c]
+                vv[n] = vals[i, s]
+                jj[n] = j
+                n += 1
+        _row_axpys(out[i], vv, jj, n, b)
 
 
 def _as_acc(a, acc):
@@ -459,16 +490,10 @@ def slots_spmm(values, indices, B):
 @numba.njit(cache=True, nogil=True, parallel=True)
 def _k_csr_spmm(indptr, col, data, b, out):
     m = out.shape[0]
-    ncol = b.shape[1]
     for i in prange(m):
-        o = out[i]
-        for c in range(ncol):
-            o[c] = 0
-        for p in range(indptr[i], indptr[i + 1]):
-            v = data[p]
-            bj = b[col[p]]
-            for c in range(ncol):
-                o[c] += v * bj[c]
+        lo = indptr[i]
+        hi = indptr[i + 1]
+        _row_axpys(out[i], data[lo:hi], col[lo:hi], hi - lo, b)
 
 
 def slots_spmm_t(values, indices, B, n_cols):
@@ -493,17 +518,19 @@ def slots_spmm_t(values, indices, B, n_cols):
 @numba.njit(cache=True, nogil=True, parallel=True)
 def _k_twell_spmm(vals, idx, counts, b, out):
     m, n_tiles, slots = vals.shape
-    ncol = b.shape[1]
     for i in prange(m):
-        o = out[i]
-        for c in range(ncol):
-            o[c] = 0
+        tot = 0
+        for t in range(n_tiles):
+            tot += min(counts[i, t], slots)
+        vv = np.empty(tot, vals.dtype)
+        jj = np.empty(tot, np.int64)
+        n = 0
         for t in range(n_tiles):
             for s in range(min(counts[i, t], slots)):
-                v = vals[i, t, s]
-                bj = b[idx[i, t, s]]
-                for c in range(ncol):
-                    o[c] += v * bj[c]
+                vv[n] = vals[i, t, s]
+                jj[n] = idx[i, t, s]
+                n += 1
+        _row_axpys(out[i], vv, jj, n, b)
 
 
 def twell_spmm(values, indices, counts, B):
