@@ -188,7 +188,7 @@ def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=
             xp.cuda.runtime.deviceSynchronize()
 
     log(f"workload M={sizes['M']} D={sizes['D']} H={sizes['H']} nnz/token={sizes['nnz']} "
-        f"sigma={sizes.get('sigma', 0.0)} dtype={dtype_name} mode={mode} chunks={n_chunks}")
+        f"sigma={sizes.get('sigma', 0.0)} dtype={dtype_name} mode={mode}")
     w = make_ffn(sizes["M"], sizes["D"], sizes["H"], sizes["nnz"], sizes.get("sigma", 0.0),
                  dtype=dtype, xp=xp, seed=seed)
     x, w_gate, w_up, w_down = w["x"], w["w_gate"], w["w_up"], w["w_down"]
@@ -209,7 +209,8 @@ def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=
     err_direct = rel_err(y_direct, ref)
     del ref
     tokens = m * batches
-    results = {"mode": mode, "sizes": sizes, "dtype": dtype_name, "chunks": n_chunks, "reps": reps,
+    results = {"mode": mode, "sizes": sizes, "dtype": dtype_name,
+               "chunks": "workers x " + str(n_chunks(1)) if callable(n_chunks) else n_chunks, "reps": reps,
                "batches_per_rep": batches,
                "direct": {"seconds": t_direct, "tokens_per_s": tokens / t_direct,
                           "rel_err_vs_fp32_reference": err_direct, "info": dict(ffn.last_info)},
@@ -227,7 +228,8 @@ def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=
         cluster, client, kind = start_cluster(mode, n, threads)
         try:
             envs = client.run(_worker_env)
-            dx, x_futures = scatter_rows(client, x, n_chunks)
+            chunks_n = n_chunks(n) if callable(n_chunks) else n_chunks
+            dx, x_futures = scatter_rows(client, x, chunks_n)
             wait(x_futures)
             shared = [twd.share(a, name, client=client) for name, a in
                       (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down))]
@@ -251,11 +253,12 @@ def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=
             got_host = xp.asnumpy(got) if mode == "gpu" else got
             err = rel_err(got_host, y_direct_host)
             per_worker = client.run(lambda dask_worker: len(dask_worker.data))
-            rec = {"workers": n, "cluster": kind, "seconds": t_dask, "all_seconds": all_times,
+            rec = {"workers": n, "chunks": chunks_n, "cluster": kind, "seconds": t_dask,
+                   "all_seconds": all_times,
                    "tokens_per_s": tokens / t_dask, "overhead_vs_direct": t_dask / t_direct - 1.0,
                    "rel_err_vs_direct": err, "worker_env": envs, "keys_per_worker": per_worker}
             results["dask"].append(rec)
-            log(f"dask {n} worker(s) [{kind}]: {t_dask * 1e3:.2f} ms, {tokens / t_dask:,.0f} tokens/s, "
+            log(f"dask {n} worker(s) [{kind}], {chunks_n} chunks: {t_dask * 1e3:.2f} ms, {tokens / t_dask:,.0f} tokens/s, "
                 f"rel err vs direct {err:.2e}")
             del y, got, dx, x_futures, shared
         finally:
@@ -270,12 +273,12 @@ def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=
 def table(results, unit="worker"):
     """Short text table of :func:`run` results."""
     d = results["direct"]
-    lines = [f"{'run':<22}{'ms':>10}{'tokens/s':>14}{'vs 1 ' + unit:>12}{'overhead':>11}{'rel err':>11}",
-             f"{'direct (no Dask)':<22}{d['seconds'] * 1e3:>10.2f}{d['tokens_per_s']:>14,.0f}"
+    lines = [f"{'run':<22}{'chunks':>7}{'ms':>10}{'tokens/s':>14}{'vs 1 ' + unit:>12}{'overhead':>11}{'rel err':>11}",
+             f"{'direct (no Dask)':<22}{1:>7}{d['seconds'] * 1e3:>10.2f}{d['tokens_per_s']:>14,.0f}"
              f"{'':>12}{'':>11}{d['rel_err_vs_fp32_reference']:>11.1e}"]
     for r in results["dask"]:
         label = f"dask, {r['workers']} {unit}{'s' if r['workers'] > 1 else ''}"
-        lines.append(f"{label:<22}{r['seconds'] * 1e3:>10.2f}{r['tokens_per_s']:>14,.0f}"
+        lines.append(f"{label:<22}{r['chunks']:>7}{r['seconds'] * 1e3:>10.2f}{r['tokens_per_s']:>14,.0f}"
                      f"{r['scaling_vs_1_worker']:>11.2f}x{r['overhead_vs_direct'] * 100:>10.1f}%"
                      f"{r['rel_err_vs_direct']:>11.1e}")
     return "\n".join(lines)

@@ -8,7 +8,8 @@ and the relative error of the Dask result against the direct one.
 
 * GPU (dask-cuda and a CUDA GPU present, unless ``--cpu``): a
   ``LocalCUDACluster`` (one worker per GPU), W1-64k sizes (M=65536, D=2048,
-  H=5632, 30 active neurons per token, bfloat16) in 8 row chunks. Target:
+  H=5632, 30 active neurons per token, bfloat16), one row chunk per worker
+  per batch unless ``--chunks`` says otherwise. Target:
   Dask overhead at 1 worker <= 10%. With one GPU only the 1-worker row runs.
 * CPU: a ``LocalCluster`` of single-threaded worker processes (Numba/BLAS
   limited to one thread per worker and for the direct call), C1 sizes
@@ -27,7 +28,6 @@ together, so Dask's fixed costs per call are amortised as in a real stream.
 Full numbers go to ``$OUT/dask_scaling.json`` when ``OUT`` is set.
 """
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -40,7 +40,9 @@ def main(argv=None):
     p.add_argument("--cpu", action="store_true", help="force a CPU LocalCluster")
     p.add_argument("--workload", default=None, help="BENCHMARKS.md name (default W1-64k on GPU, C1 on CPU)")
     p.add_argument("--rows", type=int, default=None, help="override M")
-    p.add_argument("--chunks", type=int, default=8, help="row chunks (default 8)")
+    p.add_argument("--chunks", type=int, default=None,
+                   help="row chunks per batch (default: one per worker, so the 1-worker row measures "
+                        "Dask's own cost; benchmarks/multi_gpu.py uses 8)")
     p.add_argument("--batches", type=int, default=None,
                    help="batches of M tokens per timed repetition (default 8 on GPU, 1 on CPU)")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (median)")
@@ -67,11 +69,12 @@ def main(argv=None):
     reps = args.reps or (20 if mode == "gpu" else 5)
     dtype = args.dtype or ("bfloat16" if mode == "gpu" else "float32")
     batches = args.batches or (8 if mode == "gpu" else 1)
-    results = bench.run(mode, sizes, counts, args.chunks, reps, dtype, batches=batches)
+    chunks = args.chunks if args.chunks else (lambda n_workers: n_workers)
+    results = bench.run(mode, sizes, counts, chunks, reps, dtype, batches=batches)
     results["workload"] = name
     bench.write_out(results, "dask_scaling.json")
     print()
-    print(f"Dask scaling, {name} (M={sizes['M']}), {dtype}, {args.chunks} chunks, {mode}, "
+    print(f"Dask scaling, {name} (M={sizes['M']}), {dtype}, {mode}, "
           f"{batches} batch(es) per run, median of {reps} runs")
     print(bench.table(results, unit="GPU" if mode == "gpu" else "worker"))
     one = [r for r in results["dask"] if r["workers"] == 1]

@@ -76,16 +76,19 @@ def main():
             dx = dx.map_blocks(xp.asarray)          # chunks move to each worker's GPU
         dx = dx.persist()
         # 1. the weights go to every worker once; later calls reuse them
-        weights = [twd.share(to_dev(w), n) for n, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down))]
+        named = (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down))
+        weights = [twd.share(to_dev(w), n) for n, w in named]
         y = twd.gated_forward(dx, *weights)
-        print(f"x: {dx.shape} in {dx.npartitions} row chunks {dx.chunks[0]}; y: {y.shape}, {type(y._meta).__name__} chunks")
+        print(f"x: {dx.shape} in {dx.npartitions} row chunks {dx.chunks[0]}; "
+              f"y: {y.shape}, {type(y._meta).__name__} chunks")
         got = y.compute()
 
         x64 = x.astype(np.float64)
         hidden = np.maximum(x64 @ w_gate.T.astype(np.float64), 0) * (x64 @ w_up.T.astype(np.float64))
         ref = hidden @ w_down.T.astype(np.float64)
         direct = tw.ffn.gated_forward(to_dev(x), to_dev(w_gate), to_dev(w_up), to_dev(w_down))
-        e_ref, e_direct = rel_err(got, ref), rel_err(got, np.asarray(direct.get() if xp is not np else direct, np.float64))
+        direct_host = np.asarray(direct.get() if xp is not np else direct, np.float64)
+        e_ref, e_direct = rel_err(got, ref), rel_err(got, direct_host)
         print(f"gated FFN on {len(client.scheduler_info()['workers'])} workers: "
               f"rel err {e_ref:.1e} vs float64, {e_direct:.1e} vs the single-process call")
         assert e_ref < 1e-5 and e_direct < 1e-5

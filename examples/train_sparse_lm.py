@@ -69,10 +69,10 @@ VOCAB = 256  # byte-level tokens
 # ---------------------------------------------------------------------------
 # arguments
 #: Defaults of the full run (about 4 minutes for both models on one H200).
-FULL = dict(steps=1200, layers=4, d_model=256, ffn=1024, heads=4, batch=64, seq=256, lr=2e-3, l1=2e-3,
+FULL = dict(steps=1200, layers=4, d_model=256, ffn=1024, heads=4, batch=64, seq=256, lr=2e-3, l1=4e-3,
             eval_batches=4, eval_seqs=64, bench_m="16384,65536", time_budget=150.0)
 #: Defaults of --smoke (tiny model, CPU, well under a minute).
-SMOKE = dict(steps=12, layers=3, d_model=32, ffn=128, heads=2, batch=8, seq=32, lr=3e-3, l1=2e-3,
+SMOKE = dict(steps=8, layers=3, d_model=32, ffn=128, heads=2, batch=4, seq=32, lr=5e-3, l1=5e-3,
              eval_batches=1, eval_seqs=16, bench_m="512", time_budget=0.0)
 
 

@@ -1,4 +1,10 @@
 """Shared fixtures: backends, dtype tolerances, GPU skip logic."""
+import os
+
+# JAX grabs 75% of GPU memory per process by default, which starves CuPy,
+# cuBLAS and torch in the same (or a parallel xdist) test process.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 import numpy as np
 import pytest
 

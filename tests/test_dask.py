@@ -198,7 +198,8 @@ def test_ffn_equals_single_process(client, kind):
         direct = tw.ffn.gated_forward(x, w_gate, w_up, w_down)
         per_chunk = [tw.ffn.gated_forward(x[s:s + 40], w_gate, w_up, w_down) for s in range(0, 157, 40)]
         x64 = x.astype(np.float64)
-        ref = (np.maximum(x64 @ w_gate.T.astype(np.float64), 0) * (x64 @ w_up.T.astype(np.float64))) @ w_down.T
+        hidden = np.maximum(x64 @ w_gate.T.astype(np.float64), 0) * (x64 @ w_up.T.astype(np.float64))
+        ref = hidden @ w_down.T
     else:
         y = twd.relu_forward(dx, w_up, w_down)
         direct = tw.ffn.relu_forward(x, w_up, w_down)
@@ -313,7 +314,7 @@ def test_worker_killed_mid_computation_completes(client):
     killed = _kill_a_busy_worker(client, y.name)
     got = future.result(timeout=60)
     assert killed not in client.scheduler_info()["workers"]  # the kill really happened
-    want = np.concatenate([tw.ffn.gated_forward(x[s:s + 20], w_gate, w_up, w_down) for s in range(0, 120, 20)])
+    want = by_chunks(tw.ffn.gated_forward, x, 20, w_gate, w_up, w_down)
     np.testing.assert_array_equal(got, want)
 
 

@@ -441,19 +441,41 @@ class SparseArray:
             raise TypeError(f"m must be a cupyx.scipy.sparse matrix, got {type(m).__module__}.{type(m).__name__}")
         if m.dtype not in FLOAT_DTYPES:
             raise TypeError(f"m has dtype {m.dtype}, expected a float dtype")
-        csr = m.tocsr(copy=True)
-        csr.sum_duplicates()
-        csr.eliminate_zeros()
-        if not csr.has_sorted_indices:
-            csr.sort_indices()
-        shape = check_shape(csr.shape, "m.shape")
+        shape = check_shape(m.shape, "m.shape")
         import cupy
 
-        data = cupy.ascontiguousarray(csr.data)
+        # Canonicalise with plain cupy sorts rather than cupyx's sum_duplicates /
+        # eliminate_zeros, whose cuSPARSE-based results were seen unsorted on
+        # CUDA 13. Keys are row * N + col in int64, so any shape is safe.
+        coo = m.tocoo()
+        n_cols = shape[1]
+        key = coo.row.astype(cupy.int64) * n_cols + coo.col.astype(cupy.int64)
+        data = coo.data
+        if key.size > 1 and not bool((key[1:] > key[:-1]).all()):
+            order = cupy.argsort(key)  # CUB radix sort: stable, deterministic
+            key, data = key[order], data[order]
+            if bool((key[1:] == key[:-1]).any()):
+                # Duplicates: sum them on the host so the bits never depend on
+                # atomic ordering (rare input; documented).
+                host = m.get().tocsr()
+                host.sum_duplicates()
+                hc = host.tocoo()
+                key = cupy.asarray(hc.row.astype(np.int64) * n_cols + hc.col.astype(np.int64))
+                data = cupy.asarray(hc.data)
+        keep = data != 0
+        if data.dtype.kind == "f":
+            keep |= cupy.isnan(data)
+        if not bool(keep.all()):
+            key, data = key[keep], data[keep]
+        data = cupy.ascontiguousarray(data)
         if check_finite:
             _array.check_finite(data, "m")
-        indptr = cupy.ascontiguousarray(csr.indptr.astype(np.int32))
-        indices = cupy.ascontiguousarray(csr.indices.astype(np.int32))
+        rows = key // max(n_cols, 1)
+        indices = cupy.ascontiguousarray((key - rows * n_cols).astype(np.int32))
+        counts = cupy.bincount(rows, minlength=shape[0]) if rows.size else cupy.zeros(shape[0], np.int64)
+        indptr = cupy.zeros(shape[0] + 1, np.int64)
+        indptr[1:] = cupy.cumsum(counts)
+        indptr = indptr.astype(np.int32)
         return cls._from_csr(indptr, indices, data, shape, **params)
 
     # -- the CSR hub ----------------------------------------------------------

@@ -51,7 +51,7 @@ _DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16")
 
 
 class CLIError(Exception):
-    """A user error: printed as ``twellpy: error: ...`` with exit status 2."""
+    """A user error: printed as ``twellpy <command>: error: ...``, exit status 2."""
 
 
 # --------------------------------------------------------------------- helpers
@@ -494,7 +494,7 @@ def _demo_ffn(tw, xp, M, H, D, K, dtype, args, rtol, failures):
 #: Benchmark suites that only run on a GPU: skipped, with a note, without one.
 GPU_ONLY_SUITES = ("kernels", "train")
 #: Arguments that make a GPU-first suite run its CPU workload instead.
-CPU_SUITE_ARGS = {"ffn": ["--cpu"]}
+CPU_SUITE_ARGS = {"ffn": ["--cpu"], "multi_gpu": ["--cpu"]}
 
 
 def _default_bench_dir() -> Path:
