@@ -94,13 +94,13 @@ def start_cluster(mode, n_workers, threads):
         from distributed import LocalCluster
 
         cluster = LocalCluster(n_workers=n_workers, threads_per_worker=threads, processes=True,
-                               dashboard_address=None, silence_logs=40)
+                               dashboard_address=":0", silence_logs=40)
         kind = "LocalCluster"
     elif have_dask_cuda():
         from dask_cuda import LocalCUDACluster
 
         cluster = LocalCUDACluster(CUDA_VISIBLE_DEVICES=list(range(n_workers)), n_workers=n_workers,
-                                   threads_per_worker=1, dashboard_address=None, silence_logs=40)
+                                   threads_per_worker=1, dashboard_address=":0", silence_logs=40)
         kind = "LocalCUDACluster"
     else:
         from distributed import Nanny, Scheduler, SpecCluster
@@ -108,7 +108,7 @@ def start_cluster(mode, n_workers, threads):
         workers = {i: {"cls": Nanny, "options": {"nthreads": 1, "env": {
             "CUDA_VISIBLE_DEVICES": str(i), **NVLS_ENV}}} for i in range(n_workers)}
         cluster = SpecCluster(workers=workers, scheduler={"cls": Scheduler, "options": {
-            "dashboard_address": None}}, silence_logs=40)
+            "dashboard_address": ":0"}}, silence_logs=40)
         kind = "SpecCluster+CUDA_VISIBLE_DEVICES (dask-cuda not installed)"
     client = Client(cluster)
     client.wait_for_workers(n_workers, timeout=300)
@@ -218,7 +218,6 @@ def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=
     log(f"direct: {t_direct * 1e3:.2f} ms for {batches} batch(es), rel err vs fp32 reference "
         f"{err_direct:.2e}")
     y_direct_host = xp.asnumpy(y_direct) if mode == "gpu" else y_direct
-    del ffn
 
     # ---- Dask with 1, 2, ... workers --------------------------------------------
     import dask
@@ -247,7 +246,20 @@ def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=
                     client.run(_sync_device)
                 return ys[0]
 
-            t_dask, all_times = _median_time(dask_run, reps, warmup=2)
+            # Direct and Dask runs alternate, so both see the same machine load
+            # (on a shared machine the load drifts by more than the effect measured).
+            dask_run()
+            dask_run()
+            t_direct_n, t_dask_list = [], []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                direct()
+                t_direct_n.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                dask_run()
+                t_dask_list.append(time.perf_counter() - t0)
+            t_dask, all_times = statistics.median(t_dask_list), t_dask_list
+            t_direct_here = statistics.median(t_direct_n)
             y = dask_run()
             got = y.compute()
             got_host = xp.asnumpy(got) if mode == "gpu" else got
@@ -255,10 +267,12 @@ def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=
             per_worker = client.run(lambda dask_worker: len(dask_worker.data))
             rec = {"workers": n, "chunks": chunks_n, "cluster": kind, "seconds": t_dask,
                    "all_seconds": all_times,
-                   "tokens_per_s": tokens / t_dask, "overhead_vs_direct": t_dask / t_direct - 1.0,
+                   "tokens_per_s": tokens / t_dask, "direct_seconds_interleaved": t_direct_here,
+                   "overhead_vs_direct": t_dask / t_direct_here - 1.0,
                    "rel_err_vs_direct": err, "worker_env": envs, "keys_per_worker": per_worker}
             results["dask"].append(rec)
-            log(f"dask {n} worker(s) [{kind}], {chunks_n} chunks: {t_dask * 1e3:.2f} ms, {tokens / t_dask:,.0f} tokens/s, "
+            log(f"dask {n} worker(s) [{kind}], {chunks_n} chunks: {t_dask * 1e3:.2f} ms "
+                f"(direct meanwhile {t_direct_here * 1e3:.2f} ms), {tokens / t_dask:,.0f} tokens/s, "
                 f"rel err vs direct {err:.2e}")
             del y, got, dx, x_futures, shared
         finally:
@@ -271,7 +285,11 @@ def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=
 
 
 def table(results, unit="worker"):
-    """Short text table of :func:`run` results."""
+    """Short text table of :func:`run` results.
+
+    ``overhead`` compares each Dask row with direct calls timed in alternation
+    with it (same machine load); the direct row is the first, separate timing.
+    """
     d = results["direct"]
     lines = [f"{'run':<22}{'chunks':>7}{'ms':>10}{'tokens/s':>14}{'vs 1 ' + unit:>12}{'overhead':>11}{'rel err':>11}",
              f"{'direct (no Dask)':<22}{1:>7}{d['seconds'] * 1e3:>10.2f}{d['tokens_per_s']:>14,.0f}"

@@ -61,12 +61,12 @@ def main():
         import cupy as xp
         from dask_cuda import LocalCUDACluster
 
-        cluster = LocalCUDACluster(threads_per_worker=1, dashboard_address=None)
+        cluster = LocalCUDACluster(threads_per_worker=1, dashboard_address=":0")
     else:
         xp = np
         from distributed import LocalCluster
 
-        cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
+        cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
                                silence_logs=40)
     client = Client(cluster)
     try:

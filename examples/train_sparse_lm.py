@@ -4,10 +4,12 @@ A decoder-only transformer (default 4 layers, d_model 256, gated ReLU FFN of
 1024 neurons, 4 heads, context 256, byte-level tokens) learns the Python
 reference documentation that every Python ships (``pydoc_data.topics``) plus
 the docstrings of the standard library (read with :mod:`ast`, nothing is
-imported). Every 10th document is held out for validation (about 10% of the
+imported). Every 10th block of 4 KiB is held out for validation (10% of the
 bytes).
 
-Two runs with the same seed, data order and steps:
+Two runs with the same seed, data order, learning rates and steps (the sparse
+run goes first; under ``--time-budget`` it may shorten itself, and the dense
+run then replays exactly its steps):
 
 1. **dense**: ReLU-gated FFN, L1 = 0, FFN forward/backward computed densely
    in JAX (jitted);
@@ -52,7 +54,6 @@ import ast
 import json
 import math
 import os
-import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -127,17 +128,21 @@ def parse_args(argv=None):
         ap.error(f"--d-model ({args.d_model}) must be a multiple of --heads ({args.heads})")
     if args.l1 < 0 or not math.isfinite(args.l1):
         ap.error(f"--l1 must be a finite number >= 0, got {args.l1}")
+    if args.time_budget < 0 or not math.isfinite(args.time_budget):
+        ap.error(f"--time-budget must be a finite number >= 0, got {args.time_budget}")
     if not 0 <= args.l1_warmup <= 1:
         ap.error(f"--l1-warmup must be in [0, 1], got {args.l1_warmup}")
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     bad = [r for r in runs if r not in ("dense", "sparse", "sparse-jax")]
-    if bad or not runs:
+    if bad or not runs or len(set(runs)) != len(runs):
         ap.error(f"--runs takes dense, sparse, sparse-jax; got {args.runs!r}")
     args.runs = runs
     try:
         args.bench_m = [int(m) for m in str(args.bench_m).split(",") if m.strip()]
     except ValueError:
         ap.error(f"--bench-m must be a comma list of ints, got {args.bench_m!r}")
+    if any(m < 1 for m in args.bench_m):
+        ap.error(f"--bench-m values must be >= 1, got {args.bench_m}")
     args.out = Path(args.out or os.environ.get("OUT") or "showcase_out")
     return args
 
@@ -160,6 +165,9 @@ def stdlib_docstrings():
                     docs.append(doc)
     return docs
 
+
+#: Steps after which a run with a time budget checks that it fits.
+PROBE_STEPS = 30
 
 #: Bytes per block of the train/validation split.
 SPLIT_BLOCK = 4096
@@ -254,7 +262,7 @@ def build_pieces(args, jax, jnp):
         return vjp(g_x)[0]
 
     def dense_ffn(w, z):
-        g = jnp.maximum(z @ w["w_gate"].T, 0)
+        g = jax.nn.relu(z @ w["w_gate"].T)  # gradient 0 at 0, like twellpy (jnp.maximum splits ties)
         h = g * (z @ w["w_up"].T)
         return h @ w["w_down"].T, h
 
@@ -587,8 +595,8 @@ def save_figures(ev, val_tokens, args, dirs, tag):
 def bench_inference(layers, ms, jax, jnp, on_gpu, reps):
     """twellpy.ffn.gated_forward against the dense FFN (jitted JAX) in the same dtype, at M tokens.
 
-    ``layers`` is a list of ``(layer, float32 weights, FFN inputs z)``; z is
-    repeated to M rows. Errors are against a float32 reference computed
+    ``layers`` is a list of ``(layer, float32 weights, FFN inputs z, mean
+    active neurons per token)``; z is repeated to M rows. Errors are against a float32 reference computed
     with ``precision="highest"`` from the same (rounded) inputs.
     """
     import twellpy.ffn as twffn
@@ -618,7 +626,7 @@ def bench_inference(layers, ms, jax, jnp, on_gpu, reps):
         return float(np.median(times)) * 1e3, out
 
     rows = []
-    for (layer, ffn_w32, z0), M in ((lz, M) for lz in layers for M in ms):
+    for (layer, ffn_w32, z0, active), M in ((lz, M) for lz in layers for M in ms):
         cdt = z0.dtype
         wgc, wuc, wdc = (ffn_w32[k].astype(cdt) for k in ("w_gate", "w_up", "w_down"))
         reps_needed = -(-M // z0.shape[0])
@@ -635,7 +643,8 @@ def bench_inference(layers, ms, jax, jnp, on_gpu, reps):
             r = np.asarray(ref, np.float64)
             return float(np.linalg.norm(y - r) / max(np.linalg.norm(r), 1e-300))
 
-        rows.append({"layer": layer, "M": M, "dense_ms": t_dense, "twellpy_sparse_ms": t_sparse, "twellpy_auto_ms": t_auto,
+        rows.append({"layer": layer, "M": M, "dense_ms": t_dense, "twellpy_sparse_ms": t_sparse,
+                     "twellpy_auto_ms": t_auto, "active_per_token": float(active),
                      "speedup_sparse": t_dense / t_sparse, "rel_err_dense": err(y_dense),
                      "rel_err_twellpy": err(y_sparse)})
     return rows
@@ -669,13 +678,17 @@ def _json_default(o):
     return str(o)
 
 
-def run_model(kind, args, jax, jnp, pieces, optimizer, data, res, log, max_steps=None, time_budget=None):
+def run_model(kind, args, jax, jnp, pieces, optimizer, data, res, log, schedule=None, time_budget=None):
     """Train one model; return its final parameters and a record of the run.
 
     ``kind``: ``"dense"`` (JAX FFN, L1 = 0), ``"sparse"`` (twellpy FFN, L1 on) or
     ``"sparse-jax"`` (JAX FFN with the same L1: a cross-check of twellpy).
-    ``max_steps`` stops early (the schedules still follow ``args.steps``);
-    ``time_budget`` (seconds) stops the run once its training time exceeds it.
+    ``schedule``: the ``(lr, l1_fraction)`` of every step of an earlier run,
+    replayed exactly (same steps, same learning rates). Without it the run
+    follows ``args.steps``; with a ``time_budget`` (seconds) it measures its
+    steady step time after :data:`PROBE_STEPS` steps and, if the run would
+    not fit, shortens ``args.steps`` (the schedules adapt) -- and as a last
+    guard stops once the budget is spent.
     """
     params = init_params(args, jax, jnp)
     init, update = optimizer
@@ -690,14 +703,20 @@ def run_model(kind, args, jax, jnp, pieces, optimizer, data, res, log, max_steps
 
     trackers = [FiringTracker(n_neurons=args.ffn, window=50) for _ in range(args.layers)]
     t_start = time.perf_counter()
-    steps = args.steps if max_steps is None else min(args.steps, max_steps)
+    used = []  # (lr, l1 fraction of final) of every step: what later runs replay
     log_every = max(1, args.steps // 20)
     stopped_early = False
-    for step in range(steps):
+    step = 0
+    while step < (len(schedule) if schedule is not None else args.steps):
+        steps = len(schedule) if schedule is not None else args.steps
         starts = rng.integers(0, train.size - args.seq - 1, size=args.batch)
         tokens, targets = batch_windows(train, starts, args.seq)
-        lr = lr_at(step, args)
-        l1 = l1_at(step, args, final_l1)
+        if schedule is not None:
+            lr, l1_frac = schedule[step]
+        else:
+            lr, l1_frac = lr_at(step, args), l1_at(step, args, 1.0)
+        l1 = final_l1 * l1_frac
+        used.append((lr, l1_frac))
         t0 = time.perf_counter()
         params, opt_state, loss, gnorm, stats = train_step(
             params, opt_state, pieces, update, ffn, jnp.asarray(tokens), jnp.asarray(targets), lr, l1, jnp)
@@ -707,7 +726,16 @@ def run_model(kind, args, jax, jnp, pieces, optimizer, data, res, log, max_steps
         if stats[0] is not None and step >= steps - trackers[0].window:
             for tr, s in zip(trackers, stats):
                 tr.update_counts(_host(s["neuron_counts"]), args.batch * args.seq)
-        over_budget = time_budget and time.perf_counter() - t_start > time_budget and not last
+        elapsed = time.perf_counter() - t_start
+        over_budget = bool(time_budget) and elapsed > time_budget and not last
+        if time_budget and schedule is None and step == PROBE_STEPS:
+            per_step = float(np.median(step_times[5:]))
+            fit = step + 1 + int((time_budget - elapsed) / per_step)
+            if fit < args.steps:
+                log(f"[{kind}] {per_step * 1e3:.1f} ms per step: {args.steps} steps would exceed the "
+                    f"{time_budget:.0f} s budget; training {fit} steps instead (every run)")
+                args.steps = max(fit, step + 2)
+                log_every = max(1, args.steps // 20)
         if step % log_every == 0 or last or over_budget:
             loss = float(loss)
             if not math.isfinite(loss):
@@ -726,19 +754,21 @@ def run_model(kind, args, jax, jnp, pieces, optimizer, data, res, log, max_steps
             log(f"[{kind}] step {step:5d} loss {loss:.4f} lr {lr:.2e} l1 {l1:.2e} "
                 f"{step_times[-1] * 1e3:7.1f} ms{l0s}")
             res.update(**{f"{kind}_progress": history})
+        step += 1
         if over_budget:
             stopped_early = True
-            log(f"[{kind}] time budget of {time_budget:.0f} s spent: stopping after {step + 1} of "
-                f"{args.steps} steps (the other runs stop at the same step)")
+            log(f"[{kind}] time budget of {time_budget:.0f} s spent: stopping after {step} of "
+                f"{args.steps} steps (the other runs replay the same {step} steps)")
             break
     train_s = time.perf_counter() - t_start
     steady = step_times[min(len(step_times) - 1, max(2, len(step_times) // 10)):]
     record = {"ffn_impl": ffn.name, "final_l1": final_l1, "train_seconds": train_s,
-              "steps_done": len(step_times), "stopped_early": stopped_early,
+              "steps_done": len(step_times), "stopped_early": stopped_early, "schedule": used,
               "step_ms_median": float(np.median(steady)) * 1e3,
               "step_ms_first": step_times[0] * 1e3, "history": history}
     if stats[0] is not None:
-        record["train_dead_fraction_last_steps"] = float(np.mean([tr.dead_fraction() for tr in trackers]))
+        if trackers[0].n_updates:
+            record["train_dead_fraction_last_steps"] = float(np.mean([tr.dead_fraction() for tr in trackers]))
         record["train_backup_rows_last_step"] = [int(s["n_backup_rows"]) for s in stats]
         record["train_width_last_step"] = [int(s["width"]) for s in stats]
     return params, pieces, ffn, record
@@ -792,18 +822,26 @@ def main(argv=None):
     runs = {}
     pieces = build_pieces(args, jax, jnp)
     optimizer = make_adamw(args, jax, jnp)
-    max_steps = None
+    schedule = None
     # the run whose speed is least known goes first; if it spends its time
     # budget, the others stop at the same step so the comparison stays fair
     order = sorted(args.runs, key=lambda r: r != "sparse")
     for name in order:
         params, pieces, ffn, record = run_model(name, args, jax, jnp, pieces, optimizer, data, res, log,
-                                                max_steps=max_steps, time_budget=args.time_budget)
-        max_steps = record["steps_done"]
-        ev = evaluate(params, pieces, ffn, val_batches, collect=True)
-        record["val_loss"] = ev["val_loss"]
-        record.update(analyse(ev, val_tokens, train, args))
-        runs[name] = {"params": params, "pieces": pieces, "ffn": ffn, "ev": ev}
+                                                schedule=schedule,
+                                                time_budget=args.time_budget if schedule is None else None)
+        schedule = record.pop("schedule")
+        res.update(**{name: record})  # the training record is safe before evaluation starts
+        try:
+            ev = evaluate(params, pieces, ffn, val_batches, collect=True)
+            record["val_loss"] = ev["val_loss"]
+            record.update(analyse(ev, val_tokens, train, args))
+        except Exception as exc:  # keep going: the other runs and the JSON matter more
+            record["evaluation_error"] = repr(exc)
+            res.update(**{name: record})
+            log(f"[{name}] evaluation failed: {exc!r}")
+            continue
+        runs[name] = {"params": params, "ffn": ffn, "ev": ev}
         res.update(**{name: record})
         try:
             record["figures"] = save_figures(ev, val_tokens, args, fig_dirs, name)
@@ -813,8 +851,8 @@ def main(argv=None):
         res.update(**{name: record})
         s = record["summary"]
         log(f"[{name}] val loss {ev['val_loss']:.4f}; active/token mean {s['mean_active_per_token']:.1f} "
-            f"({100 * s['mean_activity']:.2f}%), max {s['max_active_per_token']}; dead {100 * s['dead_fraction']:.1f}%;"
-            f" step {record['step_ms_median']:.1f} ms")
+            f"({100 * s['mean_activity']:.2f}%), max {s['max_active_per_token']}; "
+            f"dead {100 * s['dead_fraction']:.1f}%; step {record['step_ms_median']:.1f} ms")
 
     # inference timing on the trained sparse weights
     bench = None
@@ -822,10 +860,11 @@ def main(argv=None):
         sp = runs["sparse"]
         try:
             layers = range(1 if args.smoke else args.layers)
-            bench = bench_inference([(li, sp["params"]["ffn"][li], sp["ev"]["first_z"][li]) for li in layers],
+            per_layer = res.data["sparse"]["per_layer"]
+            bench = bench_inference([(li, sp["params"]["ffn"][li], sp["ev"]["first_z"][li], per_layer[li]["mean"])
+                                     for li in layers],
                                     args.bench_m, jax, jnp, on_gpu, reps=2 if args.smoke else 30)
-            rows = bench
-            res.update(inference=rows)
+            res.update(inference=bench)
         except Exception as exc:
             res.update(inference_error=repr(exc))
             log(f"inference timing failed: {exc!r}")

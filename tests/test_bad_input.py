@@ -226,7 +226,6 @@ import re  # noqa: E402
 import zipfile  # noqa: E402
 
 from _containers import bits_equal, host  # noqa: E402
-from twellpy._array import gpu_available  # noqa: E402
 
 
 def _x46():
@@ -239,7 +238,8 @@ def _x46():
 
 def _cont(fmt):
     cls = {"twell": tw.TwELL, "ell": tw.ELL, "hybrid": tw.Hybrid}[fmt]
-    kw = {"tile": 4, "slots": 2} if fmt == "twell" else {}
+    # parameters chosen so that no row needs a backup row (with_values needs no backup)
+    kw = {"tile": 4, "slots": 2} if fmt == "twell" else ({"width": 3} if fmt == "hybrid" else {})
     return cls.from_dense(_x46(), **kw)
 
 
@@ -257,7 +257,9 @@ class Arg:
     """An argument of an entry point: how to make it good and how to break it."""
 
     good: object                     # () -> good value
-    kind: str = "value"              # "value" (float array), "index" (int32 array), "container", "ctx"
+    kind: str = "value"              # "value" (float array), "index" (int32 array), "container", "ctx",
+    #                                  "fixed" (an operand the case never replaces)
+    optional: bool = False           # None is a valid value
     bad_ndim: object = None          # () -> value with the wrong number of dimensions
     bad_shape: object = None         # () -> value with a mismatched shape
     finite: bool = True              # NaN/Inf raise (False: IEEE semantics, tested separately)
@@ -300,28 +302,36 @@ for _fmt, _cls in (("twell", tw.TwELL), ("ell", tw.ELL), ("hybrid", tw.Hybrid)):
                        bad_shape=lambda f=_fmt: np.zeros((4, 9), np.float32))})
     ENTRIES[f"{_cls.__name__} @ W"] = Entry(
         lambda a: a["A"] @ a["W"],
-        {"A": Arg(lambda f=_fmt: _cont(f), kind="container"),
+        {"A": Arg(lambda f=_fmt: _cont(f), kind="fixed"),
          "W": Arg(lambda: np.ones((6, 3), np.float32), bad_ndim=lambda: np.ones((6, 3, 1), np.float32),
                   bad_shape=lambda: np.ones((5, 3), np.float32), finite=False)})
     ENTRIES[f"W @ {_cls.__name__}"] = Entry(
         lambda a: a["W"] @ a["A"],
-        {"A": Arg(lambda f=_fmt: _cont(f), kind="container"),
+        {"A": Arg(lambda f=_fmt: _cont(f), kind="fixed"),
          "W": Arg(lambda: np.ones((3, 4), np.float32), bad_ndim=lambda: np.ones((3, 4, 1), np.float32),
                   bad_shape=lambda: np.ones((3, 5), np.float32), finite=False)})
 
+def _twell_backup_parts():
+    """_twell_parts with row 1 moved to a dense backup row."""
+    v, i, c = _twell_parts()
+    v[1], i[1], c[1] = 0, -1, 0
+    backup = np.array([[0, 0, 0, 0, 4.0, 5.0]], np.float32)
+    return v, i, c, backup, np.array([1], np.int32)
+
+
 ENTRIES["TwELL(...)"] = Entry(
     lambda a: tw.TwELL(a["values"], a["indices"], a["counts"], shape=(2, 6), tile=4,
-                       backup=a["backup"], backup_rows=a["backup_rows"]),
-    {"values": Arg(lambda: _twell_parts()[0], bad_ndim=lambda: _twell_parts()[0][0],
+                       backup=a["backup"], backup_rows=a["backup_rows"], check="full"),
+    {"values": Arg(lambda: _twell_backup_parts()[0], bad_ndim=lambda: _twell_parts()[0][0],
                    bad_shape=lambda: np.zeros((2, 3, 2), np.float32)),
-     "indices": Arg(lambda: _twell_parts()[1], kind="index", bad_ndim=lambda: _twell_parts()[1][0],
+     "indices": Arg(lambda: _twell_backup_parts()[1], kind="index", bad_ndim=lambda: _twell_parts()[1][0],
                     bad_shape=lambda: _twell_parts()[1][:, :, :1].copy()),
-     "counts": Arg(lambda: _twell_parts()[2], kind="index", bad_ndim=lambda: _twell_parts()[2][0],
+     "counts": Arg(lambda: _twell_backup_parts()[2], kind="index", bad_ndim=lambda: _twell_parts()[2][0],
                    bad_shape=lambda: _twell_parts()[2][:, :1].copy()),
-     "backup": Arg(lambda: np.zeros((0, 6), np.float32), bad_ndim=lambda: np.zeros(6, np.float32),
-                   bad_shape=lambda: np.zeros((0, 7), np.float32)),
-     "backup_rows": Arg(lambda: np.zeros(0, np.int32), kind="index", bad_ndim=lambda: np.zeros((0, 1), np.int32),
-                        bad_shape=lambda: np.zeros(1, np.int32))})
+     "backup": Arg(lambda: _twell_backup_parts()[3], optional=True, bad_ndim=lambda: np.zeros(6, np.float32),
+                   bad_shape=lambda: np.zeros((1, 7), np.float32)),
+     "backup_rows": Arg(lambda: _twell_backup_parts()[4], kind="index", optional=True,
+                        bad_ndim=lambda: np.ones((1, 1), np.int32), bad_shape=lambda: np.array([0, 1], np.int32))})
 for _cls in (tw.ELL, tw.Hybrid):
     ENTRIES[f"{_cls.__name__}(...)"] = Entry(
         lambda a, c=_cls: c(a["values"], a["indices"], a["row_nnz"], shape=(2, 5)),
@@ -400,12 +410,15 @@ def _generated_cases():
                 if arg.bad_shape:
                     add("mismatched shape", arg.bad_shape, ValueError)
                 continue
+            if arg.kind == "fixed":
+                continue
             if arg.kind == "ctx":
                 add("wrong type", lambda: {"x": 1}, TypeError)
-                add("wrong forward", lambda g=("relu" in ename): _train_ctx(not g), ValueError)
+                add("wrong forward", lambda g=("relu" in ename): _train_ctx(g), ValueError)
                 continue
             add("wrong type", lambda: object(), TypeError)
-            add("wrong type (None)", lambda: None, TypeError)
+            if not arg.optional:
+                add("wrong type (None)", lambda: None, TypeError)
             if arg.kind == "index":
                 add("wrong dtype (int64)", lambda g=arg.good: g().astype(np.int64), TypeError)
                 add("wrong dtype (float)", lambda g=arg.good: g().astype(np.float32), TypeError)
@@ -448,3 +461,338 @@ def test_battery(entry, arg, kind, make, exc):
     msg = str(info.value)
     assert re.search(rf"(?<![A-Za-z_]){re.escape(arg)}(?![A-Za-z_])", msg), \
         f"message does not name {arg!r}: {msg}"
+
+
+# ---- parameters (non-array arguments) ----------------------------------------
+_A_TW = lambda: _cont("twell")  # noqa: E731
+PARAM_CASES = [
+    # (entry, argument, call, exception)
+    ("TwELL.from_dense", "tile", lambda: tw.TwELL.from_dense(_x46(), tile=-4), ValueError),
+    ("TwELL.from_dense", "tile", lambda: tw.TwELL.from_dense(_x46(), tile="4"), TypeError),
+    ("TwELL.from_dense", "tile", lambda: tw.TwELL.from_dense(_x46(), tile=2.5), TypeError),
+    ("TwELL.from_dense", "slots", lambda: tw.TwELL.from_dense(_x46(), slots=0), ValueError),
+    ("TwELL.from_dense", "overflow", lambda: tw.TwELL.from_dense(_x46(), overflow=None), ValueError),
+    ("TwELL.from_dense", "slots", lambda: tw.TwELL.from_dense(_x46(), tile=4, slots=1, overflow="raise"),
+     tw.TileOverflowError),
+    ("ELL.from_dense", "width", lambda: tw.ELL.from_dense(_x46(), width=-1), ValueError),
+    ("ELL.from_dense", "width", lambda: tw.ELL.from_dense(_x46(), width=2), ValueError),
+    ("ELL.from_dense", "width", lambda: tw.ELL.from_dense(_x46(), width="wide"), (TypeError, ValueError)),
+    ("Hybrid.from_dense", "width", lambda: tw.Hybrid.from_dense(_x46(), width="quantile:2"), ValueError),
+    ("Hybrid.from_dense", "width", lambda: tw.Hybrid.from_dense(_x46(), width="fixed:-1"), ValueError),
+    ("Hybrid.from_dense", "width", lambda: tw.Hybrid.from_dense(_x46(), width="bogus"), ValueError),
+    ("Hybrid.from_dense", "width", lambda: tw.Hybrid.from_dense(_x46(), width=-3), ValueError),
+    ("Hybrid.from_dense", "width", lambda: tw.Hybrid.from_dense(_x46(), width=2.5), TypeError),
+    ("astype", "dtype", lambda: _A_TW().astype("int32"), TypeError),
+    ("astype", "dtype", lambda: _A_TW().astype("nonsense"), TypeError),
+    ("asformat", "format", lambda: _A_TW().asformat("csr"), ValueError),
+    ("asformat", "bogus", lambda: _A_TW().asformat("ell", bogus=1), TypeError),
+    ("to_device", "device", lambda: _A_TW().to_device("tpu"), ValueError),
+    ("to_device", "device", lambda: _A_TW().to_device(0), TypeError),
+    ("__mul__", "scalar", lambda: _A_TW() * float("nan"), ValueError),
+    ("ops.transpose", "format", lambda: tw.ops.transpose(_A_TW(), format="coo"), ValueError),
+    ("ops.transpose", "width", lambda: tw.ops.transpose(_A_TW(), width=-1), ValueError),
+    ("ops.transpose", "format", lambda: tw.ops.transpose(_A_TW().astype("float16"), format="csr"), TypeError),
+    ("from_components", "d", lambda: tw.SparseArray.from_components([1, 2]), TypeError),
+    ("from_components", "format", lambda: tw.SparseArray.from_components({"format": "csr"}), ValueError),
+    ("from_components", "format", lambda: tw.ELL.from_components(_A_TW().components()), ValueError),
+    ("ffn.gated_forward", "mode", lambda: tw.ffn.gated_forward(*(_W()[k] for k in ("x", "w_gate", "w_up", "w_down")),
+                                                                 mode="fast"), ValueError),
+    ("ffn.gated_forward", "tile", lambda: tw.ffn.gated_forward(*(_W()[k] for k in ("x", "w_gate", "w_up", "w_down")),
+                                                                 tile=0), ValueError),
+    ("ffn.relu_forward", "slots", lambda: tw.ffn.relu_forward(_W()["x"], _W()["w_up"], _W()["w_down"], slots=-1),
+     ValueError),
+    ("ffn.gated_forward", "w_up", lambda: tw.ffn.gated_forward(_W()["x"], _W()["w_gate"],
+                                                                 _W()["w_up"].astype(np.float64), _W()["w_down"]),
+     TypeError),
+    ("ffn.gated_forward", "x", lambda: tw.ffn.gated_forward(_W()["x"].astype(np.float64), _W()["w_gate"],
+                                                              _W()["w_up"], _W()["w_down"]), TypeError),
+    ("ffn.gated_forward_train", "l1", lambda: tw.ffn.gated_forward_train(
+        _W()["x"], _W()["w_gate"], _W()["w_up"], _W()["w_down"], l1=-1.0), ValueError),
+    ("ffn.gated_forward_train", "l1", lambda: tw.ffn.gated_forward_train(
+        _W()["x"], _W()["w_gate"], _W()["w_up"], _W()["w_down"], l1="big"), TypeError),
+    ("ffn.gated_forward_train", "l1", lambda: tw.ffn.gated_forward_train(
+        _W()["x"], _W()["w_gate"], _W()["w_up"], _W()["w_down"], l1=float("inf")), ValueError),
+    ("ffn.relu_forward_train", "width", lambda: tw.ffn.relu_forward_train(
+        _W()["x"], _W()["w_up"], _W()["w_down"], width=-2), ValueError),
+    ("ffn.relu_forward_train", "width", lambda: tw.ffn.relu_forward_train(
+        _W()["x"], _W()["w_up"], _W()["w_down"], width="bogus"), ValueError),
+    ("ffn.relu_forward_train", "w_up", lambda: tw.ffn.relu_forward_train(
+        _W()["x"], _W()["w_up"].astype(np.float64), _W()["w_down"]), TypeError),
+    ("ffn.gated_backward", "dy", lambda: tw.ffn.gated_backward(_train_ctx(True), _W()["dy"].astype(np.float64)),
+     TypeError),
+    ("load", "device", lambda: _saved_then_load(device="tpu"), ValueError),
+]
+
+
+def _saved_then_load(**kw):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        p = os.path.join(d, "a.npz")
+        tw.save(p, _A_TW())
+        return tw.load(p, **kw)
+
+
+@pytest.mark.parametrize("entry,arg,call,exc", PARAM_CASES,
+                         ids=[f"{c[0]}-{c[1]}-{i}" for i, c in enumerate(PARAM_CASES)])
+def test_parameter_battery(entry, arg, call, exc):
+    with pytest.raises(exc) as info:
+        call()
+    msg = str(info.value)
+    assert re.search(rf"(?<![A-Za-z_]){re.escape(arg)}(?![A-Za-z_])", msg), \
+        f"message does not name {arg!r}: {msg}"
+
+
+# ---- non-contiguous and negative-stride inputs: same bits as contiguous ------
+def _negative_stride(a):
+    return a[::-1].copy()[::-1]
+
+
+def _fortran(a):
+    return np.asfortranarray(a)
+
+
+def _step2(a):
+    buf = np.full(a.shape[:-1] + (2 * a.shape[-1],), 7, dtype=a.dtype)
+    buf[..., ::2] = a
+    return buf[..., ::2]
+
+
+LAYOUTS = {"negative_stride": _negative_stride, "fortran": _fortran, "step2": _step2}
+
+
+def _containers_equal(A, B):
+    return A.format == B.format and all(bits_equal(getattr(A, k), getattr(B, k)) for k in A._array_names)
+
+
+def _ffn_call(gated, train):
+    def call(a):
+        if train:
+            if gated:
+                y, ctx = tw.ffn.gated_forward_train(a["x"], a["w_gate"], a["w_up"], a["w_down"], l1=1e-3)
+                return (y,) + tuple(tw.ffn.gated_backward(ctx, a["dy"]))
+            y, ctx = tw.ffn.relu_forward_train(a["x"], a["w_up"], a["w_down"], l1=1e-3)
+            return (y,) + tuple(tw.ffn.relu_backward(ctx, a["dy"]))
+        if gated:
+            return tw.ffn.gated_forward(a["x"], a["w_gate"], a["w_up"], a["w_down"])
+        return tw.ffn.relu_forward(a["x"], a["w_up"], a["w_down"])
+    return call
+
+
+_RNG = np.random.default_rng(11)
+STRIDED = {
+    # entry -> (call(arrays) -> result, arrays)
+    **{f"{c.__name__}.from_dense": (lambda a, c=c: c.from_dense(a["x"]), {"x": _x46()})
+       for c in (tw.TwELL, tw.ELL, tw.Hybrid)},
+    "TwELL(...)": (lambda a: tw.TwELL(a["values"], a["indices"], a["counts"], shape=(2, 6), tile=4,
+                                      check="full"), dict(zip(("values", "indices", "counts"), _twell_parts()))),
+    "ELL(...)": (lambda a: tw.ELL(a["values"], a["indices"], a["row_nnz"], shape=(2, 5), check="full"),
+                 dict(zip(("values", "indices", "row_nnz"), _ell_parts()))),
+    "with_values": (lambda a: _cont("twell").with_values(a["values"]),
+                    {"values": _RNG.standard_normal(_cont("twell").values.shape).astype(np.float32)}),
+    "A @ W": (lambda a: _cont("hybrid") @ a["W"], {"W": _RNG.standard_normal((6, 3)).astype(np.float32)}),
+    "W @ A": (lambda a: a["W"] @ _cont("twell"), {"W": _RNG.standard_normal((3, 4)).astype(np.float32)}),
+    "ops.spmm": (lambda a: tw.ops.spmm(_cont("ell"), a["B"]), {"B": _RNG.standard_normal((6, 3)).astype(np.float32)}),
+    "ops.spmm_t": (lambda a: tw.ops.spmm_t(_cont("twell"), a["B"]),
+                   {"B": _RNG.standard_normal((4, 3)).astype(np.float32)}),
+    "ops.sddmm": (lambda a: tw.ops.sddmm(a["X"], a["Y"], _cont("twell")),
+                  {"X": _RNG.standard_normal((4, 3)).astype(np.float32),
+                   "Y": _RNG.standard_normal((6, 3)).astype(np.float32)}),
+    "ffn.gated_forward": (_ffn_call(True, False), _W(seed=3)),
+    "ffn.relu_forward": (_ffn_call(False, False), _W(seed=4)),
+    "ffn.gated_forward_train+backward": (_ffn_call(True, True), _W(seed=5)),
+    "ffn.relu_forward_train+backward": (_ffn_call(False, True), _W(seed=6)),
+}
+
+
+def _same_result(a, b):
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(_same_result(u, v) for u, v in zip(a, b))
+    if isinstance(a, tw.SparseArray):
+        return _containers_equal(a, b)
+    return bits_equal(a, b)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("entry", list(STRIDED))
+def test_non_contiguous_inputs_work(entry, layout):
+    call, arrays = STRIDED[entry]
+    views = {k: LAYOUTS[layout](v) for k, v in arrays.items()}
+    if any(v.ndim > 1 for v in views.values()):
+        assert not all(v.flags.c_contiguous for v in views.values() if v.ndim > 1)
+    for k, v in views.items():
+        assert np.array_equal(v, arrays[k])
+    want = call({k: np.ascontiguousarray(v) for k, v in arrays.items()})
+    got = call(views)
+    assert _same_result(got, want)
+
+
+# ---- NaN/Inf semantics where they are allowed (IEEE, documented) -------------
+def test_nan_in_dense_operand_follows_ieee():
+    A = _cont("twell")  # no backup rows: only stored entries touch B
+    assert A.n_backup == 0
+    x = _x46()
+    B = np.ones((6, 2), np.float32)
+    B[5, 0] = np.nan  # column 5 is stored only in row 1
+    for y in (A @ B, tw.ops.spmm(A, B)):
+        assert np.isnan(y[1, 0]) and np.isfinite(np.delete(y[:, 0], 1)).all()
+        np.testing.assert_array_equal(y[:, 1], x.sum(1))
+
+
+def test_nan_relu_input_is_kept_and_active():
+    w = _W()
+    x = w["x"].copy()
+    x[2, 1] = np.nan
+    with pytest.raises(ValueError, match=r"x contains 1 NaN"):
+        tw.ffn.relu_forward(x, w["w_up"], w["w_down"])
+    y, h = tw.ffn.relu_forward(x, w["w_up"], w["w_down"], check_finite=False, return_activations=True)
+    assert np.isnan(y[2]).all() and np.isfinite(np.delete(y, 2, axis=0)).all()
+    hd = h.toarray()
+    assert np.isnan(hd[2]).all()  # relu(NaN) = NaN: every neuron of that token counts as active
+    y2, ctx = tw.ffn.relu_forward_train(x, w["w_up"], w["w_down"], check_finite=False)
+    assert np.isnan(y2[2]).all() and int(ctx.stats["token_counts"][2]) == w["w_up"].shape[0]
+
+
+def test_nan_kept_with_check_finite_false():
+    x = _x46()
+    x[2, 3] = np.nan
+    x[0, 5] = -np.inf
+    for cls in CLASSES:
+        A = cls.from_dense(x, check_finite=False)
+        d = A.toarray()
+        assert np.isnan(d[2, 3]) and d[0, 5] == -np.inf and A.nnz == np.count_nonzero(_x46()) + 2
+
+
+# ---- files: truncated, corrupted, foreign npz --------------------------------
+def _write_valid(path, fmt="twell"):
+    tw.save(path, _cont(fmt))
+    return path
+
+
+def _rewrite(path, **changes):
+    """Re-save the npz at ``path`` with entries replaced (value None deletes)."""
+    with np.load(path) as z:
+        d = {k: z[k] for k in z.files}
+    for k, v in changes.items():
+        if v is None:
+            d.pop(k)
+        else:
+            d[k] = v
+    with open(path, "wb") as f:
+        np.savez(f, **d)
+
+
+def _truncate(p):
+    data = open(p, "rb").read()
+    open(p, "wb").write(data[: len(data) // 2])
+
+
+def _corrupt(p):
+    data = bytearray(open(p, "rb").read())
+    start = data.find(b"\x93NUMPY")  # first member's array header
+    for i in range(start + 200, start + 260):
+        data[i] ^= 0xFF
+    open(p, "wb").write(bytes(data))
+
+
+FILE_CASES = {
+    "truncated": _truncate,
+    "corrupted bytes": _corrupt,
+    "empty file": lambda p: open(p, "wb").close(),
+    "text file": lambda p: open(p, "w").write("format,shape\ntwell,2x6\n"),
+    "foreign npz": lambda p: np.savez(open(p, "wb"), a=np.arange(3), b=np.eye(2)),
+    "newer version": lambda p: _rewrite(p, __twellpy_version__=np.int64(99)),
+    "version 0": lambda p: _rewrite(p, __twellpy_version__=np.int64(0)),
+    "unreadable version": lambda p: _rewrite(p, __twellpy_version__=np.str_("one")),
+    "unknown format": lambda p: _rewrite(p, format=np.str_("csr")),
+    "missing indices": lambda p: _rewrite(p, indices=None),
+    "missing shape": lambda p: _rewrite(p, shape=None),
+    "indices int64": lambda p: _rewrite(p, indices=np.load(p)["indices"].astype(np.int64)),
+    "unknown dtype": lambda p: _rewrite(p, dtype=np.str_("int8")),
+    "value itemsize mismatch": lambda p: _rewrite(p, dtype=np.str_("float16")),
+    "counts > slots": lambda p: _rewrite(p, counts=np.full_like(np.load(p)["counts"], 9)),
+    "index out of range": lambda p: _rewrite(p, indices=np.where(np.load(p)["indices"] >= 0, 50,
+                                                                     np.load(p)["indices"]).astype(np.int32)),
+    "shape disagrees": lambda p: _rewrite(p, shape=np.array([3, 6], np.int64)),
+    "pickled object entry": lambda p: np.savez(open(p, "wb"), __twellpy_version__=np.int64(1),
+                                               format=np.array([{"a": 1}], dtype=object)),
+}
+
+
+@pytest.mark.parametrize("case", list(FILE_CASES))
+def test_load_rejects_bad_files(tmp_path, case):
+    p = str(tmp_path / "a.npz")
+    _write_valid(p)
+    FILE_CASES[case](p)
+    with pytest.raises(ValueError) as info:
+        tw.load(p)
+    assert p in str(info.value), f"message does not name the file: {info.value}"
+    if case == "newer version":
+        assert "version 99" in str(info.value) and "upgrade" in str(info.value)
+
+
+def test_load_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        tw.load(str(tmp_path / "nope.npz"))
+
+
+def test_save_records_version_and_parameters(tmp_path):
+    p = str(tmp_path / "a.npz")
+    tw.save(p, tw.TwELL.from_dense(_x46(), tile=4, slots=2))
+    with zipfile.ZipFile(p) as z:
+        names = set(z.namelist())
+    assert {"__twellpy_version__.npy", "param_tile.npy", "format.npy", "shape.npy"} <= names
+    with np.load(p) as z:
+        assert int(z["__twellpy_version__"]) == tw.io.FORMAT_VERSION and int(z["param_tile"]) == 4
+
+
+# ---- devices (GPU) -----------------------------------------------------------
+def _to_gpu_value(v):
+    import cupy
+
+    if isinstance(v, tw.SparseArray):
+        return v.to_device("cuda")
+    return cupy.asarray(v)
+
+
+DEVICE_CASES = [(e, a) for e, entry in ENTRIES.items()
+                for a, arg in entry.args.items()
+                if arg.kind in ("value", "index", "container")
+                and sum(x.kind in ("value", "index", "container", "fixed", "ctx") for x in entry.args.values()) > 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("entry,arg", DEVICE_CASES, ids=[f"{e}-{a}" for e, a in DEVICE_CASES])
+def test_mixed_devices_battery(entry, arg):
+    """One argument on the GPU, the others on the CPU: ValueError naming a device."""
+    e = ENTRIES[entry]
+    a = _good_args(e)
+    a[arg] = _to_gpu_value(a[arg])
+    with pytest.raises(ValueError, match=r"cuda:0") as info:
+        e.call(a)
+    assert re.search(r"\bcpu\b", str(info.value))
+
+
+@pytest.mark.gpu
+def test_all_on_gpu_matches_cpu_for_every_entry():
+    """The same good calls with every argument on the GPU give the CPU answer."""
+    for name, e in ENTRIES.items():
+        if any(x.kind == "ctx" for x in e.args.values()) or name == "save":
+            continue
+        a = _good_args(e)
+        want = e.call(a)
+        got = e.call({k: _to_gpu_value(v) for k, v in a.items()})
+        if isinstance(want, tw.SparseArray):
+            want, got = want.toarray(), got.toarray()
+        np.testing.assert_allclose(host(got).astype(np.float64), host(want).astype(np.float64),
+                                   rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_counts():
+    """Coverage is visible: the battery is at least as large as its design says."""
+    n_contradiction = 8 + 2 * 5 + 1 + 9  # test_twell_full_check, test_ell_full_check, hybrid, backup args
+    total = len(CASES) + len(PARAM_CASES) + len(STRIDED) * len(LAYOUTS) + len(FILE_CASES) + n_contradiction
+    print(f"bad-input battery: {len(ENTRIES)} entry points, {len(CASES)} generated array cases, "
+          f"{len(PARAM_CASES)} parameter cases, {len(STRIDED) * len(LAYOUTS)} layout cases, "
+          f"{len(FILE_CASES)} file cases, {n_contradiction} component contradictions; total {total}")
+    assert len(ENTRIES) >= 25 and len(CASES) >= 250 and total >= 400

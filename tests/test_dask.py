@@ -92,7 +92,7 @@ def client():
 
     _warm_numba_cache()
     cluster = LocalCluster(n_workers=2, processes=True, threads_per_worker=1,
-                           dashboard_address=None, silence_logs=40)
+                           dashboard_address=":0", silence_logs=40)
     c = Client(cluster)
     try:
         yield c

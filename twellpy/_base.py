@@ -175,7 +175,10 @@ def backup_parts(xp, values_dtype, n_rows, n_cols, backup, backup_rows, row_map=
     else:
         backup_rows = check_index_array(backup_rows, "backup_rows", 1)
         r = backup_rows.shape[0]
-        backup = check_value_array(backup, "backup", 2, shape=(r, n_cols), dtype=values_dtype)
+        backup = check_value_array(backup, "backup", 2, dtype=values_dtype)
+        if tuple(backup.shape) != (r, n_cols):
+            raise ValueError(f"backup has shape {tuple(backup.shape)}, expected {(r, n_cols)}: one row "
+                             f"of length N = {n_cols} per backup_rows entry ({r})")
         if r:
             br = _as_host(backup_rows)
             if br.min() < 0 or br.max() >= n_rows:

@@ -226,9 +226,9 @@ def _prep(arr, name, ndim):
     return contiguous(a, name), kind
 
 
-def _check_shape(a, name, want):
+def _check_shape(a, name, want, why=""):
     if tuple(a.shape) != tuple(want):
-        raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {tuple(want)}")
+        raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {tuple(want)}{why}")
 
 
 def _check_l1(l1):
@@ -273,10 +273,11 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
         w_gate = None
     M, D = x.shape
     H = w_up.shape[0]
-    _check_shape(w_up, "w_up", (H, D))
+    # name the argument each dimension came from, so a mismatch names both sides
+    _check_shape(w_up, "w_up", (H, D), f" (D = {D} from x of shape {tuple(x.shape)})")
     if gated:
-        _check_shape(w_gate, "w_gate", (H, D))
-    _check_shape(w_down, "w_down", (D, H))
+        _check_shape(w_gate, "w_gate", (H, D), " (the shape of w_up)")
+    _check_shape(w_down, "w_down", (D, H), f" (nn.Linear layout (D, H) for w_up of shape {(H, D)})")
     l1 = _check_l1(l1)
     be = backends.get(x, "train")
     if check_finite:

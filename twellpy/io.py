@@ -112,6 +112,8 @@ def load(path, *, device="cpu"):
             else:
                 d[k] = v
         A = SparseArray.from_components(d, check="full", check_finite=False)
+    except KeyError as e:  # a required entry (shape, format, dtype, an array) is absent
+        raise ValueError(f"{p} holds an invalid twellpy container: missing entry {e.args[0]!r}") from None
     except (ValueError, TypeError) as e:
         raise ValueError(f"{p} holds an invalid twellpy container: {e}") from None
     return A.to_device(device)
