@@ -322,7 +322,7 @@ __global__ void __launch_bounds__(32 * TW_WARPS)
 twellpy_train_bwd(const T* __restrict__ dy, const T* __restrict__ w_downT, const T* __restrict__ w_a,
                   const T* __restrict__ w_b, const int* __restrict__ idx, const int* __restrict__ nnz,
                   const T* __restrict__ gval, const T* __restrict__ uval, T* __restrict__ da,
-                  T* __restrict__ db, T* __restrict__ dx, long long M, int W, int D, float l1s, int vec) {
+                  T* __restrict__ db, T* __restrict__ dx, long long M, int W, int D, double l1s, int vec) {
     typedef typename accum<T>::type A;
     const int lane = threadIdx.x & 31;
     const long long r = (long long)blockIdx.x * TW_WARPS + (threadIdx.x >> 5);

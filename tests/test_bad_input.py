@@ -227,6 +227,13 @@ import zipfile  # noqa: E402
 
 from _containers import bits_equal, host  # noqa: E402
 
+def rmatmul(w, A):
+    """``w @ A``; cupy operands call ``A.__rmatmul__`` directly, because whether
+    ``cupy.ndarray.__matmul__`` defers to a foreign ``__rmatmul__`` depends on the
+    CuPy version (the operator form on cupy is tested once, in test_gpu_reliability)."""
+    return w @ A if isinstance(w, np.ndarray) else A.__rmatmul__(w)
+
+
 
 def _x46():
     x = np.zeros((4, 6), np.float32)
@@ -306,7 +313,7 @@ for _fmt, _cls in (("twell", tw.TwELL), ("ell", tw.ELL), ("hybrid", tw.Hybrid)):
          "W": Arg(lambda: np.ones((6, 3), np.float32), bad_ndim=lambda: np.ones((6, 3, 1), np.float32),
                   bad_shape=lambda: np.ones((5, 3), np.float32), finite=False)})
     ENTRIES[f"W @ {_cls.__name__}"] = Entry(
-        lambda a: a["W"] @ a["A"],
+        lambda a: rmatmul(a["W"], a["A"]),
         {"A": Arg(lambda f=_fmt: _cont(f), kind="fixed"),
          "W": Arg(lambda: np.ones((3, 4), np.float32), bad_ndim=lambda: np.ones((3, 4, 1), np.float32),
                   bad_shape=lambda: np.ones((3, 5), np.float32), finite=False)})
@@ -776,16 +783,20 @@ def test_mixed_devices_battery(entry, arg):
 @pytest.mark.gpu
 def test_all_on_gpu_matches_cpu_for_every_entry():
     """The same good calls with every argument on the GPU give the CPU answer."""
+    from conftest import rel_err
+
     for name, e in ENTRIES.items():
-        if any(x.kind == "ctx" for x in e.args.values()) or name == "save":
+        # with_values calls build their container on the CPU; ctx/save have no GPU twin here
+        if any(x.kind == "ctx" for x in e.args.values()) or name == "save" or "with_values" in name:
             continue
         a = _good_args(e)
         want = e.call(a)
         got = e.call({k: _to_gpu_value(v) for k, v in a.items()})
+        if isinstance(want, tuple):  # forward_train: (y, ctx)
+            want, got = want[0], got[0]
         if isinstance(want, tw.SparseArray):
             want, got = want.toarray(), got.toarray()
-        np.testing.assert_allclose(host(got).astype(np.float64), host(want).astype(np.float64),
-                                   rtol=1e-5, atol=1e-6, err_msg=name)
+        assert rel_err(got, want) <= 1e-5, name
 
 
 def test_counts():

@@ -148,13 +148,20 @@ def test_gpu_arrays_eager_and_jit():
     if not gpus:
         pytest.skip("this jax install has no GPU backend")
     x, wg, wu, wd, dy = [jax.device_put(a, gpus[0]) for a in _problem((50,), 64, 256, dtype=np.float32)]
-    ref = jax.grad(lambda *a: (lambda y, p: jnp.vdot(y, dy) + p)(*_ref_gated(1e-3)(*a)),
-                   argnums=(0, 1, 2, 3))(x, wg, wu, wd)
+    # On GPUs jax's default float32 matmul precision is TF32 (~1e-3 relative);
+    # the reference must use true float32 products.
+    with jax.default_matmul_precision("highest"):
+        ref = _gpu_ref_grads(x, wg, wu, wd, dy)
     for fn in (lambda g: g, jax.jit):
         got = fn(jax.grad(lambda *a: jnp.vdot(twj.gated_ffn(*a, l1=1e-3), dy), argnums=(0, 1, 2, 3)))(
             x, wg, wu, wd)
         for a, b in zip(got, ref):
             assert _rel(a, b) < 1e-4
+
+
+def _gpu_ref_grads(x, wg, wu, wd, dy):
+    return jax.grad(lambda *a: (lambda y, p: jnp.vdot(y, dy) + p)(*_ref_gated(1e-3)(*a)),
+                    argnums=(0, 1, 2, 3))(x, wg, wu, wd)
 
 
 def test_vmap_runs_one_call_per_element(x64):

@@ -167,7 +167,7 @@ def ffn_backward_ell(dy, w_downT, w_up, w_gate, idx, nnz, gval, uval, l1_scale, 
         g, b = _rows_grid(M)
         _k("bwd", dy.dtype, gated)(g, b, (dy, w_downT, w_up, w_gate if gated else w_up, idx, nnz,
                                           gval, uval if gated else gval, da, db if gated else da, dx,
-                                          _i64(M), _i32(W), _i32(D), np.float32(l1_scale), _i32(vec)))
+                                          _i64(M), _i32(W), _i32(D), np.float64(l1_scale), _i32(vec)))
     return dx
 
 

@@ -1,0 +1,262 @@
+"""GPU reliability: out-of-memory, adversarial sparsity and poisoned outputs.
+
+Every test carries the ``gpu`` marker (skipped without a GPU).
+
+* Out of memory: requests far beyond the 141 GB of an H200 raise a clear
+  error (CuPy's ``OutOfMemoryError`` naming the bytes, a ``MemoryError``, or
+  a ``ValueError`` from an up-front size check) and leave every existing
+  container intact (SHA-256 checksums of all component arrays before and
+  after) and the device usable.
+* Tiles over capacity and hot rows: exact on the GPU, bit-equal to the CPU.
+* Poisoned outputs: every backend allocation starts as NaN/garbage (the
+  ``cuda._alloc`` hook and a NaN-filled memory pool), so an output element
+  that a kernel forgets to write cannot pass.
+"""
+import hashlib
+import os
+
+import numpy as np
+import pytest
+
+import twellpy as tw
+from _containers import bits_equal, host
+from _train_ref import dense_gated, f64, to_gpu
+from conftest import rel_err
+from makers import MAKERS
+from twellpy._array import bfloat16
+
+pytestmark = pytest.mark.gpu
+#: set by benchmarks/device_suite.sh for the compute-sanitizer runs: smaller sizes
+SANITIZE = bool(os.environ.get("TWELLPY_SANITIZE"))
+
+FORMATS = {
+    "twell": (tw.TwELL, {}),
+    "twell_t64_s4": (tw.TwELL, {"tile": 64, "slots": 4}),
+    "twell_t1_s1": (tw.TwELL, {"tile": 1, "slots": 1}),
+    "ell": (tw.ELL, {}),
+    "hybrid": (tw.Hybrid, {}),
+    "hybrid_w2": (tw.Hybrid, {"width": 2}),
+}
+
+
+def _cp():
+    import cupy
+
+    return cupy
+
+
+def poison_pool(n_bytes=1 << 29):
+    """Fill free memory-pool blocks with 0xFF bytes (NaN for every float dtype)."""
+    cp = _cp()
+    blocks = []
+    for size in (n_bytes, n_bytes // 8, 1 << 20, 1 << 16, 4096, 512):
+        a = cp.empty(size, dtype=cp.uint8)
+        a.fill(0xFF)
+        blocks.append(a)
+    cp.cuda.Device().synchronize()
+    del blocks  # the blocks go back to the pool, still full of NaN bytes
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Every array the container backend allocates starts as garbage, and so does the pool."""
+    from twellpy.backends import cuda
+
+    real = cuda._alloc
+
+    def poisoned(shape, dtype):
+        a = real(shape, dtype)
+        if a.nbytes:
+            a.data.memset_async(0xFF if np.dtype(dtype).kind == "f" or np.dtype(dtype) == bfloat16 else 0x7B,
+                                a.nbytes)
+        return a
+
+    monkeypatch.setattr(cuda, "_alloc", poisoned)
+    poison_pool()
+
+
+def checksum(A):
+    """SHA-256 over every component array of a container (host copies of the bytes)."""
+    h = hashlib.sha256()
+    for k in A._array_names:
+        a = getattr(A, k)
+        if a is not None:
+            a = host(a.view(np.uint16) if a.dtype.itemsize == 2 and a.dtype.kind != "i" else a)
+            h.update(k.encode() + str(a.shape).encode() + np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def _existing_containers():
+    rng = np.random.default_rng(1)
+    x = MAKERS["over_capacity"](rng).astype(np.float32)
+    hot = MAKERS["one_hot_row"](rng).astype(bfloat16)
+    return [tw.TwELL.from_dense(to_gpu(x)), tw.Hybrid.from_dense(to_gpu(hot)), tw.ELL.from_dense(to_gpu(x))]
+
+
+def _oom_types():
+    cp = _cp()
+    return (cp.cuda.memory.OutOfMemoryError, MemoryError, ValueError)
+
+
+OOM_REQUESTS = {
+    # ~384 GiB of slots for a 2 MiB input
+    "TwELL.from_dense huge slots": lambda cp: tw.TwELL.from_dense(cp.ones((1024, 1024), cp.float16), tile=1,
+                                                                   slots=1 << 16),
+    # a (2**20, 2**17) float32 result: 512 GiB
+    "A @ W huge result": lambda cp: tw.ELL.from_dense(cp.ones((1 << 20, 8), cp.float32)) @ cp.ones((8, 1 << 17),
+                                                                                                     cp.float32),
+    # dense backup rows of a huge-N Hybrid: 2**14 rows x 2**24 columns of float64 = 2 TiB
+    "Hybrid.from_cupyx huge backup": lambda cp: tw.Hybrid.from_cupyx(
+        __import__("cupyx.scipy.sparse", fromlist=["random"]).random(
+            1 << 14, 1 << 24, density=4e-6, format="csr", dtype=cp.float64, random_state=0), width=0),
+    # every neuron of 2**21 tokens fires: the saved pattern alone needs 2**36 entries
+    "ffn.gated_forward_train huge": lambda cp: tw.ffn.gated_forward_train(
+        cp.ones((1 << 21, 16), cp.float32), cp.ones((1 << 15, 16), cp.float32), cp.ones((1 << 15, 16), cp.float32),
+        cp.ones((16, 1 << 15), cp.float32)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(SANITIZE, reason="allocation failures are API errors under compute-sanitizer")
+@pytest.mark.parametrize("request_name", list(OOM_REQUESTS))
+def test_out_of_memory_is_clear_and_harmless(request_name):
+    cp = _cp()
+    existing = _existing_containers()
+    before = [checksum(A) for A in existing]
+    dense_before = [host(A.toarray()).copy() for A in existing]
+    with pytest.raises(_oom_types()) as info:
+        OOM_REQUESTS[request_name](cp)
+    msg = str(info.value)
+    assert any(w in msg.lower() for w in ("memory", "bytes", "int32", "exceeds", "too large")), msg
+    cp.get_default_memory_pool().free_all_blocks()
+    # every existing container is bit-for-bit unchanged and still works
+    assert [checksum(A) for A in existing] == before
+    for A, d in zip(existing, dense_before):
+        assert bits_equal(host(A.toarray()), d)
+        A.check_format(full_check=True)
+        w = to_gpu(np.ones((A.shape[1], 3), dtype=A.dtype))
+        ref = d.astype(np.float64) @ np.ones((A.shape[1], 3))
+        assert rel_err(f64(A @ w), ref) < 2e-2
+    # and the device still runs fresh work
+    B = tw.TwELL.from_dense(cp.eye(300, dtype=cp.float32))
+    assert bits_equal(host(B.toarray()), np.eye(300, dtype=np.float32))
+
+
+def _hot_matrix(rng, m=None, n=70001):
+    """Ordinary rows, one row holding every column, and rows over capacity in one tile."""
+    from scipy import sparse as sp
+
+    m = m or (300 if SANITIZE else 3000)
+    a = sp.random(m, n, density=20 / n, format="lil", random_state=np.random.default_rng(0), dtype=np.float64)
+    a[17, :] = rng.uniform(0.5, 2.0, n)               # one row with everything (n > 65535)
+    for r in (5, m // 3, m - 1):
+        a[r, 256:256 + 200] = rng.uniform(0.5, 2.0, 200)  # tile over capacity
+    a = a.tocsr()
+    a.data = np.where(a.data == 0, 1.0, a.data)
+    return a
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_tiles_over_capacity_and_hot_rows(fmt, dtype):
+    cls, params = FORMATS[fmt]
+    rng = np.random.default_rng(2)
+    m_csr = _hot_matrix(rng)
+    x = m_csr.toarray().astype(dtype)
+    A_gpu = cls.from_dense(to_gpu(x), **params)
+    A_cpu = cls.from_dense(x, **params)
+    for k in A_cpu._array_names:  # construction on the GPU gives the CPU bits
+        assert bits_equal(getattr(A_gpu, k), getattr(A_cpu, k)), k
+    assert bits_equal(host(A_gpu.toarray()), x)
+    A_gpu.check_format(full_check=True)
+    B = cls.from_scipy(m_csr, dtype=dtype, **params).to_device("cuda")
+    assert bits_equal(host(B.toarray()), x)
+    W = rng.standard_normal((x.shape[1], 4)).astype(dtype)
+    ref = x.astype(np.float64) @ W.astype(np.float64)
+    tol = 2e-2 if dtype == bfloat16 else 1e-5
+    assert rel_err(f64(A_gpu @ to_gpu(W)), ref) <= tol
+    assert rel_err(f64(tw.ops.spmm(A_gpu, to_gpu(W))), ref) <= tol
+    G = rng.standard_normal((x.shape[0], 3)).astype(dtype)
+    assert rel_err(f64(tw.ops.spmm_t(A_gpu, to_gpu(G))), x.astype(np.float64).T @ G.astype(np.float64)) <= tol
+    T = A_gpu.T
+    assert bits_equal(host(T.toarray()), np.ascontiguousarray(x.T))
+    T2 = tw.ops.transpose(A_gpu)
+    assert bits_equal(host(T2.toarray()), np.ascontiguousarray(x.T))
+
+
+@pytest.mark.parametrize("maker", list(MAKERS))
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_poisoned_outputs_every_maker(fmt, maker):
+    cls, params = FORMATS[fmt]
+    x = MAKERS[maker](np.random.default_rng(4)).astype(np.float32)
+    A = cls.from_dense(to_gpu(x), **params)
+    assert bits_equal(host(A.toarray()), x)
+    A.check_format(full_check=True)
+    assert bits_equal(host(A.T.toarray()), np.ascontiguousarray(x.T))
+    for fmt2, (cls2, p2) in FORMATS.items():
+        if cls2 is tw.ELL and maker == "wide":
+            continue
+        assert bits_equal(host(A.asformat(cls2.format, **p2).toarray()), x), fmt2
+    W = np.random.default_rng(5).standard_normal((x.shape[1], 3)).astype(np.float32)
+    y = f64(A @ to_gpu(W))
+    assert np.isfinite(y).all() and rel_err(y, x.astype(np.float64) @ W.astype(np.float64)) <= 1e-5
+    V = np.random.default_rng(6).standard_normal((2, x.shape[0])).astype(np.float32)
+    z = f64(A.__rmatmul__(to_gpu(V)))
+    assert np.isfinite(z).all() and rel_err(z, V.astype(np.float64) @ x.astype(np.float64)) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
+def test_poisoned_pool_ffn_and_training(dtype):
+    rng = np.random.default_rng(7)
+    m, d, h = 700, 64, 512
+    x = rng.standard_normal((m, d))
+    x[:, 0] = 1.0
+    x[::50, 0] = -8.0  # hot tokens: almost every neuron fires
+    wg = rng.standard_normal((h, d)) / 8
+    wg[:, 0] = -1.2
+    wu = rng.standard_normal((h, d)) / 8
+    wd = rng.standard_normal((d, h)) / 22
+    dy = rng.standard_normal((m, d))
+    arrs = [a.astype(dtype) for a in (x, wg, wu, wd, dy)]
+    g = [to_gpu(a) for a in arrs]
+    ref = dense_gated(*arrs, 1e-3)
+    tol = 3e-2 if dtype == bfloat16 else 1e-4
+    for mode in ("sparse", "dense", "auto"):
+        poison_pool()
+        y, hh = tw.ffn.gated_forward(*g[:4], mode=mode, return_activations=True, slots=16, tile=128)
+        assert np.isfinite(f64(y)).all() and rel_err(f64(y), ref["y"]) <= tol, mode
+        hh.check_format(full_check=True)
+    poison_pool()
+    y, ctx = tw.ffn.gated_forward_train(*g[:4], l1=1e-3)
+    poison_pool()
+    grads = tw.ffn.gated_backward(ctx, g[4])
+    assert rel_err(f64(y), ref["y"]) <= tol
+    for name, got in zip(("dx", "dw_gate", "dw_up", "dw_down"), grads):
+        assert np.isfinite(f64(got)).all() and rel_err(f64(got), ref[name]) <= tol, name
+
+
+def test_nan_semantics_match_cpu():
+    """check_finite=False: NaN kept in construction and propagated as on the CPU."""
+    x = MAKERS["zero_rows"](np.random.default_rng(8)).astype(np.float32)
+    x[1, 3] = np.nan
+    x[3, 7] = np.inf
+    for cls, params in FORMATS.values():
+        A = cls.from_dense(to_gpu(x), check_finite=False, **params)
+        C = cls.from_dense(x, check_finite=False, **params)
+        assert bits_equal(host(A.toarray()), host(C.toarray()))
+        with pytest.raises(ValueError, match=r"x contains 1 NaN and 1 Inf"):
+            cls.from_dense(to_gpu(x), **params)
+
+
+def test_cupy_operands_on_both_sides_of_at():
+    """``cupy_W @ A`` and ``A @ cupy_W`` with the operators themselves."""
+    cp = _cp()
+    x = MAKERS["ragged_n"](np.random.default_rng(9)).astype(np.float32)
+    A = tw.TwELL.from_dense(to_gpu(x))
+    W = np.random.default_rng(10).standard_normal((3, x.shape[0])).astype(np.float32)
+    z = cp.asarray(W) @ A
+    assert isinstance(z, cp.ndarray)
+    assert rel_err(f64(z), W.astype(np.float64) @ x.astype(np.float64)) <= 1e-5
+    y = A @ cp.ones((x.shape[1], 2), cp.float32)
+    want = np.repeat(x.astype(np.float64).sum(1, keepdims=True), 2, axis=1)
+    assert isinstance(y, cp.ndarray) and rel_err(f64(y), want) <= 1e-5
