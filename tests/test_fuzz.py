@@ -170,13 +170,17 @@ def make_pattern(kind, m, n, rng):
 @st.composite
 def matrices(draw, max_m=40, max_n=600, allow_wide=True):
     """(x float64 dense, dtype, pattern name): random shape, dtype and structure."""
-    wide = allow_wide and draw(st.integers(0, 11)) == 0
+    # Hypothesis favours boundary values, so the rare shapes are picked from a
+    # sampled list at fixed rates: wide N ~1/6, M in {0, 1} ~1/3, N = 1 ~1/6
+    wide = allow_wide and draw(st.sampled_from([False] * 5 + [True]))
     if wide:
         m = draw(st.integers(0, 3))
         n = draw(st.integers(65536, 70001))
     else:
-        m = draw(st.one_of(st.sampled_from([0, 1]), st.integers(0, max_m)))
-        n = draw(st.one_of(st.just(1), st.integers(1, max_n)))
+        m = draw(st.sampled_from([0, 1, None, None, None, None]))
+        m = draw(st.integers(2, max_m)) if m is None else m
+        n = draw(st.sampled_from([1, None, None, None, None, None]))
+        n = draw(st.integers(2, max_n)) if n is None else n
     kind = draw(st.sampled_from(PATTERNS))
     dtype = draw(st.sampled_from(DTYPES))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
@@ -448,9 +452,11 @@ def test_ops_transpose_and_multiply(backend, data, fmt, width, s):
 
 @st.composite
 def ffn_problems(draw, max_m=70):
-    m = draw(st.one_of(st.sampled_from([0, 1]), st.integers(0, max_m)))
+    m = draw(st.sampled_from([0, 1, None, None, None, None]))
+    m = draw(st.integers(2, max_m)) if m is None else m
     d = draw(st.integers(1, 24))
-    h = draw(st.one_of(st.just(1), st.integers(1, 300)))
+    h = draw(st.sampled_from([1, None, None, None, None]))
+    h = draw(st.integers(2, 300)) if h is None else h
     dtype = draw(st.sampled_from(DTYPES))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     # gate bias column: most neurons silent, some tokens fire many (hot rows)
