@@ -225,7 +225,7 @@ import os  # noqa: E402
 import re  # noqa: E402
 import zipfile  # noqa: E402
 
-from _containers import bits_equal, host  # noqa: E402
+from _reliability_util import bits_equal, host  # noqa: E402
 
 def rmatmul(w, A):
     """``w @ A``; cupy operands call ``A.__rmatmul__`` directly, because whether
@@ -807,3 +807,13 @@ def test_counts():
           f"{len(PARAM_CASES)} parameter cases, {len(STRIDED) * len(LAYOUTS)} layout cases, "
           f"{len(FILE_CASES)} file cases, {n_contradiction} component contradictions; total {total}")
     assert len(ENTRIES) >= 25 and len(CASES) >= 250 and total >= 400
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device", ["cuda:99", "cuda:-1", "cuda:x", "gpu"])
+def test_to_device_nonexistent_gpu(device):
+    A = _cont("twell")
+    with pytest.raises(ValueError, match=r"device"):
+        A.to_device(device)
+    with pytest.raises(ValueError, match=r"device"):
+        _saved_then_load(device=device)

@@ -22,13 +22,15 @@ import numpy as np
 import pytest
 
 import twellpy as tw
-from _containers import bits_equal, host
+from _reliability_util import bits_equal, host
 from _train_ref import to_gpu
 from makers import MAKERS
 from twellpy._array import bfloat16
 
-N_THREADS = 8
-REPEATS = 3
+#: compute-sanitizer runs (TWELLPY_SANITIZE) are much slower: fewer threads and repeats there
+SANITIZE = bool(os.environ.get("TWELLPY_SANITIZE"))
+N_THREADS = 4 if SANITIZE else 8
+REPEATS = 1 if SANITIZE else 3
 
 
 def _same(a, b):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import twellpy as tw
-from _containers import bits_equal, host
+from _reliability_util import bits_equal, host, poison_cuda_allocations
 from _train_ref import dense_gated, f64, to_gpu
 from conftest import rel_err
 from makers import MAKERS
@@ -60,18 +60,7 @@ def poison_pool(n_bytes=1 << 29):
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
     """Every array the container backend allocates starts as garbage, and so does the pool."""
-    from twellpy.backends import cuda
-
-    real = cuda._alloc
-
-    def poisoned(shape, dtype):
-        a = real(shape, dtype)
-        if a.nbytes:
-            a.data.memset_async(0xFF if np.dtype(dtype).kind == "f" or np.dtype(dtype) == bfloat16 else 0x7B,
-                                a.nbytes)
-        return a
-
-    monkeypatch.setattr(cuda, "_alloc", poisoned)
+    poison_cuda_allocations(monkeypatch)
     poison_pool()
 
 
@@ -81,8 +70,8 @@ def checksum(A):
     for k in A._array_names:
         a = getattr(A, k)
         if a is not None:
-            a = host(a.view(np.uint16) if a.dtype.itemsize == 2 and a.dtype.kind != "i" else a)
-            h.update(k.encode() + str(a.shape).encode() + np.ascontiguousarray(a).tobytes())
+            a = np.ascontiguousarray(host(a))
+            h.update(k.encode() + str(a.shape).encode() + str(a.dtype).encode() + a.tobytes())
     return h.hexdigest()
 
 
@@ -98,6 +87,15 @@ def _oom_types():
     return (cp.cuda.memory.OutOfMemoryError, MemoryError, ValueError)
 
 
+def _one_per_row_csr(cp, m, n):
+    """cupyx CSR (m, n) with one non-zero per row (small itself; its dense rows are not)."""
+    import cupyx.scipy.sparse as csp
+
+    indptr = cp.arange(m + 1, dtype=cp.int32)
+    indices = (cp.arange(m, dtype=cp.int64) * 997 % n).astype(cp.int32)
+    return csp.csr_matrix((cp.ones(m, cp.float64), indices, indptr), shape=(m, n))
+
+
 OOM_REQUESTS = {
     # ~384 GiB of slots for a 2 MiB input
     "TwELL.from_dense huge slots": lambda cp: tw.TwELL.from_dense(cp.ones((1024, 1024), cp.float16), tile=1,
@@ -106,9 +104,8 @@ OOM_REQUESTS = {
     "A @ W huge result": lambda cp: tw.ELL.from_dense(cp.ones((1 << 20, 8), cp.float32)) @ cp.ones((8, 1 << 17),
                                                                                                      cp.float32),
     # dense backup rows of a huge-N Hybrid: 2**14 rows x 2**24 columns of float64 = 2 TiB
-    "Hybrid.from_cupyx huge backup": lambda cp: tw.Hybrid.from_cupyx(
-        __import__("cupyx.scipy.sparse", fromlist=["random"]).random(
-            1 << 14, 1 << 24, density=4e-6, format="csr", dtype=cp.float64, random_state=0), width=0),
+    "Hybrid.from_cupyx huge backup": lambda cp: tw.Hybrid.from_cupyx(_one_per_row_csr(cp, 1 << 14, 1 << 24),
+                                                                      width=0),
     # every neuron of 2**21 tokens fires: the saved pattern alone needs 2**36 entries
     "ffn.gated_forward_train huge": lambda cp: tw.ffn.gated_forward_train(
         cp.ones((1 << 21, 16), cp.float32), cp.ones((1 << 15, 16), cp.float32), cp.ones((1 << 15, 16), cp.float32),

@@ -838,6 +838,10 @@ class SparseArray:
                     dev_id = int(device.split(":", 1)[1])
                 except ValueError:
                     raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+            n_dev = cp.cuda.runtime.getDeviceCount()
+            if not 0 <= dev_id < n_dev:  # cupy would raise a bare CUDARuntimeError
+                raise ValueError(f"device {device!r} does not exist: this machine has {n_dev} CUDA "
+                                 f"device(s), cuda:0 to cuda:{n_dev - 1}")
             if self.device == f"cuda:{dev_id}":
                 return self
 
