@@ -258,8 +258,23 @@ def same_device(pairs):
 
 
 def result_dtype(*dtypes):
-    """Promoted float dtype (bfloat16 aware)."""
-    return np.result_type(*dtypes)
+    """Promoted float dtype, bfloat16 aware and independent of numpy/ml_dtypes versions.
+
+    Mixed 16-bit types (float16 with bfloat16) promote to float32: some
+    numpy/ml_dtypes releases refuse that pair outright.
+    """
+    dts = [np.dtype(d) for d in dtypes]
+    if bfloat16 in dts:
+        others = {d for d in dts if d != bfloat16}
+        if not others:
+            return bfloat16
+        if others == {np.dtype(np.float16)}:
+            return np.dtype(np.float32)
+        dts = [np.dtype(np.float32) if d in (bfloat16, np.dtype(np.float16)) else d for d in dts]
+    try:
+        return np.result_type(*dts)
+    except TypeError:
+        return np.dtype(np.float32)
 
 
 def accum_dtype(dtype):

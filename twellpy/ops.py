@@ -40,7 +40,7 @@ def _dense(B, name, ndim_ok=(2,)):
 
 
 def _promote(*dtypes):
-    dt = np.result_type(*dtypes)
+    dt = _array.result_dtype(*dtypes)
     if dt not in _array.FLOAT_DTYPES:  # e.g. float16 + bfloat16 -> promote to float32
         dt = np.dtype(np.float32)
     return dt
