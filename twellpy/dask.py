@@ -36,7 +36,7 @@ container holding all rows.
 Weights are broadcast once per worker
 -------------------------------------
 With a ``distributed.Client`` active, :func:`share` scatters an array to every
-worker (``client.scatter(..., broadcast=True, hash=True)``) and the chunk tasks
+worker (``client.scatter(..., broadcast=True, hash=False)``) and the chunk tasks
 refer to that one future. Without a client the array becomes a single graph
 key on which every chunk task depends. Either way no chunk task carries its
 own copy of the weights. Share weights once with :func:`share` and pass the
@@ -303,8 +303,11 @@ class SharedArray:
         ``"numpy"`` or ``"cupy"``: where the array lives on the workers.
     """
 
-    def __init__(self, ref, shape, dtype, array_type):
+    def __init__(self, ref, shape, dtype, array_type, token=None):
         self.ref = ref
+        #: Content token used to name outputs deterministically (the scatter key
+        #: itself is unique per share() call).
+        self.token = token if token is not None else getattr(ref, "key", None)
         self.shape = tuple(int(s) for s in shape)
         self.dtype = np.dtype(dtype)
         self.array_type = array_type
@@ -346,8 +349,10 @@ def share(array, name="array", *, client=None, broadcast=True):
     Returns
     -------
     SharedArray
-        Wraps a ``distributed.Future`` when a client is active (the data are
-        hashed, so sharing the same array twice reuses the same key), else a
+        Wraps a ``distributed.Future`` when a client is active (each call gets
+        its own key: a content-hashed key would be shared with futures of
+        earlier calls, and releasing those could delete the data under a
+        running computation), else a
         ``dask.delayed`` object: one graph key that every chunk task depends on.
     """
     if isinstance(array, SharedArray):
@@ -356,11 +361,14 @@ def share(array, name="array", *, client=None, broadcast=True):
     kind = "cupy" if is_cupy(arr) else "numpy"
     if client is None:
         client = _active_client()
+    # numpy data are hashed by content (dask's tokenize); cupy data have no
+    # content token in dask, so their outputs are named by the unique key.
+    token = tokenize(arr) if kind == "numpy" else None
     if client is not False and client is not None:
-        ref = client.scatter(arr, broadcast=broadcast, hash=True)
+        ref = client.scatter(arr, broadcast=broadcast, hash=False)
     else:
         ref = dask.delayed(arr, pure=True, traverse=False)
-    return SharedArray(ref, arr.shape, arr.dtype, kind)
+    return SharedArray(ref, arr.shape, arr.dtype, kind, token=token)
 
 
 class _Local:
@@ -392,9 +400,9 @@ def _token(x, shared, kind, kwargs):
     """Deterministic output token: input name, weight keys, operation, options.
 
     (Futures do not tokenize by key, so identical calls would otherwise get
-    fresh names; weight keys are content hashes, see :func:`share`.)
+    fresh names; numpy weights are named by a content hash, see :func:`share`.)
     """
-    return tokenize(x.name, [w.key for w in shared], kind, sorted(kwargs.items()))
+    return tokenize(x.name, [w.token for w in shared], kind, sorted(kwargs.items()))
 
 
 # ----------------------------------------------------------------------------
