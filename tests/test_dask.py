@@ -461,6 +461,59 @@ def test_cupy_ffn():
     assert rel_err(got, ref) < RTOL[np.dtype(np.float32)]
 
 
+def test_void_transport_is_viewed_back_as_bfloat16():
+    # distributed ships a cupy bfloat16 array as raw '<V2' voids; chunk tasks view it back
+    from twellpy._array import bfloat16
+
+    a = np.arange(12, dtype=np.float32).reshape(3, 4).astype(bfloat16)
+    voids = a.view(np.dtype("V2"))
+    back = twd._restore_dtype(voids, twd._dtype_named("bfloat16"))
+    assert back.dtype == np.dtype(bfloat16)
+    np.testing.assert_array_equal(back.astype(np.float32), a.astype(np.float32))
+    # a genuine dtype mismatch is left alone (the FFN then names it)
+    f32 = np.zeros((2, 2), np.float32)
+    assert twd._restore_dtype(f32, np.dtype(np.float16)) is f32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["cuda", "dask"])
+def test_cupy_bfloat16_survives_distributed_serialization(family):
+    import cupy as cp
+    from distributed.protocol import deserialize, serialize
+
+    from twellpy._array import bfloat16
+
+    a = cp.asarray(np.linspace(-3, 3, 40, dtype=np.float32).reshape(5, 8).astype(bfloat16))
+    header, frames = serialize(a, serializers=[family])
+    back = deserialize(header, frames, deserializers=[family])
+    assert back.dtype == np.dtype(bfloat16)
+    np.testing.assert_array_equal(cp.asnumpy(back.view(cp.uint16)), cp.asnumpy(a.view(cp.uint16)))
+
+
+@pytest.mark.gpu
+def test_cupy_bfloat16_ffn_on_local_cuda_cluster():
+    # the weights are scattered to a worker process and the result comes back: both
+    # cross distributed's cupy serializer, which used to turn bfloat16 into '<V2'
+    import cupy as cp
+    from distributed import Client, LocalCluster
+
+    from twellpy._array import bfloat16
+
+    x, w_gate, w_up, w_down = ffn_problem(300, 64, 256, seed=19)
+    xb, wb = cp.asarray(x.astype(bfloat16)), [cp.asarray(w.astype(bfloat16)) for w in (w_gate, w_up, w_down)]
+    with LocalCluster(n_workers=1, processes=True, threads_per_worker=1, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        y = twd.gated_forward(da.from_array(xb, chunks=(128, 64), asarray=False), *wb, client=client)
+        got = y.compute()
+    assert isinstance(got, cp.ndarray) and got.dtype == np.dtype(bfloat16)
+    want = tw.ffn.gated_forward(xb, *wb)
+    assert rel_err(got, want) < RTOL[np.dtype(bfloat16)]
+    x64 = x.astype(bfloat16).astype(np.float64)
+    w64 = [w.astype(bfloat16).astype(np.float64) for w in (w_gate, w_up, w_down)]
+    ref = (np.maximum(x64 @ w64[0].T, 0) * (x64 @ w64[1].T)) @ w64[2].T
+    assert rel_err(got, ref) < RTOL[np.dtype(bfloat16)]
+
+
 # ----------------------------------------------------------------------------
 # the example
 # ----------------------------------------------------------------------------

@@ -103,6 +103,107 @@ def _active_client():
         return None
 
 
+# ----------------------------------------------------------------------------
+# bfloat16 cupy arrays through distributed's serializers
+# ----------------------------------------------------------------------------
+# distributed serializes a cupy array by its ``__cuda_array_interface__``
+# typestr, which for ml_dtypes' bfloat16 is the anonymous ``<V2``: the array
+# arrives as raw 2-byte voids. The wrappers below send bfloat16 as uint16 with
+# a header flag and view it back on arrival. They are installed when this
+# module is imported (client and workers: chunk tasks import it) and on every
+# worker of a client through a worker plugin (:func:`share`), so data that
+# reaches a worker before any task runs is covered too. Chunk functions also
+# repair ``<V2`` inputs (:func:`_restore_dtype`) as a last line of defence.
+_BF16_FLAG = "twellpy_bfloat16"
+_SERIALIZERS_LOCK = threading.Lock()
+_serializers_done = False
+
+
+def _install_bf16_serializers():
+    global _serializers_done
+    with _SERIALIZERS_LOCK:
+        if _serializers_done:
+            return
+        _serializers_done = True
+        try:
+            import cupy
+            import distributed.protocol.cupy  # noqa: F401 - distributed's own first, then wrap them
+            from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
+            from distributed.protocol.serialize import dask_deserialize, dask_serialize
+        except ImportError:  # no cupy or no distributed: nothing to fix
+            return
+        from ._array import bfloat16
+
+        for ser, deser in ((cuda_serialize, cuda_deserialize), (dask_serialize, dask_deserialize)):
+            base_ser, base_deser = ser.dispatch(cupy.ndarray), deser.dispatch(cupy.ndarray)
+            if getattr(base_ser, "_twellpy", False):
+                continue
+
+            def bf16_ser(x, _base=base_ser):
+                if x.dtype != bfloat16:
+                    return _base(x)
+                header, frames = _base(x.view(cupy.uint16))
+                header = dict(header)
+                header[_BF16_FLAG] = True
+                return header, frames
+
+            def bf16_deser(header, frames, _base=base_deser):
+                arr = _base(header, frames)
+                return arr.view(bfloat16) if header.get(_BF16_FLAG) else arr
+
+            bf16_ser._twellpy = bf16_deser._twellpy = True
+            ser.register(cupy.ndarray, bf16_ser)
+            deser.register(cupy.ndarray, bf16_deser)
+
+
+def _dtype_named(name):
+    """numpy dtype from its name; ``"bfloat16"`` is ml_dtypes' (dtype objects of
+    ml_dtypes do not survive every transport, names do)."""
+    if name == "bfloat16":
+        from ._array import bfloat16
+        return np.dtype(bfloat16)
+    return np.dtype(name)
+
+
+def _restore_dtype(arr, dtype):
+    """``arr`` viewed as ``dtype`` when transport turned it into same-size raw voids."""
+    dtype = np.dtype(dtype)
+    if (hasattr(arr, "dtype") and arr.dtype != dtype and arr.dtype.kind == "V"
+            and arr.dtype.itemsize == dtype.itemsize):
+        return arr.view(dtype)
+    return arr
+
+
+class _SerializerPlugin:
+    """Worker plugin: installs the bfloat16 serializers when a worker starts."""
+
+    name = "twellpy-bf16-serializers"
+
+    def setup(self, worker):  # noqa: D102 - distributed's WorkerPlugin hook
+        _install_bf16_serializers()
+
+    def teardown(self, worker):  # noqa: D102
+        pass
+
+
+_PLUGIN_CLIENTS = set()
+
+
+def _ensure_worker_serializers(client):
+    """Register :class:`_SerializerPlugin` once per client (idempotent, cheap)."""
+    key = id(client)
+    if key in _PLUGIN_CLIENTS:
+        return
+    try:
+        client.register_plugin(_SerializerPlugin(), name=_SerializerPlugin.name)
+    except Exception:  # noqa: BLE001 - older distributed: chunk tasks still repair dtypes
+        return
+    _PLUGIN_CLIENTS.add(key)
+
+
+_install_bf16_serializers()
+
+
 def _check_row_chunked(x, name, rechunk):
     """Validate a 2-D dask array and give it a single column chunk."""
     if not isinstance(x, da.Array):
@@ -365,6 +466,7 @@ def share(array, name="array", *, client=None, broadcast=True):
     # content token in dask, so their outputs are named by the unique key.
     token = tokenize(arr) if kind == "numpy" else None
     if client is not False and client is not None:
+        _ensure_worker_serializers(client)
         ref = client.scatter(arr, broadcast=broadcast, hash=False)
     else:
         ref = dask.delayed(arr, pure=True, traverse=False)
@@ -408,7 +510,9 @@ def _token(x, shared, kind, kwargs):
 # ----------------------------------------------------------------------------
 # chunk functions (module level so that workers import them by name)
 # ----------------------------------------------------------------------------
-def _build_chunk(block, fmt, params):
+def _build_chunk(block, fmt, params, in_dtype=None):
+    if in_dtype is not None:
+        block = _restore_dtype(block, _dtype_named(in_dtype))
     return _container_class(fmt).from_dense(block, **params)
 
 
@@ -420,7 +524,9 @@ def _to_scipy_chunk(chunk, fmt):
     return chunk.to_scipy(fmt)
 
 
-def _matmul_chunk(chunk, w):
+def _matmul_chunk(chunk, w, w_dtype=None):
+    if w_dtype is not None:
+        w = _restore_dtype(w, _dtype_named(w_dtype))
     return chunk @ w
 
 
@@ -463,7 +569,11 @@ def _prepared_ffn(kind, weights, ffn_kwargs):
     return prepared
 
 
-def _ffn_chunk(block, *weights, kind, ffn_kwargs):
+def _ffn_chunk(block, *weights, kind, ffn_kwargs, in_dtype=None):
+    if in_dtype is not None:
+        dt = _dtype_named(in_dtype)
+        block = _restore_dtype(block, dt)
+        weights = tuple(_restore_dtype(w, dt) for w in weights)
     return _prepared_ffn(kind, weights, ffn_kwargs)(block)
 
 
@@ -656,7 +766,7 @@ class SparseDaskArray:
         dtype = _product_dtype(self.dtype, w.dtype)
         w = _share_described(w, "w", client, broadcast)
         return self.blocks.map_blocks(
-            _matmul_chunk, w.ref, dtype=dtype, chunks=(self.chunks[0], (w.shape[1],)),
+            _matmul_chunk, w.ref, np.dtype(w.dtype).name, dtype=dtype, chunks=(self.chunks[0], (w.shape[1],)),
             meta=meta_from_array(self._array_meta, ndim=2, dtype=dtype),
             name=f"twellpy-matmul-{_token(self.blocks, [w], 'matmul', {})}")
 
@@ -705,7 +815,7 @@ def from_dask(x, format="twell", *, rechunk=True, **params):
     array_meta = _array_meta(x, x.dtype)
     # Validate parameters locally (TypeError for unknown names, ValueError for bad values).
     cls.from_dense(np.zeros((0, x.shape[1]), dtype=x.dtype), **params)
-    blocks = x.map_blocks(_build_chunk, format, params, dtype=x.dtype, meta=array_meta,
+    blocks = x.map_blocks(_build_chunk, format, params, np.dtype(x.dtype).name, dtype=x.dtype, meta=array_meta,
                           token=f"twellpy-from-dask-{format}")
     return SparseDaskArray(blocks, format, params, array_meta)
 
@@ -761,7 +871,7 @@ def _ffn(kind, x, weights, client, broadcast, rechunk, out_name, ffn_kwargs):
     out_cols = w_down.shape[0]
     shared = [_share_described(w, arg, client, broadcast) for arg, w in named]
     return x.map_blocks(
-        _ffn_chunk, *[w.ref for w in shared], kind=kind, ffn_kwargs=dict(ffn_kwargs),
+        _ffn_chunk, *[w.ref for w in shared], kind=kind, ffn_kwargs=dict(ffn_kwargs), in_dtype=dtype.name,
         dtype=dtype, chunks=(x.chunks[0], (out_cols,)), meta=_array_meta(x, dtype),
         name=out_name or f"twellpy-{kind}-forward-{_token(x, shared, kind, ffn_kwargs)}")
 
