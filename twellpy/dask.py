@@ -168,13 +168,23 @@ def _dtype_named(name):
 def _restore_dtype(arr, dtype):
     """``arr`` viewed as ``dtype`` when transport turned it into same-size raw voids."""
     dtype = np.dtype(dtype)
-    if (hasattr(arr, "dtype") and arr.dtype != dtype and arr.dtype.kind == "V"
-            and arr.dtype.itemsize == dtype.itemsize):
+    got = getattr(arr, "dtype", None)
+    if got is None or got == dtype or got.itemsize != dtype.itemsize:
+        return arr
+    # raw voids (no wrapper on the sender) or the uint16 carrier (wrapper on the
+    # sender only); the graph promised ``dtype``, so the bits are that dtype's
+    if got.kind == "V" or (dtype.name == "bfloat16" and got == np.uint16):
         return arr.view(dtype)
     return arr
 
 
-class _SerializerPlugin:
+try:  # a plain object is refused by Client.register_plugin
+    from distributed.diagnostics.plugin import WorkerPlugin as _WorkerPluginBase
+except ImportError:  # pragma: no cover - distributed is optional
+    _WorkerPluginBase = object
+
+
+class _SerializerPlugin(_WorkerPluginBase):
     """Worker plugin: installs the bfloat16 serializers when a worker starts."""
 
     name = "twellpy-bf16-serializers"
@@ -196,7 +206,11 @@ def _ensure_worker_serializers(client):
         return
     try:
         client.register_plugin(_SerializerPlugin(), name=_SerializerPlugin.name)
-    except Exception:  # noqa: BLE001 - older distributed: chunk tasks still repair dtypes
+    except Exception as exc:  # noqa: BLE001 - chunk tasks still repair dtypes
+        import warnings
+        warnings.warn(f"twellpy.dask: could not register the bfloat16 serializer plugin "
+                      f"({type(exc).__name__}: {exc}); chunk tasks repair dtypes instead",
+                      RuntimeWarning, stacklevel=3)
         return
     _PLUGIN_CLIENTS.add(key)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import numpy as np
 
@@ -137,6 +138,32 @@ def gemm_nt(a, b, out, handle, stream):
                       b.data.ptr, ctype, ldb, a.data.ptr, ctype, lda,
                       zero.ctypes.data, out.data.ptr, ctype, ldc, compute, _GEMM_DEFAULT)
     return out
+
+
+_THREAD_RESOURCES = threading.local()
+
+
+def _thread_resources(device_id):
+    """Two non-blocking streams and two cuBLAS handles per (thread, device).
+
+    Shared by every plan of the thread: creating and destroying cuBLAS handles
+    costs ~0.25 ms a pair, which dominated one-shot calls such as
+    :func:`twellpy.ffn.gated_forward` at small sizes. Per thread, because a
+    cuBLAS handle must not be used by two threads at once. They live as long
+    as the thread.
+    """
+    cache = getattr(_THREAD_RESOURCES, "by_device", None)
+    if cache is None:
+        cache = _THREAD_RESOURCES.by_device = {}
+    res = cache.get(device_id)
+    if res is None:
+        cp = cupy_module()
+        cublas = _cublas()
+        with cp.cuda.Device(device_id):
+            streams = (cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True))
+            handles = (cublas.create(), cublas.create())
+        res = cache[device_id] = (streams, handles)
+    return res
 
 
 @functools.lru_cache(maxsize=None)
@@ -254,8 +281,6 @@ class FFNPlan:
         self.chunk_rows = None
         #: mean active neurons per token above which "auto" runs the dense path
         self.auto_threshold = self._default_threshold()
-        self._streams = None
-        self._handles = None
         self._ws_rows = 0
         self._ws = {}
         self._last_rows = 0
@@ -284,22 +309,9 @@ class FFNPlan:
 
     # ---- resources ----------------------------------------------------------
     def _resources(self):
-        cp = cupy_module()
-        if self._streams is None:
-            cublas = _cublas()
-            with cp.cuda.Device(self.device_id):
-                self._streams = (cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True))
-                self._handles = (cublas.create(), cublas.create())
-        return self._streams, self._handles
-
-    def __del__(self):
-        try:
-            if self._handles is not None:
-                cublas = _cublas()
-                for h in self._handles:
-                    cublas.destroy(h)
-        except Exception:
-            pass
+        # looked up per call (a thread-local dict read), so a plan used from
+        # another thread takes that thread's handles
+        return _thread_resources(self.device_id)
 
     def _workspace(self, chunk):
         """Grow-only ring buffers; a call with an already-seen size allocates nothing."""
