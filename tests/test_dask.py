@@ -475,6 +475,26 @@ def test_void_transport_is_viewed_back_as_bfloat16():
     assert twd._restore_dtype(f32, np.dtype(np.float16)) is f32
 
 
+def test_repaired_weights_hit_the_prepared_ffn_cache():
+    # weights that arrive as uint16 carriers are viewed back per task; the
+    # prepared FFN must still be built once per weight set, not once per task
+    from twellpy._array import bfloat16
+
+    x, w_gate, w_up, w_down = ffn_problem(40, 16, 64, seed=23)
+    carriers = [w.astype(bfloat16).view(np.uint16) for w in (w_gate, w_up, w_down)]
+    xb = x.astype(bfloat16)
+    twd.clear_ffn_cache()
+    y1 = twd._ffn_chunk(xb, *carriers, kind="gated", ffn_kwargs={}, in_dtype="bfloat16")
+    first = dict(twd._FFN_CACHE)
+    y2 = twd._ffn_chunk(xb.view(np.uint16), *carriers, kind="gated", ffn_kwargs={}, in_dtype="bfloat16")
+    assert len(first) == 1 and dict(twd._FFN_CACHE) == first
+    assert y1.dtype == np.dtype(bfloat16)
+    np.testing.assert_array_equal(y1.view(np.uint16), y2.view(np.uint16))
+    want = tw.ffn.gated_forward(xb, *[c.view(bfloat16) for c in carriers])
+    np.testing.assert_array_equal(y1.view(np.uint16), want.view(np.uint16))
+    twd.clear_ffn_cache()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["cuda", "dask"])
 def test_cupy_bfloat16_survives_distributed_serialization(family):

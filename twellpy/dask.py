@@ -564,9 +564,11 @@ def clear_ffn_cache():
         _FFN_CACHE.clear()
 
 
-def _prepared_ffn(kind, weights, ffn_kwargs):
+def _prepared_ffn(kind, weights, ffn_kwargs, in_dtype=None):
     from . import ffn
 
+    # keyed by the weight objects as the worker holds them: a dtype repair
+    # (_restore_dtype) makes a new view per call, which must not miss the cache
     key = (threading.get_ident(), kind, tuple(id(w) for w in weights),
            tuple(sorted(ffn_kwargs.items())))
     with _FFN_CACHE_LOCK:
@@ -574,8 +576,13 @@ def _prepared_ffn(kind, weights, ffn_kwargs):
         if hit is not None:
             _FFN_CACHE.move_to_end(key)
             return hit[1]
+    if in_dtype is not None:
+        dt = _dtype_named(in_dtype)
+        weights_ok = tuple(_restore_dtype(w, dt) for w in weights)
+    else:
+        weights_ok = weights
     cls = ffn.GatedFFN if kind == "gated" else ffn.ReluFFN
-    prepared = cls(*weights, **ffn_kwargs)
+    prepared = cls(*weights_ok, **ffn_kwargs)
     with _FFN_CACHE_LOCK:
         _FFN_CACHE[key] = (weights, prepared)
         while len(_FFN_CACHE) > _FFN_CACHE_SIZE:
@@ -585,10 +592,8 @@ def _prepared_ffn(kind, weights, ffn_kwargs):
 
 def _ffn_chunk(block, *weights, kind, ffn_kwargs, in_dtype=None):
     if in_dtype is not None:
-        dt = _dtype_named(in_dtype)
-        block = _restore_dtype(block, dt)
-        weights = tuple(_restore_dtype(w, dt) for w in weights)
-    return _prepared_ffn(kind, weights, ffn_kwargs)(block)
+        block = _restore_dtype(block, _dtype_named(in_dtype))
+    return _prepared_ffn(kind, weights, ffn_kwargs, in_dtype)(block)
 
 
 def _finalize(results):
