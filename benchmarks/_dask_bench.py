@@ -99,13 +99,15 @@ def start_cluster(mode, n_workers, threads):
     elif have_dask_cuda():
         from dask_cuda import LocalCUDACluster
 
+        # threads > 1: while one task waits for its GPU (a host synchronisation in
+        # the FFN call), another launches; each thread has its own cuBLAS handles
         cluster = LocalCUDACluster(CUDA_VISIBLE_DEVICES=list(range(n_workers)), n_workers=n_workers,
-                                   threads_per_worker=1, dashboard_address=":0", silence_logs=40)
+                                   threads_per_worker=threads, dashboard_address=":0", silence_logs=40)
         kind = "LocalCUDACluster"
     else:
         from distributed import Nanny, Scheduler, SpecCluster
 
-        workers = {i: {"cls": Nanny, "options": {"nthreads": 1, "env": {
+        workers = {i: {"cls": Nanny, "options": {"nthreads": threads, "env": {
             "CUDA_VISIBLE_DEVICES": str(i), **NVLS_ENV}}} for i in range(n_workers)}
         cluster = SpecCluster(workers=workers, scheduler={"cls": Scheduler, "options": {
             "dashboard_address": ":0"}}, silence_logs=40)
@@ -157,7 +159,7 @@ def rel_err(got, ref):
 
 
 def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=1, batches=1,
-        log=print):
+        log=print, ffn_kwargs=None):
     """Time direct and Dask runs; returns a dict of results (JSON-serialisable).
 
     One timed repetition processes ``batches`` batches of M tokens back to back
@@ -195,7 +197,8 @@ def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=
     m = x.shape[0]
 
     # ---- direct, one process, one device --------------------------------------
-    ffn = GatedFFN(w_gate, w_up, w_down)
+    ffn_kwargs = dict(ffn_kwargs or {})
+    ffn = GatedFFN(w_gate, w_up, w_down, **ffn_kwargs)
 
     def direct():
         for _ in range(batches):
@@ -209,7 +212,8 @@ def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=
     err_direct = rel_err(y_direct, ref)
     del ref
     tokens = m * batches
-    results = {"mode": mode, "sizes": sizes, "dtype": dtype_name,
+    results = {"mode": mode, "sizes": sizes, "dtype": dtype_name, "ffn_kwargs": ffn_kwargs,
+               "threads_per_worker": threads,
                "chunks": "workers x " + str(n_chunks(1)) if callable(n_chunks) else n_chunks, "reps": reps,
                "batches_per_rep": batches,
                "direct": {"seconds": t_direct, "tokens_per_s": tokens / t_direct,
@@ -238,7 +242,7 @@ def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=
             def dask_run():
                 # fresh output names per run: identical calls would otherwise share keys
                 # with results still in worker memory and time nothing
-                ys = [twd.gated_forward(dx, *shared, name=f"bench-y-{n}-{next(counter)}")
+                ys = [twd.gated_forward(dx, *shared, name=f"bench-y-{n}-{next(counter)}", **ffn_kwargs)
                       for _ in range(batches)]
                 ys = dask.persist(*ys)
                 wait(list(ys))

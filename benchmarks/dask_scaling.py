@@ -48,6 +48,12 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (median)")
     p.add_argument("--workers", default="1,2", help="worker counts (default 1,2)")
     p.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU default)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="threads per worker (GPU: tasks that overlap their host synchronisations)")
+    p.add_argument("--ffn-mode", default=None, choices=("auto", "sparse", "dense"),
+                   help="FFN mode of both the direct and the Dask runs (default: the library's)")
+    p.add_argument("--no-check-finite", action="store_true",
+                   help="skip the NaN/Inf input check (a host synchronisation) in both runs")
     args = p.parse_args(argv)
 
     mode = "cpu" if args.cpu else ("gpu" if bench.gpu_count() > 0 and bench.have_dask_cuda() else "cpu")
@@ -70,12 +76,20 @@ def main(argv=None):
     dtype = args.dtype or ("bfloat16" if mode == "gpu" else "float32")
     batches = args.batches or (8 if mode == "gpu" else 1)
     chunks = args.chunks if args.chunks else (lambda n_workers: n_workers)
-    results = bench.run(mode, sizes, counts, chunks, reps, dtype, batches=batches)
+    ffn_kwargs = {}
+    if args.ffn_mode:
+        ffn_kwargs["mode"] = args.ffn_mode
+    if args.no_check_finite:
+        ffn_kwargs["check_finite"] = False
+    threads = args.threads if mode == "gpu" else 1
+    results = bench.run(mode, sizes, counts, chunks, reps, dtype, batches=batches, threads=threads,
+                        ffn_kwargs=ffn_kwargs)
     results["workload"] = name
     bench.write_out(results, "dask_scaling.json")
     print()
     print(f"Dask scaling, {name} (M={sizes['M']}), {dtype}, {mode}, "
-          f"{batches} batch(es) per run, median of {reps} runs")
+          f"{batches} batch(es) per run, median of {reps} runs, {threads} thread(s) per worker, "
+          f"FFN options {ffn_kwargs or 'default'}")
     print(bench.table(results, unit="GPU" if mode == "gpu" else "worker"))
     one = [r for r in results["dask"] if r["workers"] == 1]
     if one:

@@ -23,7 +23,28 @@ RTOL = {
 DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), bfloat16]
 
 
+def _shard(items, config):
+    """Keep shard k of n (``TWELLPY_SHARD=k/n``): device runs split long suites
+    (memcheck) into calls that fit the per-call limit. Round robin over the
+    collected order, so every shard gets a mix of fast and slow tests."""
+    spec = os.environ.get("TWELLPY_SHARD")
+    if not spec:
+        return
+    try:
+        k, n = (int(v) for v in spec.split("/"))
+        if not 0 <= k < n:
+            raise ValueError
+    except ValueError:
+        raise pytest.UsageError(f"TWELLPY_SHARD must be 'k/n' with 0 <= k < n, got {spec!r}") from None
+    keep = [it for i, it in enumerate(items) if i % n == k]
+    drop = [it for i, it in enumerate(items) if i % n != k]
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+    items[:] = keep
+
+
 def pytest_collection_modifyitems(config, items):
+    _shard(items, config)
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="no CUDA GPU available")
