@@ -503,6 +503,7 @@ def test_cupy_bfloat16_survives_distributed_serialization(family):
 
     from twellpy._array import bfloat16
 
+    twd._install_bf16_serializers()  # what share() and chunk tasks do before cupy data move
     a = cp.asarray(np.linspace(-3, 3, 40, dtype=np.float32).reshape(5, 8).astype(bfloat16))
     header, frames = serialize(a, serializers=[family])
     back = deserialize(header, frames, deserializers=[family])

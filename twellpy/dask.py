@@ -45,7 +45,9 @@ returned :class:`SharedArray` to reuse them across calls at no cost.
 from __future__ import annotations
 
 import collections
+import sys
 import threading
+import weakref
 
 import numpy as np
 
@@ -120,7 +122,10 @@ _serializers_done = False
 
 
 def _install_bf16_serializers():
+    """Wrap distributed's cupy serializers once per process (cheap when done)."""
     global _serializers_done
+    if _serializers_done:
+        return
     with _SERIALIZERS_LOCK:
         if _serializers_done:
             return
@@ -130,8 +135,8 @@ def _install_bf16_serializers():
             import distributed.protocol.cupy  # noqa: F401 - distributed's own first, then wrap them
             from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
             from distributed.protocol.serialize import dask_deserialize, dask_serialize
-        except ImportError:  # no cupy or no distributed: nothing to fix
-            return
+        except Exception:  # noqa: BLE001 - no cupy/distributed (or a broken CUDA install):
+            return         # nothing to wrap; chunk tasks still repair dtypes
         from ._array import bfloat16
 
         for ser, deser in ((cuda_serialize, cuda_deserialize), (dask_serialize, dask_deserialize)):
@@ -167,6 +172,8 @@ def _dtype_named(name):
 
 def _restore_dtype(arr, dtype):
     """``arr`` viewed as ``dtype`` when transport turned it into same-size raw voids."""
+    if is_cupy(arr):  # this worker may send cupy results on: wrap its serializers
+        _install_bf16_serializers()
     dtype = np.dtype(dtype)
     got = getattr(arr, "dtype", None)
     if got is None or got == dtype or got.itemsize != dtype.itemsize:
@@ -196,13 +203,12 @@ class _SerializerPlugin(_WorkerPluginBase):
         pass
 
 
-_PLUGIN_CLIENTS = set()
+_PLUGIN_CLIENTS = weakref.WeakSet()  # not ids: a new client can reuse a closed one's id
 
 
 def _ensure_worker_serializers(client):
     """Register :class:`_SerializerPlugin` once per client (idempotent, cheap)."""
-    key = id(client)
-    if key in _PLUGIN_CLIENTS:
+    if client in _PLUGIN_CLIENTS:
         return
     try:
         client.register_plugin(_SerializerPlugin(), name=_SerializerPlugin.name)
@@ -212,10 +218,11 @@ def _ensure_worker_serializers(client):
                       f"({type(exc).__name__}: {exc}); chunk tasks repair dtypes instead",
                       RuntimeWarning, stacklevel=3)
         return
-    _PLUGIN_CLIENTS.add(key)
+    _PLUGIN_CLIENTS.add(client)
 
 
-_install_bf16_serializers()
+if "cupy" in sys.modules:  # cupy users get the wrappers at import; others when cupy data appear
+    _install_bf16_serializers()
 
 
 def _check_row_chunked(x, name, rechunk):
@@ -480,7 +487,9 @@ def share(array, name="array", *, client=None, broadcast=True):
     # content token in dask, so their outputs are named by the unique key.
     token = tokenize(arr) if kind == "numpy" else None
     if client is not False and client is not None:
-        _ensure_worker_serializers(client)
+        if kind == "cupy":
+            _install_bf16_serializers()
+            _ensure_worker_serializers(client)
         ref = client.scatter(arr, broadcast=broadcast, hash=False)
     else:
         ref = dask.delayed(arr, pure=True, traverse=False)
