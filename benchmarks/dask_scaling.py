@@ -49,7 +49,8 @@ def main(argv=None):
     p.add_argument("--workers", default="1,2", help="worker counts (default 1,2)")
     p.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU default)")
     p.add_argument("--threads", type=int, default=1,
-                   help="threads per worker (GPU: tasks that overlap their host synchronisations)")
+                   help="threads per GPU worker, so tasks overlap their host synchronisations "
+                        "(CPU workers always use one thread: the benchmark pins BLAS/Numba to one)")
     p.add_argument("--ffn-mode", default=None, choices=("auto", "sparse", "dense"),
                    help="FFN mode of both the direct and the Dask runs (default: the library's)")
     p.add_argument("--no-check-finite", action="store_true",

@@ -29,6 +29,8 @@ def main():
     p.add_argument("--batches", type=int, default=8)
     p.add_argument("--rows", type=int, default=None)
     a = p.parse_args()
+    if a.batches < 1:
+        p.error(f"--batches must be >= 1, got {a.batches}")
     mode = "cpu" if a.cpu or not eng.gpu_count() else "gpu"
     import dask
     import numpy as np
@@ -87,7 +89,8 @@ def main():
                         other[s["action"]] = other.get(s["action"], 0.0) + d
             print(f"rep {rep}: {a.batches} batches, total {t_total * 1e3:.2f} ms (direct would be "
                   f"{direct * a.batches * 1e3:.2f} ms); graph build {t_graph * 1e3:.2f} ms; persist+wait "
-                  f"{t_wait * 1e3:.2f} ms; tasks {len(comp)}, compute median {statistics.median(comp) * 1e3:.2f} ms "
+                  f"{t_wait * 1e3:.2f} ms; tasks {len(comp)}, compute median "
+                  f"{(statistics.median(comp) if comp else float('nan')) * 1e3:.2f} ms "
                   f"(direct per batch {direct * 1e3:.2f} ms), compute sum {sum(comp) * 1e3:.2f} ms; "
                   f"other actions (s): { {k: round(v, 5) for k, v in other.items()} }; "
                   f"first compute starts {(min(starts) - t1_wall) * 1e3 if starts else float('nan'):.1f} ms "

@@ -593,7 +593,7 @@ def save_figures(ev, val_tokens, args, dirs, tag):
 # ---------------------------------------------------------------------------
 # FFN inference timing on the trained weights
 def bench_inference(layers, ms, jax, jnp, on_gpu, reps):
-    """twellpy.ffn.gated_forward against the dense FFN (jitted JAX) in the same dtype, at M tokens.
+    """Prepared twellpy.ffn.GatedFFN against the dense FFN (jitted JAX) in the same dtype, at M tokens.
 
     ``layers`` is a list of ``(layer, float32 weights, FFN inputs z, mean
     active neurons per token)``; z is repeated to M rows. Errors are against a float32 reference computed

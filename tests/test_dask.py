@@ -7,6 +7,7 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -470,9 +471,13 @@ def test_void_transport_is_viewed_back_as_bfloat16():
     back = twd._restore_dtype(voids, twd._dtype_named("bfloat16"))
     assert back.dtype == np.dtype(bfloat16)
     np.testing.assert_array_equal(back.astype(np.float32), a.astype(np.float32))
-    # a genuine dtype mismatch is left alone (the FFN then names it)
+    # a genuine dtype mismatch is left alone (the FFN then names it), also a real
+    # bfloat16 where float16 was promised (ml_dtypes' bfloat16 is a kind-"V" dtype)
     f32 = np.zeros((2, 2), np.float32)
     assert twd._restore_dtype(f32, np.dtype(np.float16)) is f32
+    assert twd._restore_dtype(a, np.dtype(np.float16)) is a
+    u16 = a.view(np.uint16)
+    assert twd._restore_dtype(u16, np.dtype(np.float16)) is u16
 
 
 def test_repaired_weights_hit_the_prepared_ffn_cache():
@@ -485,9 +490,9 @@ def test_repaired_weights_hit_the_prepared_ffn_cache():
     xb = x.astype(bfloat16)
     twd.clear_ffn_cache()
     y1 = twd._ffn_chunk(xb, *carriers, kind="gated", ffn_kwargs={}, in_dtype="bfloat16")
-    first = dict(twd._FFN_CACHE)
+    first = dict(twd._FFN_CACHES[threading.get_ident()])
     y2 = twd._ffn_chunk(xb.view(np.uint16), *carriers, kind="gated", ffn_kwargs={}, in_dtype="bfloat16")
-    assert len(first) == 1 and dict(twd._FFN_CACHE) == first
+    assert len(first) == 1 and dict(twd._FFN_CACHES[threading.get_ident()]) == first
     assert y1.dtype == np.dtype(bfloat16)
     np.testing.assert_array_equal(y1.view(np.uint16), y2.view(np.uint16))
     want = tw.ffn.gated_forward(xb, *[c.view(bfloat16) for c in carriers])

@@ -45,7 +45,6 @@ returned :class:`SharedArray` to reuse them across calls at no cost.
 from __future__ import annotations
 
 import collections
-import sys
 import threading
 import weakref
 
@@ -129,14 +128,14 @@ def _install_bf16_serializers():
     with _SERIALIZERS_LOCK:
         if _serializers_done:
             return
-        _serializers_done = True
         try:
             import cupy
             import distributed.protocol.cupy  # noqa: F401 - distributed's own first, then wrap them
             from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
             from distributed.protocol.serialize import dask_deserialize, dask_serialize
         except Exception:  # noqa: BLE001 - no cupy/distributed (or a broken CUDA install):
-            return         # nothing to wrap; chunk tasks still repair dtypes
+            _serializers_done = True  # nothing to wrap; chunk tasks still repair dtypes
+            return
         from ._array import bfloat16
 
         for ser, deser in ((cuda_serialize, cuda_deserialize), (dask_serialize, dask_deserialize)):
@@ -159,6 +158,8 @@ def _install_bf16_serializers():
             bf16_ser._twellpy = bf16_deser._twellpy = True
             ser.register(cupy.ndarray, bf16_ser)
             deser.register(cupy.ndarray, bf16_deser)
+        # set last: another thread passing the unlocked check must see wrapped serializers
+        _serializers_done = True
 
 
 def _dtype_named(name):
@@ -180,38 +181,40 @@ def _restore_dtype(arr, dtype):
         return arr
     # raw voids (no wrapper on the sender) or the uint16 carrier (wrapper on the
     # sender only); the graph promised ``dtype``, so the bits are that dtype's
-    if got.kind == "V" or (dtype.name == "bfloat16" and got == np.uint16):
+    # (only *anonymous* voids: ml_dtypes' bfloat16 is kind "V" too, and a real
+    # bfloat16 where float16 was promised must stay a visible mismatch)
+    raw_voids = got.type is np.void and got.fields is None
+    if raw_voids or (dtype.name == "bfloat16" and got == np.uint16):
         return arr.view(dtype)
     return arr
 
 
-try:  # a plain object is refused by Client.register_plugin
-    from distributed.diagnostics.plugin import WorkerPlugin as _WorkerPluginBase
-except ImportError:  # pragma: no cover - distributed is optional
-    _WorkerPluginBase = object
+def _serializer_plugin_class():
+    # built on demand (distributed is imported only by users of cupy data)
+    from distributed import WorkerPlugin
 
+    class TwellpyBf16SerializerPlugin(WorkerPlugin):
+        """Installs twellpy's bfloat16 cupy serializers on every worker."""
 
-class _SerializerPlugin(_WorkerPluginBase):
-    """Worker plugin: installs the bfloat16 serializers when a worker starts."""
+        name = "twellpy-bf16-serializers"
 
-    name = "twellpy-bf16-serializers"
+        def setup(self, worker):
+            from twellpy.dask import _install_bf16_serializers
 
-    def setup(self, worker):  # noqa: D102 - distributed's WorkerPlugin hook
-        _install_bf16_serializers()
+            _install_bf16_serializers()
 
-    def teardown(self, worker):  # noqa: D102
-        pass
+    return TwellpyBf16SerializerPlugin
 
 
 _PLUGIN_CLIENTS = weakref.WeakSet()  # not ids: a new client can reuse a closed one's id
 
 
 def _ensure_worker_serializers(client):
-    """Register :class:`_SerializerPlugin` once per client (idempotent, cheap)."""
+    """Register the serializer plugin once per client (idempotent, cheap)."""
     if client in _PLUGIN_CLIENTS:
         return
     try:
-        client.register_plugin(_SerializerPlugin(), name=_SerializerPlugin.name)
+        client.register_plugin(_serializer_plugin_class()(), name="twellpy-bf16-serializers")
     except Exception as exc:  # noqa: BLE001 - chunk tasks still repair dtypes
         import warnings
         warnings.warn(f"twellpy.dask: could not register the bfloat16 serializer plugin "
@@ -221,8 +224,12 @@ def _ensure_worker_serializers(client):
     _PLUGIN_CLIENTS.add(client)
 
 
-if "cupy" in sys.modules:  # cupy users get the wrappers at import; others when cupy data appear
+def _prepare_cupy_transport(client=None):
+    """Entry points with cupy data: wrap the serializers here and on the workers."""
     _install_bf16_serializers()
+    client = client if client not in (None, False) else _active_client()
+    if client is not None:
+        _ensure_worker_serializers(client)
 
 
 def _check_row_chunked(x, name, rechunk):
@@ -488,8 +495,7 @@ def share(array, name="array", *, client=None, broadcast=True):
     token = tokenize(arr) if kind == "numpy" else None
     if client is not False and client is not None:
         if kind == "cupy":
-            _install_bf16_serializers()
-            _ensure_worker_serializers(client)
+            _prepare_cupy_transport(client)
         ref = client.scatter(arr, broadcast=broadcast, hash=False)
     else:
         ref = dask.delayed(arr, pure=True, traverse=False)
@@ -559,7 +565,7 @@ def _matmul_chunk(chunk, w, w_dtype=None):
 # ids identify the weight set; strong references are kept next to the ids so
 # an id cannot be reused while its entry lives. Per thread, because a plan's
 # workspaces are not meant to be used by two threads at once.
-_FFN_CACHE = collections.OrderedDict()
+_FFN_CACHES = {}  # thread id -> OrderedDict (an LRU per thread: threads must not evict each other)
 _FFN_CACHE_SIZE = 4
 _FFN_CACHE_LOCK = threading.Lock()
 
@@ -570,7 +576,7 @@ def clear_ffn_cache():
     Run it on every worker with ``client.run(twellpy.dask.clear_ffn_cache)``.
     """
     with _FFN_CACHE_LOCK:
-        _FFN_CACHE.clear()
+        _FFN_CACHES.clear()
 
 
 def _prepared_ffn(kind, weights, ffn_kwargs, in_dtype=None):
@@ -578,12 +584,12 @@ def _prepared_ffn(kind, weights, ffn_kwargs, in_dtype=None):
 
     # keyed by the weight objects as the worker holds them: a dtype repair
     # (_restore_dtype) makes a new view per call, which must not miss the cache
-    key = (threading.get_ident(), kind, tuple(id(w) for w in weights),
-           tuple(sorted(ffn_kwargs.items())))
+    key = (kind, tuple(id(w) for w in weights), tuple(sorted(ffn_kwargs.items())), in_dtype)
     with _FFN_CACHE_LOCK:
-        hit = _FFN_CACHE.get(key)
+        cache = _FFN_CACHES.setdefault(threading.get_ident(), collections.OrderedDict())
+        hit = cache.get(key)
         if hit is not None:
-            _FFN_CACHE.move_to_end(key)
+            cache.move_to_end(key)
             return hit[1]
     if in_dtype is not None:
         dt = _dtype_named(in_dtype)
@@ -593,9 +599,10 @@ def _prepared_ffn(kind, weights, ffn_kwargs, in_dtype=None):
     cls = ffn.GatedFFN if kind == "gated" else ffn.ReluFFN
     prepared = cls(*weights_ok, **ffn_kwargs)
     with _FFN_CACHE_LOCK:
-        _FFN_CACHE[key] = (weights, prepared)
-        while len(_FFN_CACHE) > _FFN_CACHE_SIZE:
-            _FFN_CACHE.popitem(last=False)
+        cache = _FFN_CACHES.setdefault(threading.get_ident(), collections.OrderedDict())
+        cache[key] = (weights, prepared)
+        while len(cache) > _FFN_CACHE_SIZE:
+            cache.popitem(last=False)
     return prepared
 
 
@@ -841,6 +848,8 @@ def from_dask(x, format="twell", *, rechunk=True, **params):
     x = _check_row_chunked(x, "x", rechunk)
     check_float(x, "x")
     array_meta = _array_meta(x, x.dtype)
+    if is_cupy(array_meta):
+        _prepare_cupy_transport()
     # Validate parameters locally (TypeError for unknown names, ValueError for bad values).
     cls.from_dense(np.zeros((0, x.shape[1]), dtype=x.dtype), **params)
     blocks = x.map_blocks(_build_chunk, format, params, np.dtype(x.dtype).name, dtype=x.dtype, meta=array_meta,
@@ -887,6 +896,8 @@ def _ffn(kind, x, weights, client, broadcast, rechunk, out_name, ffn_kwargs):
         raise ValueError(f"w_down has shape {w_down.shape}, expected {(d_model, hidden)} "
                          f"(nn.Linear layout: (D, H))")
     chunk_kind = "cupy" if is_cupy(x._meta) else "numpy"
+    if chunk_kind == "cupy":
+        _prepare_cupy_transport(client)
     for arg, w in named:
         if w.array_type != chunk_kind:
             raise ValueError(f"{arg} is a {w.array_type} array but x has {chunk_kind} chunks; "

@@ -149,21 +149,44 @@ def _thread_resources(device_id):
     Shared by every plan of the thread: creating and destroying cuBLAS handles
     costs ~0.25 ms a pair, which dominated one-shot calls such as
     :func:`twellpy.ffn.gated_forward` at small sizes. Per thread, because a
-    cuBLAS handle must not be used by two threads at once. They live as long
-    as the thread.
+    cuBLAS handle must not be used by two threads at once; destroyed when the
+    thread ends. Plans of one thread share them: the pipeline's work is
+    ordered on the two streams, and the first handle also runs GEMMs on the
+    caller's stream (as CuPy shares its own per-thread handle across
+    streams), so one thread should not interleave calls on several of its
+    own streams expecting them to overlap.
     """
     cache = getattr(_THREAD_RESOURCES, "by_device", None)
     if cache is None:
         cache = _THREAD_RESOURCES.by_device = {}
     res = cache.get(device_id)
     if res is None:
+        res = cache[device_id] = _ThreadCuda(device_id)
+    return res.streams, res.handles
+
+
+class _ThreadCuda:
+    """One thread's streams and cuBLAS handles on one device (see :func:`_thread_resources`)."""
+
+    def __init__(self, device_id):
         cp = cupy_module()
         cublas = _cublas()
+        self.device_id = device_id
         with cp.cuda.Device(device_id):
-            streams = (cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True))
-            handles = (cublas.create(), cublas.create())
-        res = cache[device_id] = (streams, handles)
-    return res
+            self.streams = (cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True))
+            self.handles = (cublas.create(), cublas.create())
+
+    def __del__(self):
+        # runs when the thread's local storage goes; cublasDestroy waits for
+        # the device, so work still queued with these handles finishes first
+        try:
+            cp = cupy_module()
+            cublas = _cublas()
+            with cp.cuda.Device(self.device_id):
+                for h in self.handles:
+                    cublas.destroy(h)
+        except Exception:  # noqa: BLE001 - interpreter shutdown or a lost device: nothing to free
+            pass
 
 
 @functools.lru_cache(maxsize=None)
