@@ -295,3 +295,24 @@ def test_row_chunking_gives_the_same_counts(monkeypatch):
         np.testing.assert_array_equal(stats.nnz_per_token(src), whole[0])
         np.testing.assert_array_equal(stats.firing_counts(src), whole[1])
         np.testing.assert_array_equal(stats.tile_occupancy(src, 32), whole[2])
+
+
+def test_count_in_range_matches_bincount(backend):
+    # the training forward counts neuron firings with it (no host sync on cupy)
+    from twellpy._array import count_in_range
+
+    rng = np.random.default_rng(5)
+    values = rng.integers(0, 37, size=5000).astype(np.int32)
+    values[:100] = 36  # a popular value: many atomics on one counter
+    want = np.bincount(values, minlength=40)
+    if backend == "cuda":
+        import cupy as cp
+
+        got = cp.asnumpy(count_in_range(cp.asarray(values), 40))
+        empty = cp.asnumpy(count_in_range(cp.zeros(0, cp.int32), 7))
+    else:
+        got = count_in_range(values, 40)
+        empty = count_in_range(np.zeros(0, np.int32), 7)
+    assert got.dtype == np.int32 and got.shape == (40,)
+    np.testing.assert_array_equal(got, want)
+    assert empty.shape == (7,) and not empty.any()

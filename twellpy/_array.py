@@ -198,6 +198,24 @@ def to_caller(arr, kind):
     return arr  # generic DLPack producers get numpy/cupy back (both are DLPack producers)
 
 
+def count_in_range(values, n):
+    """``bincount(values, minlength=n)`` as int32, for values known to lie in [0, n).
+
+    On cupy this queues one scatter-add (integer atomics: exact and
+    order-independent) instead of ``cupy.bincount``, which synchronises with
+    the host twice (a negativity check and the maximum) before counting.
+    """
+    xp = xp_of(values)
+    if xp is np:
+        return np.bincount(values, minlength=n)[:n].astype(np.int32, copy=False)
+    import cupyx
+
+    counts = xp.zeros(n, dtype=np.int32)
+    if values.size:
+        cupyx.scatter_add(counts, values, 1)
+    return counts
+
+
 def check_float(arr, name: str, *, allowed=FLOAT_DTYPES):
     """Raise TypeError unless ``arr`` has a supported floating dtype."""
     if arr.dtype not in allowed:

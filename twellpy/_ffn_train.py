@@ -29,7 +29,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import backends
-from ._array import as_array, check_float, contiguous, device_of, same_device, to_caller, xp_of
+from ._array import (as_array, check_float, contiguous, count_in_range, device_of, same_device, to_caller,
+                     xp_of)
 
 __all__ = ["gated_forward_train", "gated_backward", "relu_forward_train", "relu_backward",
            "TrainContext", "choose_width"]
@@ -313,8 +314,7 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
     _mark("gate GEMM + pattern", xp)
     # work that does not need the width is queued before the host reads the
     # counts, so the device keeps busy while the host picks W
-    neuron_counts = (xp.bincount(col, minlength=H) if col.size else xp.zeros(H, dtype=np.int64))
-    neuron_counts = neuron_counts.astype(np.int32)
+    neuron_counts = count_in_range(col, H)  # no host sync (cupy.bincount would sync twice)
     w_downT = be.transpose_copy(w_down)
 
     # 2) Hybrid layout: width from the counts, backup rows for wider rows
