@@ -100,10 +100,16 @@ class _ExampleReport:
         terminalreporter.write_sep("-", f"fuzz profile {PROFILE!r}: {total} examples executed")
         for k, v in sorted(EXAMPLES.items()):
             terminalreporter.write_line(f"  {k}: {v}")
+
+    def pytest_sessionfinish(self, session):
+        # one file per process: under pytest-xdist every worker counts its own
+        # share (the total is the sum over fuzz_counts_*.json)
         out = os.environ.get("OUT")
-        if out:
-            with open(os.path.join(out, "fuzz_counts.json"), "w") as f:
-                json.dump({"profile": PROFILE, "total": total, "per_property": dict(EXAMPLES)}, f, indent=1)
+        if out and EXAMPLES:
+            who = os.environ.get("PYTEST_XDIST_WORKER", "main")
+            with open(os.path.join(out, f"fuzz_counts_{who}.json"), "w") as f:
+                json.dump({"profile": PROFILE, "process": who, "total": sum(EXAMPLES.values()),
+                           "per_property": dict(EXAMPLES)}, f, indent=1)
 
 
 _REPORTER = _ExampleReport()
