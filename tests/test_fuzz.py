@@ -19,7 +19,7 @@ Profiles (environment variable ``TWELLPY_FUZZ_PROFILE``):
   ``TWELLPY_SANITIZE`` is set (compute-sanitizer runs are much slower).
 
 The number of examples executed is counted per property and printed at the
-end of the session (and written to ``$OUT/fuzz_counts.json`` when ``OUT`` is set).
+end of the session (and written per process to ``$OUT/fuzz_counts_<worker>.json`` when ``OUT`` is set).
 """
 from __future__ import annotations
 
