@@ -78,6 +78,14 @@ def _sync_device():
     return True
 
 
+def _sync_after(*chunks):
+    """Run on a worker after the given chunks: wait for its GPU."""
+    import cupy
+
+    cupy.cuda.runtime.deviceSynchronize()
+    return len(chunks)
+
+
 def _worker_env():
     import os as _os
 
@@ -159,12 +167,14 @@ def rel_err(got, ref):
 
 
 def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=1, batches=1,
-        log=print, ffn_kwargs=None):
+        log=print, ffn_kwargs=None, submit="pipelined"):
     """Time direct and Dask runs; returns a dict of results (JSON-serialisable).
 
     One timed repetition processes ``batches`` batches of M tokens back to back
     (direct: ``batches`` calls, then one device sync; Dask: ``batches`` graphs
-    persisted together, then one wait and one sync per worker), so that
+    submitted batch by batch (``submit="pipelined"``, as a serving loop would) or
+    persisted together (``"together"``), then one synchronising task per worker
+    that depends on every chunk), so that
     throughput is measured the way a stream of batches runs, with Dask's fixed
     per-call costs (graph, scheduling, round trips) amortised as they would be.
     """
@@ -213,7 +223,7 @@ def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=
     del ref
     tokens = m * batches
     results = {"mode": mode, "sizes": sizes, "dtype": dtype_name, "ffn_kwargs": ffn_kwargs,
-               "threads_per_worker": threads,
+               "threads_per_worker": threads, "submit": submit,
                "chunks": "workers x " + str(n_chunks(1)) if callable(n_chunks) else n_chunks, "reps": reps,
                "batches_per_rep": batches,
                "direct": {"seconds": t_direct, "tokens_per_s": tokens / t_direct,
@@ -225,15 +235,21 @@ def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=
 
     # ---- Dask with 1, 2, ... workers --------------------------------------------
     import dask
-    from distributed import wait
+    from distributed import futures_of, wait
+
+    if submit not in ("pipelined", "together"):
+        raise ValueError(f"submit must be 'pipelined' or 'together', got {submit!r}")
 
     for n in worker_counts:
         cluster, client, kind = start_cluster(mode, n, threads)
         try:
             envs = client.run(_worker_env)
+            worker_addrs = sorted(envs)
             chunks_n = n_chunks(n) if callable(n_chunks) else n_chunks
             dx, x_futures = scatter_rows(client, x, chunks_n)
             wait(x_futures)
+            homes = client.who_has(x_futures)
+            x_home = {f.key[1]: sorted(homes[f.key])[0] for f in x_futures}
             shared = [twd.share(a, name, client=client) for name, a in
                       (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down))]
 
@@ -242,12 +258,29 @@ def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=
             def dask_run():
                 # fresh output names per run: identical calls would otherwise share keys
                 # with results still in worker memory and time nothing
-                ys = [twd.gated_forward(dx, *shared, name=f"bench-y-{n}-{next(counter)}", **ffn_kwargs)
-                      for _ in range(batches)]
-                ys = dask.persist(*ys)
-                wait(list(ys))
+                if submit == "together":
+                    ys = [twd.gated_forward(dx, *shared, name=f"bench-y-{n}-{next(counter)}", **ffn_kwargs)
+                          for _ in range(batches)]
+                    ys = dask.persist(*ys)
+                else:
+                    # each batch is submitted as soon as its graph is built, as a
+                    # serving loop would: batch k runs while batch k+1's graph is built
+                    ys = [client.persist(twd.gated_forward(dx, *shared, name=f"bench-y-{n}-{next(counter)}",
+                                                           **ffn_kwargs)) for _ in range(batches)]
                 if mode == "gpu":
-                    client.run(_sync_device)
+                    # one task after every chunk, on the workers holding them: it returns
+                    # when the GPU is done (cheaper than another client.run round trip)
+                    # (only chunks expected on that worker: output chunk i runs where x's
+                    # chunk i lives; a dependency elsewhere would copy a chunk across GPUs)
+                    by_worker = {}
+                    for y in ys:
+                        for f in futures_of(y):
+                            by_worker.setdefault(x_home.get(f.key[1], worker_addrs[0]), []).append(f)
+                    done = [client.submit(_sync_after, *fs, workers=[addr], pure=False)
+                            for addr, fs in by_worker.items()]
+                    wait(done)
+                else:
+                    wait(list(ys))
                 return ys[0]
 
             # Direct and Dask runs alternate, so both see the same machine load

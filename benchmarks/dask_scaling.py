@@ -55,6 +55,9 @@ def main(argv=None):
                    help="FFN mode of both the direct and the Dask runs (default: the library's)")
     p.add_argument("--no-check-finite", action="store_true",
                    help="skip the NaN/Inf input check (a host synchronisation) in both runs")
+    p.add_argument("--submit", default="pipelined", choices=("pipelined", "together"),
+                   help="pipelined: each batch is persisted as soon as its graph is built (a serving "
+                        "loop); together: all batches of a repetition persisted in one call")
     args = p.parse_args(argv)
 
     mode = "cpu" if args.cpu else ("gpu" if bench.gpu_count() > 0 and bench.have_dask_cuda() else "cpu")
@@ -84,13 +87,13 @@ def main(argv=None):
         ffn_kwargs["check_finite"] = False
     threads = args.threads if mode == "gpu" else 1
     results = bench.run(mode, sizes, counts, chunks, reps, dtype, batches=batches, threads=threads,
-                        ffn_kwargs=ffn_kwargs)
+                        ffn_kwargs=ffn_kwargs, submit=args.submit)
     results["workload"] = name
     bench.write_out(results, "dask_scaling.json")
     print()
     print(f"Dask scaling, {name} (M={sizes['M']}), {dtype}, {mode}, "
           f"{batches} batch(es) per run, median of {reps} runs, {threads} thread(s) per worker, "
-          f"FFN options {ffn_kwargs or 'default'}")
+          f"FFN options {ffn_kwargs or 'default'}, batches submitted {args.submit}")
     print(bench.table(results, unit="GPU" if mode == "gpu" else "worker"))
     one = [r for r in results["dask"] if r["workers"] == 1]
     if one:

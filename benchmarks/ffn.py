@@ -257,6 +257,72 @@ def run_gpu(args):
               f"{(r['mean_active'] or 0):7.1f}  {r['twellpy_variant']} [{r['auto_mode']}]")
 
 
+M_SWEEP = [1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
+
+def time_stream(fn, calls=20, reps=5, sync=None):
+    """Median milliseconds per call of ``calls`` back-to-back calls (host launch
+    overhead overlaps GPU work, as in a decode loop that does not wait)."""
+    import time as _t
+
+    sync()
+    fn()
+    sync()
+    ts = []
+    for _ in range(reps):
+        t0 = _t.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        ts.append((_t.perf_counter() - t0) / calls * 1e3)
+    return float(np.median(ts))
+
+
+def run_m_sweep(args):
+    """Speedup against dense over M at W1's D, H and 30 nnz/token: calibrates
+    the row count below which ``mode="auto"`` runs dense (issue 4, W4)."""
+    import cupy as cp
+    import torch
+
+    rows = []
+    print(f"{'M':>6s} {'dense':>8s} {'dense_s':>8s} {'own_dense':>9s} {'sparse':>8s} {'sparse_s':>8s} "
+          f"{'8w-nv1':>8s} {'auto':>8s} {'x':>5s} {'x_s':>5s}  (ms; _s: per call in a 20-call stream)")
+    for M in M_SWEEP:
+        spec = dict(WORKLOADS["W1-16k"], M=M)
+        w = make_ffn(**spec, dtype=bfloat16, xp=cp, seed=3)
+        x, wg, wu, wd = w["x"], w["w_gate"], w["w_up"], w["w_down"]
+        ref = reference_ffn(x, wg, wu, wd, dtype=np.float32)
+        tx, tg, tu, td = (to_caller(a, "torch") for a in (x, wg, wu, wd))
+
+        def dense():
+            return (torch.relu(tx @ tg.T) * (tx @ tu.T)) @ td.T
+
+        ffn = GatedFFN(wg, wu, wd, check_finite=False)
+        r = {"M": M}
+        r["dense_ms"] = time_torch(dense, args.reps)
+        r["dense_stream_ms"] = time_stream(dense, sync=torch.cuda.synchronize)
+        r["own_dense_ms"] = time_cupy(lambda: ffn(x, mode="dense"), args.reps)
+        r["sparse_err"] = rel_err(ffn(x, mode="sparse"), ref)
+        r["sparse_ms"] = time_cupy(lambda: ffn(x, mode="sparse"), args.reps)
+        r["sparse_stream_ms"] = time_stream(lambda: ffn(x, mode="sparse"), sync=cp.cuda.Device().synchronize)
+        label = apply_variant(ffn, (8, 1, "narrow", False))
+        r["alt_ms"] = time_cupy(lambda: ffn(x, mode="sparse"), args.reps) if label else float("nan")
+        apply_variant(ffn, None)
+        r["auto_ms"] = time_cupy(lambda: ffn(x), args.reps)
+        r["auto_mode"] = ffn.last_info.get("mode")
+        rows.append(r)
+        print(f"{M:6d} {r['dense_ms']:8.3f} {r['dense_stream_ms']:8.3f} {r['own_dense_ms']:9.3f} "
+              f"{r['sparse_ms']:8.3f} {r['sparse_stream_ms']:8.3f} {r['alt_ms']:8.3f} {r['auto_ms']:8.3f} "
+              f"{r['dense_ms'] / r['sparse_ms']:5.2f} {r['dense_stream_ms'] / r['sparse_stream_ms']:5.2f}  "
+              f"[{r['auto_mode']}] err {r['sparse_err']:.1e}", flush=True)
+        del w, x, wg, wu, wd, ref, tx, tg, tu, td, ffn
+    out = os.environ.get("OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        with open(Path(out) / "ffn_m_sweep.json", "w") as f:
+            json.dump(rows, f, indent=1)
+
+
 def run_cpu(args):
     w = make_ffn(**WORKLOADS["C1"], dtype=np.float32, xp=np, seed=1)
     x, wg, wu, wd = w["x"], w["w_gate"], w["w_up"], w["w_down"]
@@ -292,8 +358,12 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--cpu", action="store_true", help="run workload C1 on the CPU")
     ap.add_argument("--cpu-reps", type=int, default=5)
+    ap.add_argument("--m-sweep", action="store_true",
+                    help="speedup over M (1..16384) at W1 shape, to calibrate auto's small-M rule")
     args = ap.parse_args(argv)
-    if args.cpu:
+    if args.m_sweep:
+        run_m_sweep(args)
+    elif args.cpu:
         run_cpu(args)
     else:
         run_gpu(args)
