@@ -28,6 +28,7 @@ def main():
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--batches", type=int, default=8)
     p.add_argument("--rows", type=int, default=None)
+    p.add_argument("--submit", default="together", choices=("together", "pipelined"))
     a = p.parse_args()
     if a.batches < 1:
         p.error(f"--batches must be >= 1, got {a.batches}")
@@ -67,11 +68,16 @@ def main():
         shared = [twd.share(v, n, client=client) for n, v in (("w_gate", wg), ("w_up", wu), ("w_down", wd))]
         for rep in range(4):
             t0 = time.perf_counter()
-            ys = [twd.gated_forward(dx, *shared, name=f"probe-{rep}-{i}") for i in range(a.batches)]
+            if a.submit == "together":
+                ys = [twd.gated_forward(dx, *shared, name=f"probe-{rep}-{i}") for i in range(a.batches)]
             t_graph = time.perf_counter() - t0
             with get_task_stream(client) as ts:
                 t1, t1_wall = time.perf_counter(), time.time()
-                ys = dask.persist(*ys)
+                if a.submit == "together":
+                    ys = dask.persist(*ys)
+                else:  # batch i's graph is built and submitted before batch i+1's (graph time included)
+                    ys = [client.persist(twd.gated_forward(dx, *shared, name=f"probe-{rep}-{i}"))
+                          for i in range(a.batches)]
                 wait(list(ys))
                 t_wait = time.perf_counter() - t1
                 if mode == "gpu":
@@ -79,6 +85,12 @@ def main():
                 t_total = time.perf_counter() - t0
             comp, other = [], {}
             starts = []
+            spans = sorted((s["start"], s["stop"]) for rec in ts.data for s in rec["startstops"]
+                           if s["action"] == "compute")
+            if spans:
+                base = spans[0][0]
+                print("  task spans (ms from the first start): " + ", ".join(
+                    f"{(b - base) * 1e3:.1f}-{(e - base) * 1e3:.1f}" for b, e in spans))
             for rec in ts.data:
                 for s in rec["startstops"]:
                     d = s["stop"] - s["start"]

@@ -53,6 +53,35 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+#: bytes a test may leave cached in CuPy's / torch's pools before they are emptied
+_POOL_KEEP = 256 << 20
+
+
+@pytest.fixture(autouse=True)
+def _return_gpu_memory(request):
+    """Give cached GPU memory back after each GPU test.
+
+    xdist runs many test processes on one GPU; each memory pool keeps the peak
+    of its largest test, and together they starve the others (spurious
+    out-of-memory failures). Emptying the pools only past _POOL_KEEP keeps
+    small tests fast.
+    """
+    yield
+    if not HAS_GPU or "gpu" not in request.keywords:
+        return
+    import sys
+
+    cp = sys.modules.get("cupy")
+    if cp is not None:
+        pool = cp.get_default_memory_pool()
+        if pool.total_bytes() > _POOL_KEEP:
+            cp.cuda.Device().synchronize()
+            pool.free_all_blocks()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized() and torch.cuda.memory_reserved() > _POOL_KEEP:
+        torch.cuda.empty_cache()
+
+
 BACKENDS = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
