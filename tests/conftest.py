@@ -4,6 +4,12 @@ import os
 # JAX grabs 75% of GPU memory per process by default, which starves CuPy,
 # cuBLAS and torch in the same (or a parallel xdist) test process.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# ... and without preallocation its BFC pool still never gives memory back; the
+# platform allocator frees on demand, so parallel test processes share the GPU.
+os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
+
+import fcntl
+import tempfile
 
 import numpy as np
 import pytest
@@ -55,6 +61,28 @@ def pytest_collection_modifyitems(config, items):
 
 #: bytes a test may leave cached in CuPy's / torch's pools before they are emptied
 _POOL_KEEP = 256 << 20
+
+
+@pytest.fixture(autouse=True)
+def _gpu_memory_lock(request):
+    """Keep tests that may fill GPU memory away from the other xdist workers.
+
+    Out-of-memory tests (and the biggest shapes) can hold nearly all device
+    memory for a moment; a small allocation in a parallel worker then fails.
+    Every GPU test holds a shared lock, ``gpu_exclusive`` tests an exclusive
+    one, on a file unique to this pytest run.
+    """
+    worker_run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not HAS_GPU or not worker_run or "gpu" not in request.keywords:
+        yield
+        return
+    path = os.path.join(tempfile.gettempdir(), f"twellpy-gpu-{worker_run}.lock")
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX if "gpu_exclusive" in request.keywords else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @pytest.fixture(autouse=True)

@@ -373,6 +373,7 @@ def slot_lists_from_columns(rng, raw_cols, dtype):
     return np.where(cols >= 0, vals, 0.0).astype(dtype), cols
 
 
+@pytest.mark.gpu_exclusive
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
 def test_transpose_large_m_and_wide_n(dtype):
     """M >= 131072 and N > 65535, with a popular column hit by every row."""

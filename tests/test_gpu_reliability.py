@@ -113,6 +113,7 @@ OOM_REQUESTS = {
 }
 
 
+@pytest.mark.gpu_exclusive
 @pytest.mark.slow
 @pytest.mark.skipif(SANITIZE, reason="allocation failures are API errors under compute-sanitizer")
 @pytest.mark.parametrize("request_name", list(OOM_REQUESTS))

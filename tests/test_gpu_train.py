@@ -122,6 +122,7 @@ def test_torch_autograd_cross_check():
         assert rel(a, b) <= 2e-2, (name, rel(a, b))
 
 
+@pytest.mark.gpu_exclusive
 def test_large_m_and_h():
     """M = 131072 tokens, H = 11008 neurons (int32 offsets, big grids), bf16."""
     import cupy as cp

@@ -190,11 +190,12 @@ class _FFN:
                              f"move x to {self.device}")
         if chk:
             _check_finite(arr, "x")
-        lead = tuple(arr.shape[:-1])
-        x2 = arr.reshape(-1, self.D)
+        flat = arr.ndim == 2  # the common case skips two reshapes (decode calls are host-bound)
+        lead = None if flat else tuple(arr.shape[:-1])
+        x2 = arr if flat else arr.reshape(-1, self.D)
         y, h_dense, info = self._plan.forward(x2, mode=mode, return_activations=return_activations)
         self.last_info = info
-        y = to_caller(y.reshape(lead + (self.D,)), kind)
+        y = to_caller(y if flat else y.reshape(lead + (self.D,)), kind)
         if not return_activations:
             return y
         return y, self._activation(h_dense)

@@ -89,6 +89,10 @@ _registry.declare(_PACK_FILE, [f"twellpy_ffn_{k}<{_registry.ctype(d)}>"
 #: capacity of the per-row active lists built by twellpy_ffn_rowpack; rows
 #: firing more neurons are scanned directly by the sparse kernel (still exact)
 LIST_ROW_CAP = 512
+# kernel arguments built once (numpy scalars cost a microsecond each per call)
+_NULL = np.uint64(0)
+_I32_ZERO, _I64_ZERO = np.int32(0), np.int64(0)
+_I32_LIST_ROW_CAP = np.int32(LIST_ROW_CAP)
 
 # cuBLAS constants (cudaDataType_t / cublasComputeType_t / cublasOperation_t)
 _CUDA_TYPE = {np.dtype(np.float16): 2, bfloat16: 14, np.dtype(np.float32): 0, np.dtype(np.float64): 1}
@@ -100,17 +104,29 @@ _ONE32, _ZERO32 = np.array(1.0, np.float32), np.array(0.0, np.float32)
 _ONE64, _ZERO64 = np.array(1.0, np.float64), np.array(0.0, np.float64)
 
 
+_CUBLAS = None
+
+
 def _cublas():
-    from cupy_backends.cuda.libs import cublas
+    global _CUBLAS
+    if _CUBLAS is None:
+        from cupy_backends.cuda.libs import cublas
 
-    return cublas
+        _CUBLAS = cublas
+    return _CUBLAS
 
 
-def gemm_nt(a, b, out, handle, stream):
+_ONE32_PTR, _ZERO32_PTR = _ONE32.ctypes.data, _ZERO32.ctypes.data
+_ONE64_PTR, _ZERO64_PTR = _ONE64.ctypes.data, _ZERO64.ctypes.data
+
+
+def gemm_nt(a, b, out, handle, stream, on_current=False):
     """``out[:] = a @ b.T`` with cuBLAS on ``stream`` (fp32 compute; fp64 for fp64).
 
     ``a`` (m, k) and ``b`` (n, k) have unit column stride; ``out`` (m, n) is
     C-contiguous. Row strides of ``a`` may exceed k (row slices).
+    ``on_current=True`` says ``stream`` is already the current stream (saves
+    entering its context: decode-sized calls are bound by host time).
     """
     m, k = a.shape
     n = b.shape[0]
@@ -119,24 +135,24 @@ def gemm_nt(a, b, out, handle, stream):
     if k == 0:
         out.fill(0)
         return out
-    cublas = _cublas()
-    dt = np.dtype(a.dtype)
+    dt = a.dtype
     isz = dt.itemsize
-    if dt == np.float64:
-        one, zero, compute = _ONE64, _ZERO64, _COMPUTE_64F
+    if isz == 8:
+        one, zero, compute = _ONE64_PTR, _ZERO64_PTR, _COMPUTE_64F
     else:
-        one, zero, compute = _ONE32, _ZERO32, _COMPUTE_32F
+        one, zero, compute = _ONE32_PTR, _ZERO32_PTR, _COMPUTE_32F
     ctype = _CUDA_TYPE[dt]
-    lda = a.strides[0] // isz
-    ldb = b.strides[0] // isz
-    ldc = out.strides[0] // isz
+    # Row-major C = A @ B.T is column-major C^T = B @ A^T: op(B) = T, op(A) = N.
+    gemm_args = (handle, _OP_T, _OP_N, n, m, k, one, b.data.ptr, ctype, b.strides[0] // isz,
+                 a.data.ptr, ctype, a.strides[0] // isz, zero, out.data.ptr, ctype, out.strides[0] // isz,
+                 compute, _GEMM_DEFAULT)
     # CuPy's cuBLAS wrappers bind the handle to the *current* stream on every
     # call, so the stream is selected by making it current.
-    with stream:
-        # Row-major C = A @ B.T is column-major C^T = B @ A^T: op(B) = T, op(A) = N.
-        cublas.gemmEx(handle, _OP_T, _OP_N, n, m, k, one.ctypes.data,
-                      b.data.ptr, ctype, ldb, a.data.ptr, ctype, lda,
-                      zero.ctypes.data, out.data.ptr, ctype, ldc, compute, _GEMM_DEFAULT)
+    if on_current:
+        _cublas().gemmEx(*gemm_args)
+    else:
+        with stream:
+            _cublas().gemmEx(*gemm_args)
     return out
 
 
@@ -306,6 +322,8 @@ class FFNPlan:
         self.auto_threshold = self._default_threshold()
         self._ws_rows = 0
         self._ws = {}
+        self._kernels = {}  # see _kernel
+        self._dims = (np.int32(self.D), np.int32(self.H))
         self._last_rows = 0
         self._last_sparse_rows = 0
 
@@ -361,7 +379,8 @@ class FFNPlan:
         if hv is None or hv.size < M:
             hv = cp.zeros((max(M, 1),), np.int32)
             self._ws["heavy"] = hv
-        return hv[:M]
+        # a slice costs microseconds; the kernels index rows < M only
+        return hv if hv.size == M else hv[:M]
 
     def _u_buffer(self, chunk):
         cp = cupy_module()
@@ -389,45 +408,67 @@ class FFNPlan:
         return int(max(1, min(M, cls.MAX_CHUNK)))
 
     # ---- kernels ------------------------------------------------------------
-    def _launch_rowpack(self, g, buf, stream, total=None):
+    def _kernel(self, kind):
+        """(kernel, grid cap) of the row-pack or sparse kernel for the current
+        device and tuning, memoised per plan: the registry lookup builds names
+        and define sets, which decode-sized calls cannot afford each time."""
+        dev = cupy_module().cuda.Device().id
+        write_h = kind == "sparse_h"
+        key = (dev, kind, self.config, self.kb_variant, self.l2_hint)
+        hit = self._kernels.get(key)
+        if hit is not None:
+            return hit
+        if kind == "rowpack":
+            k = _registry.get_kernel(_PACK_FILE, f"twellpy_ffn_rowpack<{_registry.ctype(self.dtype)}>")
+        else:
+            _, nv = self.config
+            kb = _KB_FOR_NV[self.kb_variant][nv]
+            k = _registry.get_kernel(_SPARSE_FILE, _sparse_name(self.dtype, nv, kb, self.gated, write_h),
+                                     **_group_define(self.dtype, nv, kb, self.gated, write_h, self.l2_hint))
+        hit = self._kernels[key] = (k, _sm_count(dev) * 16)
+        return hit
+
+    def _launch_rowpack(self, g, buf, stream, total=None, on_current=False):
         m = g.shape[0]
         if m == 0:
             return
-        k = _registry.get_kernel(_PACK_FILE, f"twellpy_ffn_rowpack<{_registry.ctype(self.dtype)}>")
+        k, _ = self._kernel("rowpack")
         ws = self._ws
         args = (g, np.int64(g.strides[0] // self.dtype.itemsize), np.int32(m), np.int32(self.H),
-                np.int32(LIST_ROW_CAP), ws["list_idx"][buf], ws["list_val"][buf], ws["row_count"][buf],
-                np.uint64(0) if total is None else total)
-        with stream:
+                _I32_LIST_ROW_CAP, ws["list_idx"][buf], ws["list_val"][buf], ws["row_count"][buf],
+                _NULL if total is None else total)
+        if on_current:
             k(((m + 7) // 8,), (256,), args)
+        else:
+            with stream:
+                k(((m + 7) // 8,), (256,), args)
 
-    def _launch_sparse(self, x, g, y, h_out, heavy, counters, stream, buf=None):
+    def _launch_sparse(self, x, g, y, h_out, heavy, counters, stream, buf=None, on_current=False):
         warps, nv = self.config
         m = x.shape[0]
         if m == 0:
             return
-        cp = cupy_module()
-        kb = _KB_FOR_NV[self.kb_variant][nv]
-        write_h = h_out is not None
-        name = _sparse_name(self.dtype, nv, kb, self.gated, write_h)
-        k = _registry.get_kernel(_SPARSE_FILE, name,
-                                 **_group_define(self.dtype, nv, kb, self.gated, write_h, self.l2_hint))
-        grid = (int(min(m, _n_sm() * 16)),)
+        k, grid_cap = self._kernel("sparse" if h_out is None else "sparse_h")
         isz = self.dtype.itemsize
-        h_ptr = h_out if h_out is not None else np.uint64(0)  # null pointer
-        ldh = (h_out.strides[0] // isz) if h_out is not None else 0
-        null = np.uint64(0)
-        if buf is None:
-            lists = (null, null, null, np.int32(0))
+        if h_out is None:
+            h_ptr, ldh = _NULL, _I64_ZERO
         else:
-            lists = (self._ws["list_idx"][buf], self._ws["list_val"][buf], self._ws["row_count"][buf],
-                     np.int32(LIST_ROW_CAP))
+            h_ptr, ldh = h_out, np.int64(h_out.strides[0] // isz)
+        if buf is None:
+            lists = (_NULL, _NULL, _NULL, _I32_ZERO)
+        else:
+            ws = self._ws
+            lists = (ws["list_idx"][buf], ws["list_val"][buf], ws["row_count"][buf], _I32_LIST_ROW_CAP)
         args = (x, np.int64(x.strides[0] // isz), g, np.int64(g.strides[0] // isz),
                 self.w_up, self.w_downT, y, np.int64(y.strides[0] // isz),
-                h_ptr, np.int64(ldh)) + lists + (heavy, counters,
-                np.int32(m), np.int32(self.D), np.int32(self.H), np.int32(self._heavy_arg()))
-        with stream:
+                h_ptr, ldh) + lists + (heavy, counters,
+                np.int32(m)) + self._dims + (np.int32(self._heavy_arg()),)
+        grid = (min(m, grid_cap),)
+        if on_current:
             k(grid, (warps * 32,), args)
+        else:
+            with stream:
+                k(grid, (warps * 32,), args)
 
     def _heavy_arg(self):
         if self.heavy_limit is None:
@@ -513,9 +554,9 @@ class FFNPlan:
             if self.heavy_limit is not None:
                 heavy.fill(0)
             g = ws["g"][0][:M]
-            gemm_nt(x, self.gate_w, g, hA, cur)
+            gemm_nt(x, self.gate_w, g, hA, cur, on_current=True)
             probe = mode == "auto" and M > self.AUTO_MIN_ROWS
-            self._launch_rowpack(g, 0, cur, total=counters[2:] if probe else None)
+            self._launch_rowpack(g, 0, cur, total=counters[2:] if probe else None, on_current=True)
             if probe:
                 # measured density decides (host waits for the gate GEMM + row lists)
                 cur.record().synchronize()
@@ -523,7 +564,7 @@ class FFNPlan:
                 info["mean_active"] = seen / M
                 use_sparse = seen / M <= self.auto_threshold
             if use_sparse:
-                self._launch_sparse(x, g, y, h_full, heavy, counters, cur, buf=0)
+                self._launch_sparse(x, g, y, h_full, heavy, counters, cur, buf=0, on_current=True)
             else:
                 u = self._u_buffer(M) if self.gated else None
                 self._dense_stage2(x, g, y, h_full, hA, cur, None if u is None else u[:M])
