@@ -3,6 +3,7 @@
 # Usage on the H200 (from the repo root):  bash benchmarks/device_suite.sh [tests|sanitize|memcheck K/N|bench|all]
 #   memcheck K/N: shard K of N of the whole GPU suite under memcheck (8 xdist workers); the whole
 #   suite under memcheck takes ~13 minutes on an H200, so run it as 0/3, 1/3, 2/3 (one call each).
+#   Keep 8 workers: 14 made no progress in 570 s (instrumentation does not scale with processes).
 # Logs and JSON go to $OUT (or ./device_out); the short tables print last.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_cache}
@@ -12,13 +13,13 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 git rev-parse --short HEAD 2>/dev/null | tee "$OUT/commit.txt"
 status=0
 if [[ $what == tests || $what == all ]]; then
-  python -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 || status=1
+  python -m pytest -q -m gpu -n ${GPU_WORKERS:-16} tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 || status=1
 fi
 if [[ $what == memcheck ]]; then
   shard=${2:?usage: device_suite.sh memcheck K/N}
   tag=${shard/\//of}
   TWELLPY_SANITIZE=1 TWELLPY_SHARD=$shard compute-sanitizer --tool memcheck --print-limit 20 \
-    python -m pytest -q -m gpu -n 8 tests -p no:cacheprovider > "$OUT/memcheck_$tag.log" 2>&1
+    python -m pytest -q -m gpu -n ${MEMCHECK_WORKERS:-8} tests -p no:cacheprovider > "$OUT/memcheck_$tag.log" 2>&1
   rc=$?
   echo "memcheck shard $shard exit $rc: $(grep -c 'Invalid' "$OUT/memcheck_$tag.log") 'Invalid' lines;" \
        "$(grep 'ERROR SUMMARY' "$OUT/memcheck_$tag.log" | sort | uniq -c | tr '\n' ' ')"
