@@ -172,7 +172,8 @@ def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=
 
     One timed repetition processes ``batches`` batches of M tokens back to back
     (direct: ``batches`` calls, then one device sync; Dask: ``batches`` graphs
-    submitted batch by batch (``submit="pipelined"``, as a serving loop would) or
+    submitted batch by batch (``submit="pipelined"``, as a serving loop would;
+    ``"eager"``: the same through ``gated_forward(..., persist=True)``) or
     persisted together (``"together"``), then one synchronising task per worker
     that depends on every chunk), so that
     throughput is measured the way a stream of batches runs, with Dask's fixed
@@ -237,8 +238,8 @@ def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=
     import dask
     from distributed import futures_of, wait
 
-    if submit not in ("pipelined", "together"):
-        raise ValueError(f"submit must be 'pipelined' or 'together', got {submit!r}")
+    if submit not in ("pipelined", "together", "eager"):
+        raise ValueError(f"submit must be 'pipelined', 'together' or 'eager', got {submit!r}")
 
     for n in worker_counts:
         cluster, client, kind = start_cluster(mode, n, threads)
@@ -262,6 +263,11 @@ def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=
                     ys = [twd.gated_forward(dx, *shared, name=f"bench-y-{n}-{next(counter)}", **ffn_kwargs)
                           for _ in range(batches)]
                     ys = dask.persist(*ys)
+                elif submit == "eager":
+                    # the library's streaming path: one client.submit per chunk, no
+                    # collection machinery (gated_forward(..., persist=True))
+                    ys = [twd.gated_forward(dx, *shared, name=f"bench-y-{n}-{next(counter)}", persist=True,
+                                            **ffn_kwargs) for _ in range(batches)]
                 else:
                     # each batch is submitted as soon as its graph is built, as a
                     # serving loop would: batch k runs while batch k+1's graph is built

@@ -55,9 +55,11 @@ def main(argv=None):
                    help="FFN mode of both the direct and the Dask runs (default: the library's)")
     p.add_argument("--no-check-finite", action="store_true",
                    help="skip the NaN/Inf input check (a host synchronisation) in both runs")
-    p.add_argument("--submit", default="pipelined", choices=("pipelined", "together"),
+    p.add_argument("--submit", default="pipelined", choices=("pipelined", "together", "eager"),
                    help="pipelined: each batch is persisted as soon as its graph is built (a serving "
-                        "loop); together: all batches of a repetition persisted in one call")
+                        "loop); eager: the same through gated_forward(..., persist=True), one "
+                        "client.submit per chunk; together: all batches of a repetition persisted "
+                        "in one call")
     args = p.parse_args(argv)
 
     mode = "cpu" if args.cpu else ("gpu" if bench.gpu_count() > 0 and bench.have_dask_cuda() else "cpu")

@@ -28,14 +28,14 @@ def main():
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--batches", type=int, default=8)
     p.add_argument("--rows", type=int, default=None)
-    p.add_argument("--submit", default="together", choices=("together", "pipelined"))
+    p.add_argument("--submit", default="together", choices=("together", "pipelined", "eager"))
     a = p.parse_args()
     if a.batches < 1:
         p.error(f"--batches must be >= 1, got {a.batches}")
     mode = "cpu" if a.cpu or not eng.gpu_count() else "gpu"
     import dask
     import numpy as np
-    from distributed import get_task_stream, wait
+    from distributed import futures_of, get_task_stream, wait
 
     import twellpy.dask as twd
     from benchmarks.workloads import WORKLOADS, make_ffn
@@ -75,10 +75,13 @@ def main():
                 t1, t1_wall = time.perf_counter(), time.time()
                 if a.submit == "together":
                     ys = dask.persist(*ys)
+                elif a.submit == "eager":  # one client.submit per chunk (persist=True)
+                    ys = [twd.gated_forward(dx, *shared, name=f"probe-{rep}-{i}", persist=True)
+                          for i in range(a.batches)]
                 else:  # batch i's graph is built and submitted before batch i+1's (graph time included)
                     ys = [client.persist(twd.gated_forward(dx, *shared, name=f"probe-{rep}-{i}"))
                           for i in range(a.batches)]
-                wait(list(ys))
+                wait([f for y in ys for f in futures_of(y)])
                 t_wait = time.perf_counter() - t1
                 if mode == "gpu":
                     client.run(eng._sync_device)

@@ -223,6 +223,45 @@ def test_ffn_equals_single_process(client, kind):
     assert rel_err(got, ref) < RTOL[np.dtype(np.float32)]
 
 
+@pytest.mark.parametrize("kind", ["gated", "relu"])
+@pytest.mark.parametrize("persisted_input", [True, False], ids=["persisted-x", "lazy-x"])
+def test_ffn_persist_submits_now_and_matches_lazy(client, kind, persisted_input):
+    """persist=True: one submitted task per chunk, same values as the lazy graph."""
+    x, w_gate, w_up, w_down = ffn_problem(131, 24, 80, seed=23)
+    dx = da.from_array(x, chunks=(30, 24))  # 131 = 4*30 + 11
+    if persisted_input:
+        dx = client.persist(dx)
+    ws = (w_gate, w_up, w_down) if kind == "gated" else (w_up, w_down)
+    fn = twd.gated_forward if kind == "gated" else twd.relu_forward
+    shared = [twd.share(w, f"w{i}", client=client) for i, w in enumerate(ws)]
+    lazy = fn(dx, *shared, name=f"lazy-{kind}-{persisted_input}")
+    eager = fn(dx, *shared, name=f"eager-{kind}-{persisted_input}", persist=True)
+    futures = distributed.futures_of(eager)
+    # every chunk is already a future: the work started without compute()/persist()
+    assert len(futures) == 5 and all(isinstance(f, distributed.Future) for f in futures)
+    assert eager.chunks == ((30, 30, 30, 30, 11), (24,)) and eager.dtype == lazy.dtype
+    assert type(eager._meta) is np.ndarray
+    distributed.wait(futures)
+    got, want = eager.compute(), lazy.compute()
+    np.testing.assert_array_equal(got, want)
+    direct = (tw.ffn.gated_forward if kind == "gated" else tw.ffn.relu_forward)(x, *ws)
+    assert rel_err(got, direct) < RTOL[np.dtype(np.float32)]
+    # the result composes with ordinary dask code
+    np.testing.assert_array_equal((eager[:50] * 2).compute(), want[:50] * 2)
+
+
+def test_ffn_persist_needs_a_client_and_scattered_weights(client):
+    x, w_gate, w_up, w_down = ffn_problem(20, 8, 16, seed=24)
+    dx = da.from_array(x, chunks=(5, 8))
+    with pytest.raises(ValueError, match="persist=True needs a distributed.Client"):
+        twd.gated_forward(dx, w_gate, w_up, w_down, client=False, persist=True)
+    local = [twd.share(w, "w", client=False) for w in (w_gate, w_up, w_down)]
+    with pytest.raises(ValueError, match="persist=True needs weights shared through a client"):
+        twd.gated_forward(dx, *local, client=client, persist=True)
+    with pytest.raises(TypeError, match="persist must be a bool"):
+        twd.gated_forward(dx, w_gate, w_up, w_down, client=client, persist="yes")
+
+
 def test_distinct_calls_get_distinct_keys(client):
     """Two FFN calls on different data never share output keys (would silently mix results)."""
     x, w_gate, w_up, w_down = ffn_problem(64, 16, 48, seed=19)

@@ -864,7 +864,56 @@ def from_dask(x, format="twell", *, rechunk=True, **params):
 _FFN_INIT_KWARGS = ("tile", "slots", "mode", "check_finite")
 
 
-def _ffn(kind, x, weights, client, broadcast, rechunk, out_name, ffn_kwargs):
+def _chunk_futures(x):
+    """``{key: Future}`` for every chunk of ``x`` when ``x`` is persisted (its
+    graph holds futures for all of its keys), else None."""
+    try:
+        from distributed import futures_of
+    except ImportError:  # pragma: no cover - distributed is optional
+        return None
+    futs = {f.key: f for f in futures_of(x)}
+    keys = [k for row in x.__dask_keys__() for k in row]
+    if not keys or any(k not in futs for k in keys):
+        return None
+    return {k: futs[k] for k in keys}
+
+
+def _submit_chunks(kind, x, shared, client, name, ffn_kwargs, dtype, out_cols):
+    """The FFN of every row chunk of ``x``, submitted now as one task each.
+
+    ``x`` is persisted first when it is not already. ``client.submit`` per
+    chunk skips the collection machinery of ``persist`` (graph expression,
+    optimisation, materialisation), which costs milliseconds per call: the
+    latency that dominates a stream of batches of a few milliseconds each.
+    """
+    if client is None:
+        client = _active_client()
+    if client is None or client is False:
+        raise ValueError("persist=True needs a distributed.Client (pass client= or create one); "
+                         "got none")
+    futs = _chunk_futures(x)
+    if futs is None:
+        x = client.persist(x)
+        futs = _chunk_futures(x)
+    refs = [w.ref for w in shared]
+    try:
+        from distributed import Future
+    except ImportError:  # pragma: no cover - checked by _active_client already
+        Future = ()
+    if not all(isinstance(r, Future) for r in refs):
+        raise ValueError("persist=True needs weights shared through a client (twellpy.dask.share with "
+                         "a client); got a weight built with client=False")
+    out = {}
+    for i, key in enumerate(futs):
+        out_key = (name, i, 0)
+        out[out_key] = client.submit(_ffn_chunk, futs[key], *refs, kind=kind, ffn_kwargs=dict(ffn_kwargs),
+                                     in_dtype=dtype.name, key=out_key, pure=False)
+    return da.Array(out, name, chunks=(x.chunks[0], (out_cols,)), dtype=dtype, meta=_array_meta(x, dtype))
+
+
+def _ffn(kind, x, weights, client, broadcast, rechunk, out_name, ffn_kwargs, persist=False):
+    if not isinstance(persist, bool):
+        raise TypeError(f"persist must be a bool, got {persist!r}")
     if "return_activations" in ffn_kwargs:
         raise ValueError("return_activations is not supported by twellpy.dask; the result is "
                          "the dense FFN output only")
@@ -909,6 +958,9 @@ def _ffn(kind, x, weights, client, broadcast, rechunk, out_name, ffn_kwargs):
     dtype = np.dtype(x.dtype)
     out_cols = w_down.shape[0]
     shared = [_share_described(w, arg, client, broadcast) for arg, w in named]
+    if persist:
+        name = out_name or f"twellpy-{kind}-forward-{_token(x, shared, kind, ffn_kwargs)}"
+        return _submit_chunks(kind, x, shared, client, name, ffn_kwargs, dtype, out_cols)
     return x.map_blocks(
         _ffn_chunk, *[w.ref for w in shared], kind=kind, ffn_kwargs=dict(ffn_kwargs), in_dtype=dtype.name,
         dtype=dtype, chunks=(x.chunks[0], (out_cols,)), meta=_array_meta(x, dtype),
@@ -916,7 +968,7 @@ def _ffn(kind, x, weights, client, broadcast, rechunk, out_name, ffn_kwargs):
 
 
 def gated_forward(x, w_gate, w_up, w_down, *, client=None, broadcast=True, rechunk=True,
-                  name=None, **ffn_kwargs):
+                  name=None, persist=False, **ffn_kwargs):
     """Gated sparse FFN inference over the row chunks of a dask array.
 
     Each row chunk runs a :class:`twellpy.ffn.GatedFFN` on the worker that
@@ -947,6 +999,13 @@ def gated_forward(x, w_gate, w_up, w_down, *, client=None, broadcast=True, rechu
         Key name of the output. By default it is a hash of the inputs, so
         identical calls share keys (and results already in memory); give a
         fresh name to force a new computation (e.g. when timing).
+    persist : bool
+        False (default): return a lazy dask array. True: start the work now
+        and return a dask array backed by one future per chunk, the result
+        of ``.persist()`` but with one ``client.submit`` per chunk, which
+        skips the collection machinery (milliseconds per call). Use it to
+        stream many small batches. Needs a client; ``x`` is persisted first
+        when it is not already.
     **ffn_kwargs
         ``tile``, ``slots``, ``mode``, ``check_finite``: passed to
         :class:`twellpy.ffn.GatedFFN` (``return_activations`` is not
@@ -968,16 +1027,17 @@ def gated_forward(x, w_gate, w_up, w_down, *, client=None, broadcast=True, rechu
         device.
     """
     weights = [("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)]
-    return _ffn("gated", x, weights, client, broadcast, rechunk, name, ffn_kwargs)
+    return _ffn("gated", x, weights, client, broadcast, rechunk, name, ffn_kwargs, persist)
 
 
 def relu_forward(x, w_up, w_down, *, client=None, broadcast=True, rechunk=True, name=None,
-                 **ffn_kwargs):
+                 persist=False, **ffn_kwargs):
     """ReLU sparse FFN inference over the row chunks of a dask array.
 
     Same as :func:`gated_forward` without the gate: every chunk runs a
     :class:`twellpy.ffn.ReluFFN` with ``w_up`` (H, D) and ``w_down`` (D, H),
-    both placed once per worker.
+    both placed once per worker. ``persist=True`` submits the chunks now
+    (see :func:`gated_forward`).
 
     Returns
     -------
@@ -985,7 +1045,7 @@ def relu_forward(x, w_up, w_down, *, client=None, broadcast=True, rechunk=True, 
         (M, D), chunks ``(x.chunks[0], (D,))``.
     """
     weights = [("w_up", w_up), ("w_down", w_down)]
-    return _ffn("relu", x, weights, client, broadcast, rechunk, name, ffn_kwargs)
+    return _ffn("relu", x, weights, client, broadcast, rechunk, name, ffn_kwargs, persist)
 
 
 # Workers import this module to unpickle chunk functions; registering at import
