@@ -281,7 +281,19 @@ def test_distinct_calls_get_distinct_keys(client):
     np.testing.assert_array_equal(g4, by_chunks(tw.ffn.gated_forward, x, 16, w_gate, w_up * 2, w_down))
 
 
-def test_weights_reach_each_worker_once(client):
+@pytest.fixture
+def amm_stopped(client):
+    """distributed's Active Memory Manager drops idle replicas of broadcast
+    weights within seconds; tests of where data sits stop it meanwhile."""
+    client.amm.stop()
+    try:
+        yield client
+    finally:
+        client.amm.start()
+
+
+def test_weights_reach_each_worker_once(amm_stopped):
+    client = amm_stopped
     x, w_gate, w_up, w_down = ffn_problem(240, 32, 128, seed=8)
     shared = [twd.share(w, name) for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down))]
     assert all(isinstance(s.ref, distributed.Future) for s in shared)
@@ -310,6 +322,32 @@ def test_weights_reach_each_worker_once(client):
     # sharing again gives a fresh key: a hashed key would be shared with the
     # futures above, and their release could delete data a later call needs
     assert twd.share(w_up, "w_up").key != shared[1].key
+
+
+def _prepared_ffn_count():
+    return sum(len(cache) for cache in twd._FFN_CACHES.values())
+
+
+def test_dropped_weight_replicas_do_not_rebuild_the_ffn(client):
+    """The Active Memory Manager drops idle broadcast replicas; a worker that
+    receives a weight again (a new object) still reuses its prepared FFN."""
+    x, w_gate, w_up, w_down = ffn_problem(120, 16, 64, seed=26)
+    shared = [twd.share(w, n, client=client) for n, w in (("w_gate", w_gate), ("w_up", w_up),
+                                                           ("w_down", w_down))]
+    dx = da.from_array(x, chunks=(20, 16))
+    client.run(twd.clear_ffn_cache)
+    first = twd.gated_forward(dx, *shared, name="amm-first").compute()
+    built = client.run(_prepared_ffn_count)
+    assert sum(built.values()) >= 1
+    # wait until the manager has dropped the extra replicas (it runs every 2 s)
+    deadline = time.time() + 30
+    while any(len(client.who_has(s.ref)[s.key]) > 1 for s in shared) and time.time() < deadline:
+        time.sleep(0.2)
+    again = twd.gated_forward(dx, *shared, name="amm-again").compute()
+    np.testing.assert_array_equal(again, first)
+    after = client.run(_prepared_ffn_count)
+    for addr, n in after.items():  # no worker prepared the same weights a second time
+        assert n <= max(built.get(addr, 0), 1), (addr, built, after)
 
 
 def test_weights_are_one_graph_key_without_client(client):

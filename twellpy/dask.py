@@ -579,12 +579,17 @@ def clear_ffn_cache():
         _FFN_CACHES.clear()
 
 
-def _prepared_ffn(kind, weights, ffn_kwargs, in_dtype=None):
+def _prepared_ffn(kind, weights, ffn_kwargs, in_dtype=None, weight_keys=None):
     from . import ffn
 
-    # keyed by the weight objects as the worker holds them: a dtype repair
-    # (_restore_dtype) makes a new view per call, which must not miss the cache
-    key = (kind, tuple(id(w) for w in weights), tuple(sorted(ffn_kwargs.items())), in_dtype)
+    # Keyed by the weights' graph keys when the task names them: a key always
+    # means the same data, and distributed's Active Memory Manager drops idle
+    # replicas of broadcast weights, so a worker may receive a weight again as
+    # a new object; its prepared FFN must still be found. Else keyed by the
+    # objects as the worker holds them (a dtype repair, _restore_dtype, makes a
+    # new view per call, which must not miss the cache either).
+    ids = tuple(weight_keys) if weight_keys is not None else tuple(id(w) for w in weights)
+    key = (kind, ids, tuple(sorted(ffn_kwargs.items())), in_dtype)
     with _FFN_CACHE_LOCK:
         cache = _FFN_CACHES.setdefault(threading.get_ident(), collections.OrderedDict())
         hit = cache.get(key)
@@ -606,10 +611,10 @@ def _prepared_ffn(kind, weights, ffn_kwargs, in_dtype=None):
     return prepared
 
 
-def _ffn_chunk(block, *weights, kind, ffn_kwargs, in_dtype=None):
+def _ffn_chunk(block, *weights, kind, ffn_kwargs, in_dtype=None, weight_keys=None):
     if in_dtype is not None:
         block = _restore_dtype(block, _dtype_named(in_dtype))
-    return _prepared_ffn(kind, weights, ffn_kwargs, in_dtype)(block)
+    return _prepared_ffn(kind, weights, ffn_kwargs, in_dtype, weight_keys)(block)
 
 
 def _finalize(results):
@@ -878,6 +883,11 @@ def _chunk_futures(x):
     return {k: futs[k] for k in keys}
 
 
+def _weight_keys(shared):
+    """Graph keys of the shared weights, as strings (names the prepared FFN)."""
+    return tuple(str(w.key) for w in shared)
+
+
 def _submit_chunks(kind, x, shared, client, name, ffn_kwargs, dtype, out_cols):
     """The FFN of every row chunk of ``x``, submitted now as one task each.
 
@@ -907,7 +917,8 @@ def _submit_chunks(kind, x, shared, client, name, ffn_kwargs, dtype, out_cols):
     for i, key in enumerate(futs):
         out_key = (name, i, 0)
         out[out_key] = client.submit(_ffn_chunk, futs[key], *refs, kind=kind, ffn_kwargs=dict(ffn_kwargs),
-                                     in_dtype=dtype.name, key=out_key, pure=False)
+                                     in_dtype=dtype.name, weight_keys=_weight_keys(shared), key=out_key,
+                                     pure=False)
     return da.Array(out, name, chunks=(x.chunks[0], (out_cols,)), dtype=dtype, meta=_array_meta(x, dtype))
 
 
@@ -963,6 +974,7 @@ def _ffn(kind, x, weights, client, broadcast, rechunk, out_name, ffn_kwargs, per
         return _submit_chunks(kind, x, shared, client, name, ffn_kwargs, dtype, out_cols)
     return x.map_blocks(
         _ffn_chunk, *[w.ref for w in shared], kind=kind, ffn_kwargs=dict(ffn_kwargs), in_dtype=dtype.name,
+        weight_keys=_weight_keys(shared),
         dtype=dtype, chunks=(x.chunks[0], (out_cols,)), meta=_array_meta(x, dtype),
         name=out_name or f"twellpy-{kind}-forward-{_token(x, shared, kind, ffn_kwargs)}")
 
