@@ -122,7 +122,33 @@ def start_cluster(mode, n_workers, threads):
         kind = "SpecCluster+CUDA_VISIBLE_DEVICES (dask-cuda not installed)"
     client = Client(cluster)
     client.wait_for_workers(n_workers, timeout=300)
+    interval = os.environ.get("TWELLPY_BENCH_COMM_INTERVAL_MS")
+    if interval is not None:
+        set_comm_intervals(client, float(interval) / 1000)
+        kind += f", batched-send intervals {interval} ms"
     return cluster, client, kind
+
+
+def _set_scheduler_intervals(dask_scheduler, seconds):
+    for comm in dask_scheduler.stream_comms.values():
+        comm.interval = seconds
+    for comm in dask_scheduler.client_comms.values():
+        comm.interval = seconds
+
+
+def _set_worker_interval(dask_worker, seconds):
+    dask_worker.batched_stream.interval = seconds
+
+
+def set_comm_intervals(client, seconds):
+    """Experiment only: change distributed's hard-coded BatchedSend throttles
+    (client -> scheduler 10 ms, scheduler -> worker 5 ms, worker -> scheduler
+    2 ms, scheduler -> client 2 ms). Each stream sends at most once per interval,
+    so a lone message can wait up to that long; this measures how much of Dask's
+    fixed per-submission latency they are. Private attributes: not for production."""
+    client.scheduler_comm.interval = seconds
+    client.run_on_scheduler(_set_scheduler_intervals, seconds=seconds)
+    client.run(_set_worker_interval, seconds=seconds)
 
 
 def scatter_rows(client, x, n_chunks):

@@ -28,6 +28,7 @@ together, so Dask's fixed costs per call are amortised as in a real stream.
 Full numbers go to ``$OUT/dask_scaling.json`` when ``OUT`` is set.
 """
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -60,7 +61,12 @@ def main(argv=None):
                         "loop); eager: the same through gated_forward(..., persist=True), one "
                         "client.submit per chunk; together: all batches of a repetition persisted "
                         "in one call")
+    p.add_argument("--comm-interval-ms", type=float, default=None,
+                   help="experiment: set distributed's hard-coded batched-send throttles "
+                        "(10/5/2 ms) to this value, to measure their share of the overhead")
     args = p.parse_args(argv)
+    if args.comm_interval_ms is not None:
+        os.environ["TWELLPY_BENCH_COMM_INTERVAL_MS"] = str(args.comm_interval_ms)
 
     mode = "cpu" if args.cpu else ("gpu" if bench.gpu_count() > 0 and bench.have_dask_cuda() else "cpu")
     if mode == "cpu":

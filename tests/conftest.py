@@ -49,7 +49,71 @@ def _shard(items, config):
     items[:] = keep
 
 
+# ---- test ledger: resumable long device runs (memcheck) -------------------------
+# TWELLPY_LEDGER=path appends the node id of every test that passed, as soon as
+# it finishes, under a hash of the code it ran; TWELLPY_LEDGER_DONE=glob deselects
+# tests already in ledgers of the same code hash. A run killed by the per-call
+# time limit so still counts, and the next call carries on from there.
+_LEDGER_ROOTS = ("twellpy", "raw_kernels", "tests")
+
+
+def _code_hash():
+    """sha256 over the library, kernel and test sources (what a ledger vouches for)."""
+    import hashlib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for top in _LEDGER_ROOTS:
+        for path in sorted((root / top).rglob("*")):
+            if path.suffix in (".py", ".cu", ".cuh") and "__pycache__" not in path.parts:
+                digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _ledger_done(config, items):
+    pattern = os.environ.get("TWELLPY_LEDGER_DONE")
+    if not pattern:
+        return
+    import glob
+
+    code, done = _code_hash(), set()
+    for name in sorted(glob.glob(pattern)):
+        with open(name) as f:
+            lines = f.read().splitlines()
+        if not lines or lines[0] != f"# code {code}":
+            continue  # another version of the code: its results say nothing about this one
+        done.update(line.split(" ", 1)[1] for line in lines[1:] if line and not line.startswith("#"))
+    drop = [it for it in items if it.nodeid in done]
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = [it for it in items if it.nodeid not in done]
+
+
+class _Ledger:
+    def __init__(self, path):
+        new = not os.path.exists(path) or os.path.getsize(path) == 0
+        self._file = open(path, "a", buffering=1)
+        if new:
+            self._file.write(f"# code {_code_hash()}\n")
+        self._failed = set()
+
+    def pytest_runtest_logreport(self, report):
+        # a skipped test vouches for nothing, so only passes count as done
+        if report.failed or report.skipped:
+            self._failed.add(report.nodeid)
+        elif report.when == "teardown" and report.nodeid not in self._failed:
+            self._file.write(f"ok {report.nodeid}\n")
+
+
+def pytest_configure(config):
+    path = os.environ.get("TWELLPY_LEDGER")
+    if path and not hasattr(config, "workerinput"):  # the xdist controller sees every report
+        config.pluginmanager.register(_Ledger(path), "twellpy-ledger")
+
+
 def pytest_collection_modifyitems(config, items):
+    _ledger_done(config, items)
     _shard(items, config)
     if HAS_GPU:
         return
