@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite, sanitizers, and every benchmark.
-# Usage on the H200 (from the repo root):  bash benchmarks/device_suite.sh [tests|sanitize|memcheck K/N|memcheck-resume|bench|all]
+# Usage on the H200 (from the repo root):  bash benchmarks/device_suite.sh [tests|sanitize|memcheck K/N|memcheck-resume|profile|bench|all]
 #   memcheck K/N: shard K of N of the whole GPU suite under memcheck (8 xdist workers). Measured
 #   2026-12-02: a third of the suite takes > 560 s with every kernel checked and 300-450 s with
 #   MEMCHECK_KERNELS=kns=twellpy_ (twellpy's kernels only), so the whole suite needs ~4-5 calls.
@@ -52,6 +52,10 @@ if [[ $what == memcheck-resume ]]; then
   grep -E '^(FAILED|ERROR) ' "$OUT/memcheck_resume.txt" | head -20
   if [[ $errors != 0 || $nonzero != 0 ]]; then mv "$ledger" "$ledger.rejected"; status=1; fi
   [[ $rc == 0 || $rc == 5 || $rc == 124 ]] || status=1
+fi
+if [[ $what == profile ]]; then
+  # Nsight Compute counters for the construction, TwELL @ W, cuBLAS, copy and fused-FFN kernels
+  python benchmarks/profile_kernels.py 2>&1 | tee "$OUT/profile.txt" | tail -30 || status=1
 fi
 if [[ $what == sanitize || $what == all ]]; then
   # memcheck on the GPU suite (small cases only: TWELLPY_SANITIZE=1 lets tests shrink sizes)
