@@ -86,6 +86,21 @@ def _sync_after(*chunks):
     return len(chunks)
 
 
+def _noop():
+    return None
+
+
+def round_trip_floor(client, reps=40):
+    """Median seconds for ``client.submit(no-op).result()``: Dask's own latency
+    from a submit to a known result, which no task of ours can go under."""
+    times = []
+    for _ in range(reps + 5):
+        t0 = time.perf_counter()
+        client.submit(_noop, pure=False).result()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[5:])
+
+
 def _worker_env():
     import os as _os
 
@@ -328,6 +343,7 @@ def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=
                 dask_run()
                 t_dask_list.append(time.perf_counter() - t0)
             t_dask, all_times = statistics.median(t_dask_list), t_dask_list
+            t_floor = round_trip_floor(client)
             t_direct_here = statistics.median(t_direct_n)
             y = dask_run()
             got = y.compute()
@@ -338,11 +354,13 @@ def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=
                    "all_seconds": all_times,
                    "tokens_per_s": tokens / t_dask, "direct_seconds_interleaved": t_direct_here,
                    "overhead_vs_direct": t_dask / t_direct_here - 1.0,
-                   "rel_err_vs_direct": err, "worker_env": envs, "keys_per_worker": per_worker}
+                   "rel_err_vs_direct": err, "worker_env": envs, "keys_per_worker": per_worker,
+                   "noop_round_trip_seconds": t_floor}
             results["dask"].append(rec)
             log(f"dask {n} worker(s) [{kind}], {chunks_n} chunks: {t_dask * 1e3:.2f} ms "
                 f"(direct meanwhile {t_direct_here * 1e3:.2f} ms), {tokens / t_dask:,.0f} tokens/s, "
-                f"rel err vs direct {err:.2e}")
+                f"rel err vs direct {err:.2e}; a no-op task's round trip {t_floor * 1e3:.2f} ms "
+                f"(Dask's floor: {100 * t_floor / t_direct_here:.1f}% of the direct time)")
             del y, got, dx, x_futures, shared
         finally:
             client.close()

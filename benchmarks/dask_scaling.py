@@ -106,7 +106,8 @@ def main(argv=None):
     one = [r for r in results["dask"] if r["workers"] == 1]
     if one:
         verdict = "ok" if one[0]["overhead_vs_direct"] <= 0.10 else "ABOVE the 10% target"
-        print(f"Dask overhead at 1 worker: {one[0]['overhead_vs_direct'] * 100:.1f}% ({verdict})")
+        print(f"Dask overhead at 1 worker: {one[0]['overhead_vs_direct'] * 100:.1f}% ({verdict}); "
+              f"a no-op task's round trip: {one[0]['noop_round_trip_seconds'] * 1e3:.2f} ms")
     return results
 
 
