@@ -24,7 +24,7 @@ if [[ $what == memcheck ]]; then
   tag=${shard/\//of}
   # MEMCHECK_KERNELS=kns=twellpy_ checks only twellpy's own kernels (every raw_kernels/ entry point starts
   # with twellpy_); library kernels (cuBLAS, CuPy, torch) then run unpatched, which is what makes a shard fit.
-  TWELLPY_SANITIZE=1 TWELLPY_SHARD=$shard timeout ${SHARD_TIMEOUT:-580} compute-sanitizer --tool memcheck --print-limit 20 \
+  OUT= TWELLPY_SANITIZE=1 TWELLPY_SHARD=$shard timeout ${SHARD_TIMEOUT:-580} compute-sanitizer --tool memcheck --print-limit 20 \
     ${MEMCHECK_KERNELS:+--kernel-name $MEMCHECK_KERNELS} \
     python -m pytest -q -m gpu -n ${MEMCHECK_WORKERS:-8} tests -p no:cacheprovider --durations=8 > "$OUT/memcheck_$tag.txt" 2>&1
   rc=$?
@@ -39,10 +39,10 @@ if [[ $what == memcheck-resume ]]; then
   # $OUT after each call) are skipped; this call's passes go to a new ledger in $OUT. A ledger
   # from a run that reported any memcheck error is renamed *.rejected and vouches for nothing.
   ledger="$OUT/memcheck_ledger_$(date +%H%M%S).txt"
-  TWELLPY_SANITIZE=1 TWELLPY_LEDGER="$ledger" TWELLPY_LEDGER_DONE='docs/bench_logs/memcheck_ledger/*.txt' \
+  OUT= TWELLPY_SANITIZE=1 TWELLPY_LEDGER="$ledger" TWELLPY_LEDGER_DONE='docs/bench_logs/memcheck_ledger/*.txt' \
     timeout ${SHARD_TIMEOUT:-560} compute-sanitizer --tool memcheck --print-limit 20 \
     --kernel-name ${MEMCHECK_KERNELS:-kns=twellpy_} \
-    python -m pytest -q -m gpu -n ${MEMCHECK_WORKERS:-8} tests -p no:cacheprovider > "$OUT/memcheck_resume.txt" 2>&1
+    python -m pytest -q -m gpu -n ${MEMCHECK_WORKERS:-8} tests -p no:cacheprovider --durations=25 > "$OUT/memcheck_resume.txt" 2>&1
   rc=$?
   errors=$(grep -c '^========= \(Invalid\|Program hit\|Error\)' "$OUT/memcheck_resume.txt")
   nonzero=$(grep 'ERROR SUMMARY' "$OUT/memcheck_resume.txt" | grep -vc 'ERROR SUMMARY: 0 errors')
