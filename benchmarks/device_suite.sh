@@ -38,6 +38,14 @@ if [[ $what == memcheck-resume ]]; then
   # memcheck at this code hash (ledgers in docs/bench_logs/memcheck_ledger/, copied there from
   # $OUT after each call) are skipped; this call's passes go to a new ledger in $OUT. A ledger
   # from a run that reported any memcheck error is renamed *.rejected and vouches for nothing.
+  # positive control first: a planted overrun in a kernel named like ours must be reported
+  compute-sanitizer --tool memcheck --kernel-name ${MEMCHECK_KERNELS:-kns=twellpy_} \
+    python benchmarks/sanitizer_probe.py > "$OUT/sanitizer_probe.txt" 2>&1
+  if ! grep -q 'Invalid __global__ write' "$OUT/sanitizer_probe.txt"; then
+    echo "memcheck did NOT report the planted overrun: the tool or the kernel filter checks nothing"
+    cat "$OUT/sanitizer_probe.txt"; exit 1
+  fi
+  echo "positive control: memcheck reported the planted overrun in twellpy_sanitizer_probe<float>"
   ledger="$OUT/memcheck_ledger_$(date +%H%M%S).txt"
   OUT= TWELLPY_SANITIZE=1 TWELLPY_LEDGER="$ledger" TWELLPY_LEDGER_DONE='docs/bench_logs/memcheck_ledger/*.txt' \
     timeout ${SHARD_TIMEOUT:-560} compute-sanitizer --tool memcheck --print-limit 20 \

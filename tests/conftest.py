@@ -8,6 +8,13 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # platform allocator frees on demand, so parallel test processes share the GPU.
 os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
 
+#: Under compute-sanitizer (TWELLPY_SANITIZE=1, set by benchmarks/device_suite.sh)
+#: memory comes straight from cudaMalloc: a caching pool hands out pieces of big
+#: blocks, and memcheck cannot see an overrun that stays inside such a block.
+SANITIZE = os.environ.get("TWELLPY_SANITIZE") == "1"
+if SANITIZE:
+    os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
+
 import fcntl
 import tempfile
 
@@ -17,6 +24,10 @@ import pytest
 from twellpy._array import bfloat16, gpu_available
 
 HAS_GPU = gpu_available()
+if HAS_GPU and SANITIZE:
+    import cupy
+
+    cupy.cuda.set_allocator(None)  # exact allocation sizes for memcheck (see SANITIZE)
 
 #: Relative-error tolerances by value dtype (errors against a float64 reference).
 RTOL = {
