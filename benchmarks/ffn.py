@@ -31,9 +31,11 @@ from twellpy._ffn_infer import GatedFFN  # noqa: E402
 
 GPU_WORKLOADS = ["W1-16k", "W1-64k", "W2", "W3", "W4-1", "W4-16", "W4-128", "W5"]
 SWEEP_NNZ = [5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 400]
-# (warps per block, 16-byte vectors per thread, batch variant, L2 evict_last hint);
-# None = plan default; nv=0 = the plan's own choice of warps/nv
-VARIANTS = [None, (0, 0, "narrow", True), (0, 0, "wide", False), (8, 1, "narrow", False)]
+# (warps per block, 16-byte vectors per thread, batch variant, L2 evict_last hint[,
+# resident blocks per SM of the register budget]); None = plan default; nv=0 =
+# the plan's own choice of warps/nv
+VARIANTS = [None, (0, 0, "narrow", True), (0, 0, "wide", False), (8, 1, "narrow", False),
+            (0, 0, "narrow", False, 2), (0, 0, "wide", False, 2)]
 
 
 def rel_err(got, ref):
@@ -87,8 +89,10 @@ def apply_variant(ffn, variant):
         plan.config = plan._choose_config()
         plan.kb_variant = cuda_ffn.DEFAULT_KB
         plan.l2_hint = False
+        plan.min_blocks = 1
         return "default"
-    warps, nv, kb, hint = variant
+    warps, nv, kb, hint = variant[:4]
+    min_blocks = variant[4] if len(variant) > 4 else 1
     if nv == 0:
         warps, nv = plan._choose_config()
     vec = 16 // plan.dtype.itemsize
@@ -97,7 +101,8 @@ def apply_variant(ffn, variant):
     plan.config = (warps, nv)
     plan.kb_variant = kb
     plan.l2_hint = hint
-    return f"{warps}w-nv{nv}-{kb}" + ("-l2hint" if hint else "")
+    plan.min_blocks = min_blocks
+    return f"{warps}w-nv{nv}-{kb}" + ("-l2hint" if hint else "") + (f"-{min_blocks}blk" if min_blocks != 1 else "")
 
 
 def bench_gpu_workload(name, spec, reps, log, variants=VARIANTS, with_auto=True):

@@ -72,16 +72,17 @@ def child():
     w = make_ffn(**spec, dtype=bfloat16, xp=cp, seed=1)
     ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"], mode="sparse", check_finite=False)
 
-    def spmm_best():
-        saved = tc.SPMM_MAX_ITERS, tc.SPMM_DEFINES
-        tc.SPMM_MAX_ITERS, tc.SPMM_DEFINES = 4, {"SPMM_LOADS": 8}  # best of benchmarks/kernels.py
+    def spmm_warp_per_row():
+        saved = tc.SPMM_MAX_ITERS, tc.SPMM_DEFINES, tc.SPMM_ROW_BLOCK
+        tc.SPMM_MAX_ITERS, tc.SPMM_DEFINES, tc.SPMM_ROW_BLOCK = 4, {"SPMM_LOADS": 8}, False
         try:
             return tc.twell_spmm(vals, idx, counts, wb)
         finally:
-            tc.SPMM_MAX_ITERS, tc.SPMM_DEFINES = saved
+            tc.SPMM_MAX_ITERS, tc.SPMM_DEFINES, tc.SPMM_ROW_BLOCK = saved
 
     steps = [("dense->TwELL", lambda: tc.dense_to_twell(hb, 256, 32)),
-             ("TwELL @ W", spmm_best),
+             ("TwELL @ W (row-block, default)", lambda: tc.twell_spmm(vals, idx, counts, wb)),
+             ("TwELL @ W (warp-per-row)", spmm_warp_per_row),
              (f"dense {label}", dense_fn),
              ("copy 1 GiB", lambda: dst.data.copy_from_device_async(src.data, n_bytes)),
              ("FFN W1-16k sparse", lambda: ffn(w["x"]))]

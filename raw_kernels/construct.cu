@@ -21,11 +21,26 @@
 #ifndef CONSTRUCT_UNROLL
 #define CONSTRUCT_UNROLL 4           // 32*VEC-element chunks a warp loads before processing
 #endif
+#ifndef CONSTRUCT_STREAM_LOADS
+#define CONSTRUCT_STREAM_LOADS 1     // 1: read x with evict-first (ld.global.cs) loads: it is read once,
+#endif                               // and the slots it produces are what should stay in L2
 
 static_assert(CONSTRUCT_WARPS >= 1 && CONSTRUCT_WARPS <= 32, "CONSTRUCT_WARPS out of range");
 static_assert(CONSTRUCT_UNROLL >= 1 && CONSTRUCT_UNROLL <= 16, "CONSTRUCT_UNROLL out of range");
 
 using namespace twellpy;
+
+// Read-once load of VEC elements (see CONSTRUCT_STREAM_LOADS).
+template <typename T, int VEC>
+__device__ __forceinline__ vec_t<T, VEC> load_stream(const T* __restrict__ p) {
+#if CONSTRUCT_STREAM_LOADS
+    if (VEC * sizeof(T) == 16) {
+        const uint4 r = __ldcs(reinterpret_cast<const uint4*>(p));
+        return *reinterpret_cast<const vec_t<T, VEC>*>(&r);
+    }
+#endif
+    return load_vec<T, VEC>(p);
+}
 
 // Bit k set when element k of the vector is non-zero.
 template <typename T, int VEC>
@@ -118,7 +133,7 @@ twellpy_dense_to_twell(const T* __restrict__ x, T* __restrict__ values, int* __r
             const int in_tile = (c - t * chunks_per_tile) * chunk + lane * VEC;
             const int col = t * tile + in_tile;
             if (c < c_end && in_tile < tile && col < N) {
-                buf[u] = load_vec<T, VEC>(xrow + col);
+                buf[u] = load_stream<T, VEC>(xrow + col);
             } else {
 #pragma unroll
                 for (int k = 0; k < VEC; ++k) buf[u].v[k] = zero;

@@ -29,6 +29,12 @@
 #ifndef FFN_MAX_WARPS
 #define FFN_MAX_WARPS 8
 #endif
+// Resident blocks per SM the register budget is sized for (launch bound).
+// 1 lets the compiler use up to 255 registers a thread; at FFN_MAX_WARPS 8 a
+// value of 2 caps it at 128, 3 at 80 (benchmarks/ffn.py times the choices).
+#ifndef FFN_MIN_BLOCKS
+#define FFN_MIN_BLOCKS 1
+#endif
 #ifndef FFN_LIST_CAP
 #define FFN_LIST_CAP 2048
 #endif
@@ -200,7 +206,7 @@ __device__ __forceinline__ void process_list(
 // 16-byte aligned rows, NV * blockDim.x * (16/sizeof(T)) >= D, blockDim.x a multiple of 32
 // and <= 32 * FFN_MAX_WARPS.
 template <typename T, int NV, int KB, bool GATED, bool WRITE_H>
-__global__ void __launch_bounds__(FFN_MAX_WARPS * 32, 1)
+__global__ void __launch_bounds__(FFN_MAX_WARPS * 32, FFN_MIN_BLOCKS)
 twellpy_ffn_sparse(const T* __restrict__ x, long long ldx,
                    const T* __restrict__ g, long long ldg,
                    const T* __restrict__ w_up,

@@ -268,3 +268,209 @@ twellpy_csr_spmm(const int* __restrict__ indptr, const int* __restrict__ cols,
     st.flush();
     st.store(out, row);
 }
+
+// ===========================================================================
+// Row-block gather SpMM for TwELL (the default path of twell_spmm).
+//
+// Why a second design: the warp-per-row kernels above keep at most
+// SPMM_LOADS / ITERS entries in flight per lane and, under their launch
+// bound, use enough registers to leave an SM only a dozen warps, so B rows
+// are gathered from L2 at well under its bandwidth. Here a whole block owns
+// (one row, one column block): its threads split the columns into NV strips
+// of 16-byte vectors, the row's entries sit once in shared memory for every
+// warp, and each thread keeps KB * NV independent 16-byte loads in flight,
+// with the register budget fixed by SPMM_ROWS_MIN_BLOCKS blocks per SM.
+// ===========================================================================
+#ifndef SPMM_ROWS_THREADS
+#define SPMM_ROWS_THREADS 128        // threads per block, exactly (the launcher passes this many)
+#endif
+#ifndef SPMM_ROWS_MIN_BLOCKS
+#define SPMM_ROWS_MIN_BLOCKS 3       // resident blocks per SM the register budget is sized for
+#endif                               // (3 x 128 threads: 168 registers, no spill at 16 bf16 loads in flight)
+#ifndef SPMM_ROWS_LIST
+#define SPMM_ROWS_LIST 1024          // shared-memory list of (index, value); longer rows run in rounds
+#endif
+#ifndef SPMM_ROWS_NO_L1
+#define SPMM_ROWS_NO_L1 0            // 1: gather B with ld.global.nc.L1::no_allocate (B rows are not reused in L1)
+#endif
+
+static_assert(SPMM_ROWS_THREADS % 32 == 0 && SPMM_ROWS_THREADS >= 32 && SPMM_ROWS_THREADS <= 1024,
+              "SPMM_ROWS_THREADS must be a multiple of 32 in [32, 1024]");
+static_assert(SPMM_ROWS_LIST >= SPMM_ROWS_THREADS && SPMM_ROWS_LIST % 32 == 0,
+              "SPMM_ROWS_LIST must be a multiple of 32 and hold one entry per thread");
+
+namespace twellpy_spmm_rows {
+using namespace twellpy;
+
+template <typename T, int VEC>
+__device__ __forceinline__ vec_t<T, VEC> gather(const T* __restrict__ p) {
+#if SPMM_ROWS_NO_L1
+    if (VEC * sizeof(T) == 16) {
+        uint4 r;
+        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+        return *reinterpret_cast<vec_t<T, VEC>*>(&r);
+    }
+#endif
+    return *reinterpret_cast<const vec_t<T, VEC>*>(p);
+}
+
+// Inclusive prefix sum over the block (blockDim.x threads, a multiple of 32);
+// `total` gets the block's sum. Two barriers; s_warp holds one int per warp.
+__device__ __forceinline__ int block_inclusive_sum(int v, int* s_warp, int& total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const int t = __shfl_up_sync(FULL_MASK, v, off);
+        if (lane >= off) v += t;
+    }
+    if (lane == 31) s_warp[warp] = v;
+    __syncthreads();
+    int before = 0;
+    total = 0;
+    for (int w = 0; w < nwarps; ++w) {
+        const int t = s_warp[w];
+        before += (w < warp) ? t : 0;
+        total += t;
+    }
+    __syncthreads();  // s_warp may be rewritten by the next call
+    return v + before;
+}
+
+// acc += sum over the n listed entries of val * B[idx, this thread's columns],
+// KB entries at a time (every gather of a batch is issued before its FMAs).
+// Entries are added in list order, so the result is bitwise reproducible.
+template <typename T, int VEC, int NV, int KB>
+__device__ __forceinline__ void accumulate_list(
+        int n, const int* s_idx, const typename accum<T>::type* s_val,
+        const T* __restrict__ B, int K, int col0,
+        typename accum<T>::type (&acc)[NV][VEC]) {
+    constexpr int stride = SPMM_ROWS_THREADS * VEC;  // compile time: strip offsets become immediates
+    typedef typename accum<T>::type A;
+    for (int b = 0; b < n; b += KB) {
+        int jk[KB];
+        A vk[KB];
+#pragma unroll
+        for (int k = 0; k < KB; ++k) {
+            const int i = b + k;
+            jk[k] = (i < n) ? s_idx[i] : -1;  // shared-memory broadcast
+            vk[k] = (i < n) ? s_val[i] : A(0);
+        }
+        vec_t<T, VEC> w[KB][NV];
+#pragma unroll
+        for (int k = 0; k < KB; ++k) {
+            const T* __restrict__ p = B + (long long)(jk[k] < 0 ? 0 : jk[k]) * K;
+#pragma unroll
+            for (int q = 0; q < NV; ++q) {
+                const int c = col0 + q * stride;
+                if (jk[k] >= 0 && c < K) {
+                    w[k][q] = gather<T, VEC>(p + c);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) w[k][q].v[e] = zero_value<T>();
+                }
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < KB; ++k) {
+            if (jk[k] < 0) continue;  // same entry in every thread: a uniform branch
+#pragma unroll
+            for (int q = 0; q < NV; ++q)
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) acc[q][e] = fma(vk[k], to_acc<A, T>(w[k][q].v[e]), acc[q][e]);
+        }
+    }
+}
+
+}  // namespace twellpy_spmm_rows
+
+// ---------------------------------------------------------------------------
+// twellpy_twell_spmm_rows<T, VEC, NV, KB>: out = A @ B for TwELL A.
+//   values   (M, n_tiles, S)   T      TwELL values
+//   indices  (M, n_tiles, S)   int32  global column of A = row of B
+//   counts   (M, n_tiles)      int32  stored entries per (row, tile), clamped to [0, S]
+//   B        (N, K)            T      dense, C order
+//   out      (M, K)            T      out (every element written)
+// block = SPMM_ROWS_THREADS threads exactly (the strip stride is a compile-time
+// constant); grid = (row blocks, n_cb); block (r, cb) computes rows r,
+// r + gridDim.x, ... for the columns [cb * CBW, (cb + 1) * CBW),
+// CBW = SPMM_ROWS_THREADS * VEC * NV. Thread t owns VEC consecutive columns in
+// each of NV strips: col = cb * CBW + (q * SPMM_ROWS_THREADS + t) * VEC, q < NV.
+// Per row: a block-wide prefix sum of the tile counts gives every stored slot
+// its list position (tile order, then slot order); the entries are copied to
+// a shared-memory list of SPMM_ROWS_LIST entries, in rounds when the row
+// holds more; every thread then accumulates over the list. Slots whose index
+// is outside [0, N) are skipped (listed as -1).
+// VEC = 16 / sizeof(T) needs K % VEC == 0 and 16-byte aligned B / out;
+// the launcher passes VEC = 1 otherwise.
+// ---------------------------------------------------------------------------
+template <typename T, int VEC, int NV, int KB>
+__global__ void __launch_bounds__(SPMM_ROWS_THREADS, SPMM_ROWS_MIN_BLOCKS)
+twellpy_twell_spmm_rows(const T* __restrict__ values, const int* __restrict__ indices,
+                        const int* __restrict__ counts, const T* __restrict__ B, T* __restrict__ out,
+                        int M, int n_tiles, int slots, int N, int K) {
+    using namespace twellpy_spmm_rows;
+    typedef typename accum<T>::type A;
+    static_assert(NV >= 1 && KB >= 1, "bad tile constants");
+    __shared__ int s_idx[SPMM_ROWS_LIST];
+    __shared__ A s_val[SPMM_ROWS_LIST];
+    __shared__ int s_warp[SPMM_ROWS_THREADS / 32];
+
+    const int tid = threadIdx.x;
+    constexpr int stride = SPMM_ROWS_THREADS * VEC;      // columns between a thread's strips
+    const int col0 = blockIdx.y * stride * NV + tid * VEC;
+
+    for (long long row = blockIdx.x; row < M; row += gridDim.x) {
+        A acc[NV][VEC];
+#pragma unroll
+        for (int q = 0; q < NV; ++q)
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) acc[q][e] = A(0);
+
+        const long long crow = row * n_tiles;
+        int fill = 0;  // entries in the list (the same in every thread)
+        for (int t0 = 0; t0 < n_tiles; t0 += blockDim.x) {
+            const int t = t0 + tid;
+            const int cnt = (t < n_tiles) ? min(max(counts[crow + t], 0), slots) : 0;
+            int total;
+            const int incl = block_inclusive_sum(cnt, s_warp, total);
+            const int excl = incl - cnt;
+            const long long base = (crow + t) * slots;
+            // Entries [done, done + take) of this chunk of tiles go to the list
+            // at fill; a full list is drained first.
+            for (int done = 0; done < total;) {
+                const int take = min(total - done, SPMM_ROWS_LIST - fill);
+                const int lo = max(excl, done), hi = min(incl, done + take);
+                for (int e = lo; e < hi; ++e) {
+                    const int s = e - excl;
+                    const int j = indices[base + s];
+                    const int pos = fill + (e - done);
+                    s_idx[pos] = (j >= 0 && j < N) ? j : -1;
+                    s_val[pos] = to_acc<A, T>(values[base + s]);
+                }
+                fill += take;
+                done += take;
+                __syncthreads();  // list visible to every thread
+                if (fill == SPMM_ROWS_LIST) {
+                    accumulate_list<T, VEC, NV, KB>(fill, s_idx, s_val, B, K, col0, acc);
+                    fill = 0;
+                    __syncthreads();  // every thread is done reading before the list is rewritten
+                }
+            }
+        }
+        accumulate_list<T, VEC, NV, KB>(fill, s_idx, s_val, B, K, col0, acc);
+        __syncthreads();  // the next row rewrites the list
+
+        T* __restrict__ o = out + row * (long long)K;
+#pragma unroll
+        for (int q = 0; q < NV; ++q) {
+            const int c = col0 + q * stride;
+            if (c < K) {
+                vec_t<T, VEC> w;
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) w.v[e] = from_acc<T, A>(acc[q][e]);
+                store_vec<T, VEC>(o + c, w);
+            }
+        }
+    }
+}

@@ -475,6 +475,65 @@ def test_spmm_w1_shape_bf16():
     assert rel_err(to_cpu(out), ref.astype(bfloat16)) <= 1e-3
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("strips", [1, 2])
+def test_twell_spmm_row_block_rounds_and_wide_rows(dtype, strips):
+    """The row-block kernel on rows longer than its shared-memory list (several
+    rounds), with more tiles than threads (chunked tile scans, N > 65535), empty
+    rows, and one or two strips per thread (the second output width leaves a
+    partial column block); against float64 and bit-equal to the warp-per-row
+    kernel (same summation order)."""
+    rng = np.random.default_rng(zlib.crc32(f"{dtype}-{strips}".encode()))
+    vec = 16 // np.dtype(dtype).itemsize
+    k_cols = cuda.SPMM_ROWS_THREADS * vec * strips + (vec if strips == 2 else 0)
+    n = 70000 if not SANITIZE else 33000  # 274 (129) tiles of 256: more than 128 threads
+    m = 7
+    x = np.zeros((m, n), dtype)
+    x[0] = rng.standard_normal(n)                            # full row: every tile at capacity
+    x[2, rng.choice(n, 1500, replace=False)] = rng.standard_normal(1500)  # more than one list
+    x[4, n - 1] = 1.0                                        # the last column only
+    x[6, rng.choice(n, 30, replace=False)] = rng.standard_normal(30)
+    b = (rng.standard_normal((n, k_cols), dtype=np.float32) / np.float32(np.sqrt(n))).astype(dtype)
+    bg = to_gpu(b)
+    vals, idx, counts, row_max = cuda.dense_to_twell(to_gpu(x), 256, 32)
+    plan = cuda._spmm_rows_plan(k_cols, np.dtype(dtype), bg, bg)
+    assert plan is not None and plan[1] == strips  # the kernel and strip count this test is for
+    a_stored = cpu.slots_to_dense(to_cpu(vals).reshape(m, -1), to_cpu(idx).reshape(m, -1), n)
+    ref = sp.csr_array(a_stored.astype(np.float64)) @ b.astype(np.float64)
+    out = cuda.twell_spmm(vals, idx, counts, bg)
+    assert out.dtype == dtype and out.shape == (m, k_cols)
+    got = to_cpu(out).astype(np.float64)
+    assert rel_err(got, ref) <= RTOL[np.dtype(dtype)]
+    assert not np.any(got[[1, 3, 5]]), "empty rows must be exact zeros (outputs start poisoned)"
+    old = cuda.SPMM_ROW_BLOCK
+    try:
+        cuda.SPMM_ROW_BLOCK = False
+        warp_out = cuda.twell_spmm(vals, idx, counts, bg)
+    finally:
+        cuda.SPMM_ROW_BLOCK = old
+    assert_same_bits(out, warp_out, "row-block vs warp-per-row twell_spmm")
+
+
+@pytest.mark.parametrize("threads,inflight,min_blocks", [(128, 16, 3), (128, 8, 5), (256, 8, 2), (64, 4, 8)])
+def test_twell_spmm_row_block_tunings(threads, inflight, min_blocks, monkeypatch):
+    """Every tuning the benchmark sweeps computes the same bits."""
+    rng = np.random.default_rng(53)
+    x = random_sparse(rng, 37, 5632, 40).astype(bfloat16)
+    x[5] = rng.standard_normal(5632)  # a hot row: every tile over capacity
+    w = (rng.standard_normal((5632, 2048)) / np.sqrt(5632)).astype(bfloat16)
+    vals, idx, counts, _ = cuda.dense_to_twell(to_gpu(x), 256, 32)
+    wg = to_gpu(w)
+    base = cuda.twell_spmm(vals, idx, counts, wg)
+    monkeypatch.setattr(cuda, "SPMM_ROWS_THREADS", threads)
+    monkeypatch.setattr(cuda, "SPMM_ROWS_INFLIGHT", inflight)
+    monkeypatch.setattr(cuda, "SPMM_DEFINES", {"SPMM_ROWS_THREADS": threads, "SPMM_ROWS_MIN_BLOCKS": min_blocks,
+                                               "SPMM_ROWS_NO_L1": 1})
+    tuned = cuda.twell_spmm(vals, idx, counts, wg)
+    assert_same_bits(tuned, base, f"twell_spmm with {threads} threads, {inflight} loads, {min_blocks} blocks")
+    a_stored = cpu.slots_to_dense(to_cpu(vals).reshape(37, -1), to_cpu(idx).reshape(37, -1), 5632)
+    assert rel_err(to_cpu(tuned), spmm_ref(a_stored, w)) <= RTOL[bfloat16]
+
+
 def test_spmm_empty_shapes():
     z = cp.zeros((0, 1, 32), np.float32)
     zi = cp.full((0, 1, 32), -1, np.int32)

@@ -42,8 +42,11 @@ _I64 = np.dtype(np.int64)
 # ---------------------------------------------------------------------------
 #: Warps per block of the construction kernels (<= CONSTRUCT_WARPS).
 CONSTRUCT_WARPS = 8
-#: TwELL tiles of one row handled by one warp in ``dense_to_twell``.
-CONSTRUCT_TILES_PER_WARP = 8
+#: TwELL tiles of one row handled by one warp in ``dense_to_twell``. Rows of
+#: at most this many tiles (N <= 8192 at T = 256) take one warp each, which
+#: needs no zero-filled row maximum and no atomics (benchmarks/kernels.py:
+#: a whole W1 row per warp was the fastest split).
+CONSTRUCT_TILES_PER_WARP = 32
 #: Warps per block of the warp-per-row conversion kernels (<= CONVERT_WARPS).
 CONVERT_WARPS = 8
 #: Threads per block of element-wise kernels (<= CONVERT_BLOCK, TRANSPOSE_BLOCK).
@@ -65,6 +68,17 @@ _MAX_GRID = 1 << 20
 _TRANSPOSE_COUNTER_BUDGET = 1 << 24
 
 _SPMM_ITERS = (1, 2, 4, 8)
+
+#: ``twell_spmm`` runs the row-block kernel ``twellpy_twell_spmm_rows``
+#: (False: the warp-per-row ``twellpy_twell_spmm``; benchmarks compare both).
+SPMM_ROW_BLOCK = True
+#: Threads per block of the row-block SpMM: must equal SPMM_ROWS_THREADS of
+#: spmm.cu (pass {"SPMM_ROWS_THREADS": n} in SPMM_DEFINES with another value).
+SPMM_ROWS_THREADS = 128
+#: 16-byte B loads each thread of the row-block SpMM keeps in flight (KB * NV).
+SPMM_ROWS_INFLIGHT = 16
+#: strips per thread of the row-block SpMM (NV): wider rows use more column blocks
+_SPMM_ROWS_NV = (1, 2)
 
 
 def _vec_width(dtype) -> int:
@@ -91,6 +105,10 @@ def _name_spmm(kernel, dtype, vec, iters):
     return f"twellpy_{kernel}<{_ct(dtype)}, {vec}, {iters}>"
 
 
+def _name_spmm_rows(dtype, vec, nv, kb):
+    return f"twellpy_twell_spmm_rows<{_ct(dtype)}, {vec}, {nv}, {kb}>"
+
+
 def _name_cast(src, dst):
     return f"twellpy_cast<{_ct(src)}, {_ct(dst)}>"
 
@@ -102,6 +120,7 @@ def _declare_all():
             construct += [_name_dense(k, dt, vec) for k in ("dense_to_twell", "dense_row_nnz", "dense_to_ell")]
             for iters in _SPMM_ITERS:
                 spmm += [_name_spmm(k, dt, vec, iters) for k in ("twell_spmm", "slots_spmm", "csr_spmm")]
+            spmm += [_name_spmm_rows(dt, vec, nv, max(1, SPMM_ROWS_INFLIGHT // nv)) for nv in _SPMM_ROWS_NV]
         construct += [_name_t("csr_to_twell", dt), _name_t("csr_to_ell", dt)]
         convert += [_name_t("slots_to_dense", dt), _name_t("slots_to_csr", dt)]
         convert += [_name_cast(dt, d2) for d2 in FLOAT_DTYPES if d2 != dt]
@@ -610,6 +629,26 @@ def _spmm_plan(k_cols, dtype, *arrays):
     return vec, iters, n_cb
 
 
+def _spmm_rows_plan(k_cols, dtype, *arrays):
+    """(vec, nv, kb, threads, n_column_blocks) of the row-block SpMM, or None
+    when the warp-per-row kernel suits the output better: fewer 16-byte
+    vectors per row than the block has threads (a warp per row wastes less),
+    or more column blocks than a grid dimension holds."""
+    vec = _vec_width(dtype)
+    if k_cols % vec or not _aligned(*arrays):
+        vec = 1
+    n_vec = -(-k_cols // vec)
+    threads = int(SPMM_ROWS_THREADS)
+    if n_vec < threads:
+        return None
+    nv = 1 if n_vec <= threads else 2
+    kb = max(1, int(SPMM_ROWS_INFLIGHT) // nv)
+    n_cb = -(-n_vec // (threads * nv))
+    if n_cb > 65535:
+        return None
+    return vec, nv, kb, threads, n_cb
+
+
 def _dense_operand(B, name):
     B = _values_array(B, name, ndim=2)
     _check_int32(B.shape[0], f"the number of rows of {name}")
@@ -661,6 +700,15 @@ def twell_spmm(values, indices, counts, B):
     out = _alloc((m, k_cols), res)
     if m == 0 or k_cols == 0:
         return out
+    if SPMM_ROW_BLOCK:
+        plan = _spmm_rows_plan(k_cols, res, B, out)
+        if plan is not None:
+            vec, nv, kb, threads, n_cb = plan
+            k = reg.get_kernel("spmm.cu", _name_spmm_rows(res, vec, nv, kb), **SPMM_DEFINES)
+            k((min(m, _MAX_GRID), n_cb), (threads,),
+              (values, indices, counts, B, out, _i32(m), _i32(n_tiles), _i32(slots), _i32(n_rows_b),
+               _i32(k_cols)))
+            return out
     vec, iters, n_cb = _spmm_plan(k_cols, res, B, out)
     k = reg.get_kernel("spmm.cu", _name_spmm("twell_spmm", res, vec, iters), **SPMM_DEFINES)
     k((_blocks(m * n_cb, SPMM_WARPS),), (32 * SPMM_WARPS,),

@@ -50,12 +50,14 @@ def _sparse_name(dtype, nv, kb, gated, write_h):
             f"{'true' if gated else 'false'}, {'true' if write_h else 'false'}>")
 
 
-def _group_define(dtype, nv, kb, gated, write_h, l2_hint=False):
+def _group_define(dtype, nv, kb, gated, write_h, l2_hint=False, min_blocks=1):
     # One compiled module per instantiation: a call compiles only the kernel it
     # uses (the registry compiles all names declared with equal defines together).
     d = {"FFN_GROUP": f"{_DTYPES.index(np.dtype(dtype))}_{nv}_{kb}_{int(gated)}_{int(write_h)}"}
     if l2_hint:
         d["FFN_L2_EVICT_LAST"] = 1
+    if min_blocks != 1:
+        d["FFN_MIN_BLOCKS"] = int(min_blocks)
     return d
 
 
@@ -83,6 +85,8 @@ def _ci_instantiations():
 _registry.declare(_SPARSE_FILE, _ci_instantiations())
 _registry.declare(_SPARSE_FILE, [_sparse_name(bfloat16, 2, _KB_FOR_NV[DEFAULT_KB][2], True, False)],
                   {"FFN_L2_EVICT_LAST": 1})
+_registry.declare(_SPARSE_FILE, [_sparse_name(bfloat16, 2, _KB_FOR_NV[k][2], True, False) for k in _KB_FOR_NV],
+                  {"FFN_MIN_BLOCKS": 2})
 _registry.declare(_PACK_FILE, [f"twellpy_ffn_{k}<{_registry.ctype(d)}>"
                                for d in _DTYPES for k in ("pack", "gate_mul", "relu", "rowpack")])
 
@@ -308,6 +312,11 @@ class FFNPlan:
             raise ValueError(f"TWELLPY_FFN_KB must be one of {sorted(_KB_FOR_NV)}, got {self.kb_variant!r}")
         #: gather weights with an L2 evict_last policy (TWELLPY_FFN_L2HINT=1)
         self.l2_hint = os.environ.get("TWELLPY_FFN_L2HINT", "0") == "1"
+        #: resident blocks per SM the sparse kernel's registers are sized for
+        #: (FFN_MIN_BLOCKS; TWELLPY_FFN_MIN_BLOCKS, benchmarks/ffn.py times 1 and 2)
+        self.min_blocks = int(os.environ.get("TWELLPY_FFN_MIN_BLOCKS", "1"))
+        if not 1 <= self.min_blocks <= 8:
+            raise ValueError(f"TWELLPY_FFN_MIN_BLOCKS must be in [1, 8], got {self.min_blocks}")
         self.sparse_ok = self.config is not None
         # transposed once: row j of w_downT is column j of w_down (contiguous gathers)
         self.w_downT = cp.ascontiguousarray(self.w_down.T) if self.sparse_ok else None
@@ -414,7 +423,7 @@ class FFNPlan:
         and define sets, which decode-sized calls cannot afford each time."""
         dev = cupy_module().cuda.Device().id
         write_h = kind == "sparse_h"
-        key = (dev, kind, self.config, self.kb_variant, self.l2_hint)
+        key = (dev, kind, self.config, self.kb_variant, self.l2_hint, self.min_blocks)
         hit = self._kernels.get(key)
         if hit is not None:
             return hit
@@ -424,7 +433,8 @@ class FFNPlan:
             _, nv = self.config
             kb = _KB_FOR_NV[self.kb_variant][nv]
             k = _registry.get_kernel(_SPARSE_FILE, _sparse_name(self.dtype, nv, kb, self.gated, write_h),
-                                     **_group_define(self.dtype, nv, kb, self.gated, write_h, self.l2_hint))
+                                     **_group_define(self.dtype, nv, kb, self.gated, write_h, self.l2_hint,
+                                                     self.min_blocks))
         hit = self._kernels[key] = (k, _sm_count(dev) * 16)
         return hit
 
