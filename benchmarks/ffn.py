@@ -34,8 +34,8 @@ SWEEP_NNZ = [5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 400]
 # (warps per block, 16-byte vectors per thread, batch variant, L2 evict_last hint[,
 # resident blocks per SM of the register budget]); None = plan default; nv=0 =
 # the plan's own choice of warps/nv
-VARIANTS = [None, (0, 0, "narrow", True), (0, 0, "wide", False), (8, 1, "narrow", False),
-            (0, 0, "narrow", False, 2), (0, 0, "wide", False, 2)]
+VARIANTS = [None, (0, 0, "narrow", True), (0, 0, "narrow", False, 2), (0, 0, "narrower", False, 2),
+            (0, 0, "narrower", False, 3), (0, 0, "single", False, 4)]
 
 
 def rel_err(got, ref):

@@ -200,9 +200,9 @@ def main(argv=None):
     # loads in flight per lane (CONSTRUCT_UNROLL, a #define) at the best split
     tc.CONSTRUCT_TILES_PER_WARP = best_tpw
     unroll_sweep = {}
-    for unroll in (2, 4, 8):
-        tc.CONSTRUCT_DEFINES = {"CONSTRUCT_UNROLL": unroll}
-        unroll_sweep[unroll] = timer(lambda: tc.dense_to_twell(hb, tile, slots))
+    for unroll, blocks in ((2, 1), (4, 1), (8, 1), (2, 4), (4, 4), (2, 6)):
+        tc.CONSTRUCT_DEFINES = {"CONSTRUCT_UNROLL": unroll, "CONSTRUCT_MIN_BLOCKS": blocks}
+        unroll_sweep[f"{unroll}u{blocks}b"] = timer(lambda: tc.dense_to_twell(hb, tile, slots))
     tc.CONSTRUCT_DEFINES = {}
     tc.CONSTRUCT_TILES_PER_WARP = default_tpw
     best_unroll = min(unroll_sweep, key=unroll_sweep.get)
@@ -256,9 +256,10 @@ def main(argv=None):
     # thread x resident blocks per SM (register budget) x L1 no-allocate gathers
     rows_sweep = {}
     saved = tc.SPMM_ROWS_THREADS, tc.SPMM_ROWS_INFLIGHT, tc.SPMM_DEFINES
-    for threads, inflight, blocks, no_l1 in ((128, 16, 3, 0), (128, 16, 3, 1), (128, 12, 4, 0), (128, 8, 4, 0),
-                                             (128, 8, 5, 0), (256, 8, 2, 0), (256, 16, 1, 0), (64, 8, 8, 0),
-                                             (128, 4, 8, 0)):
+    # (first H200 sweep, 2026-12-03: 128/16/3 0.395, 128/16/3 L1 off 0.792, 128/12/4 0.338, 128/8/4 0.326,
+    #  128/8/5 0.300, 256/8/2 0.531, 256/16/1 1.071, 64/8/8 0.330, 128/4/8 0.261 ms)
+    for threads, inflight, blocks, no_l1 in ((128, 4, 8, 0), (128, 2, 8, 0), (256, 4, 4, 0), (64, 4, 16, 0),
+                                             (64, 2, 16, 0), (128, 16, 3, 0), (128, 8, 5, 0)):
         tc.SPMM_ROWS_THREADS, tc.SPMM_ROWS_INFLIGHT = threads, inflight
         tc.SPMM_DEFINES = {"SPMM_ROWS_THREADS": threads, "SPMM_ROWS_MIN_BLOCKS": blocks, "SPMM_ROWS_NO_L1": no_l1}
         rows_sweep[f"{threads}t/{inflight}ld/{blocks}b/L1{'off' if no_l1 else 'on'}"] = timer(

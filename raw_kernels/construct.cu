@@ -21,6 +21,9 @@
 #ifndef CONSTRUCT_UNROLL
 #define CONSTRUCT_UNROLL 4           // 32*VEC-element chunks a warp loads before processing
 #endif
+#ifndef CONSTRUCT_MIN_BLOCKS
+#define CONSTRUCT_MIN_BLOCKS 1       // resident blocks per SM of dense_to_twell's register budget (launch bound)
+#endif
 #ifndef CONSTRUCT_STREAM_LOADS
 #define CONSTRUCT_STREAM_LOADS 1     // 1: read x with evict-first (ld.global.cs) loads: it is read once,
 #endif                               // and the slots it produces are what should stay in L2
@@ -45,10 +48,45 @@ __device__ __forceinline__ vec_t<T, VEC> load_stream(const T* __restrict__ p) {
 // Bit k set when element k of the vector is non-zero.
 template <typename T, int VEC>
 __device__ __forceinline__ unsigned nonzero_bits(const vec_t<T, VEC>& w) {
+    if (sizeof(T) == 2 && VEC == 8) {
+        // Two 16-bit values per word at once: adding 0x7fff to the magnitude
+        // sets bit 15 of a half exactly when it is non-zero (no carry crosses
+        // halves: 0x7fff + 0x7fff < 0x10000). 5 operations per 2 values.
+        const uint4 r = *reinterpret_cast<const uint4*>(&w);
+        const unsigned q[4] = {r.x, r.y, r.z, r.w};
+        unsigned bits = 0u;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const unsigned t = (q[i] & 0x7fff7fffu) + 0x7fff7fffu;
+            bits |= (((t >> 15) & 1u) | ((t >> 30) & 2u)) << (2 * i);
+        }
+        return bits;
+    }
     unsigned bits = 0u;
 #pragma unroll
     for (int k = 0; k < VEC; ++k) bits |= (nonzero(w.v[k]) ? 1u : 0u) << k;
     return bits;
+}
+
+// Element k of a register vector for a run-time k, by a chain of selects (an
+// indexed register array would go to local memory).
+template <typename T, int VEC>
+__device__ __forceinline__ T vec_element(const vec_t<T, VEC>& w, int k) {
+    T out = w.v[0];
+#pragma unroll
+    for (int j = 1; j < VEC; ++j)
+        if (k == j) out = w.v[j];
+    return out;
+}
+
+// Inclusive prefix sum over the warp (5 shuffles).
+__device__ __forceinline__ int warp_inclusive_sum(int v, int lane) {
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const int t = __shfl_up_sync(FULL_MASK, v, off);
+        if (lane >= off) v += t;
+    }
+    return v;
 }
 
 // NaN or +-Inf: every exponent bit set (decided on the bits, like nonzero()).
@@ -61,14 +99,6 @@ __device__ __forceinline__ bool nonfinite(double v) {
 __device__ __forceinline__ bool nonfinite(__half v) { return (__half_as_ushort(v) & 0x7c00u) == 0x7c00u; }
 __device__ __forceinline__ bool nonfinite(__nv_bfloat16 v) {
     return (__bfloat16_as_ushort(v) & 0x7f80u) == 0x7f80u;
-}
-
-template <typename T, int VEC>
-__device__ __forceinline__ bool any_nonfinite(const vec_t<T, VEC>& w) {
-    bool bad = false;
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) bad |= nonfinite(w.v[k]);
-    return bad;
 }
 
 // Prefix count over the warp of the (lane, k)-ordered non-zero bits: `below` =
@@ -102,7 +132,7 @@ __device__ __forceinline__ void warp_bit_prefix(unsigned bits, int lane, int& be
 // result (a max of integers) does not depend on the order.
 // ---------------------------------------------------------------------------
 template <typename T, int VEC>
-__global__ void __launch_bounds__(CONSTRUCT_WARPS * 32)
+__global__ void __launch_bounds__(CONSTRUCT_WARPS * 32, CONSTRUCT_MIN_BLOCKS)
 twellpy_dense_to_twell(const T* __restrict__ x, T* __restrict__ values, int* __restrict__ indices,
                        int* __restrict__ counts, int* __restrict__ row_max, int* __restrict__ nonfinite_flag,
                        int M, int N, int tile, int slots, int n_tiles, int tpw, int n_groups) {
@@ -148,21 +178,25 @@ twellpy_dense_to_twell(const T* __restrict__ x, T* __restrict__ values, int* __r
             const int part = c - t * chunks_per_tile;
             const int col = t * tile + part * chunk + lane * VEC;
             if (part == 0) run = 0;
-            bad |= any_nonfinite<T, VEC>(buf[u]);
-            const unsigned bits = nonzero_bits<T, VEC>(buf[u]);
-            int below, total;
-            warp_bit_prefix<VEC>(bits, lane, below, total);
+            // Activations are ~99% zeros: count per lane, one warp scan, then
+            // visit only the set bits (most lanes skip the loop). NaN and Inf
+            // are non-zero bit patterns, so the finiteness test runs there too.
+            unsigned bits = nonzero_bits<T, VEC>(buf[u]);
+            const int mine = __popc(bits);
+            const int incl = warp_inclusive_sum(mine, lane);
+            const int total = __shfl_sync(FULL_MASK, incl, 31);
             const long long base = ((long long)row * n_tiles + t) * slots;
-            int pos = run + below;
-#pragma unroll
-            for (int k = 0; k < VEC; ++k) {
-                if ((bits >> k) & 1u) {
-                    if (pos < slots) {
-                        values[base + pos] = buf[u].v[k];
-                        indices[base + pos] = col + k;
-                    }
-                    ++pos;
+            int pos = run + incl - mine;
+            while (bits) {
+                const int k = __ffs(bits) - 1;
+                bits &= bits - 1u;
+                const T v = vec_element<T, VEC>(buf[u], k);
+                bad |= nonfinite(v);
+                if (pos < slots) {
+                    values[base + pos] = v;
+                    indices[base + pos] = col + k;
                 }
+                ++pos;
             }
             run += total;
             if (part == chunks_per_tile - 1) {  // tile finished: padding, count, max
@@ -215,8 +249,13 @@ twellpy_dense_row_nnz(const T* __restrict__ x, int* __restrict__ row_nnz, int* _
         }
 #pragma unroll
         for (int u = 0; u < CONSTRUCT_UNROLL; ++u) {
-            mine += __popc(nonzero_bits<T, VEC>(buf[u]));
-            bad |= any_nonfinite<T, VEC>(buf[u]);
+            unsigned bits = nonzero_bits<T, VEC>(buf[u]);
+            mine += __popc(bits);
+            while (bits) {  // NaN / Inf are non-zero: only set elements need the test
+                const int k = __ffs(bits) - 1;
+                bits &= bits - 1u;
+                bad |= nonfinite(vec_element<T, VEC>(buf[u], k));
+            }
         }
     }
     mine = warp_sum(mine);

@@ -75,8 +75,9 @@ SPMM_ROW_BLOCK = True
 #: Threads per block of the row-block SpMM: must equal SPMM_ROWS_THREADS of
 #: spmm.cu (pass {"SPMM_ROWS_THREADS": n} in SPMM_DEFINES with another value).
 SPMM_ROWS_THREADS = 128
-#: 16-byte B loads each thread of the row-block SpMM keeps in flight (KB * NV).
-SPMM_ROWS_INFLIGHT = 16
+#: 16-byte B loads each thread of the row-block SpMM keeps in flight (KB * NV);
+#: 4 with spmm.cu's 8 resident blocks per SM was the fastest measured pair.
+SPMM_ROWS_INFLIGHT = 4
 #: strips per thread of the row-block SpMM (NV): wider rows use more column blocks
 _SPMM_ROWS_NV = (1, 2)
 

@@ -39,7 +39,8 @@ _DTYPES = (np.dtype(np.float16), bfloat16, np.dtype(np.float32), np.dtype(np.flo
 _NV_CHOICES = (1, 2, 4, 8)
 #: neurons in flight per batch for each NV: "wide" keeps 2*KB*NV = 32 sixteen-byte
 #: loads per thread in flight, "narrow" half of that (fewer registers, more blocks/SM)
-_KB_FOR_NV = {"wide": {1: 16, 2: 8, 4: 4, 8: 2}, "narrow": {1: 8, 2: 4, 4: 2, 8: 1}}
+_KB_FOR_NV = {"wide": {1: 16, 2: 8, 4: 4, 8: 2}, "narrow": {1: 8, 2: 4, 4: 2, 8: 1},
+              "narrower": {1: 4, 2: 2, 4: 1, 8: 1}, "single": {1: 2, 2: 1, 4: 1, 8: 1}}
 #: default variant (benchmarks/ffn.py times both: TWELLPY_FFN_KB=wide|narrow)
 DEFAULT_KB = "narrow"
 _LIST_CAP = 2048
@@ -85,8 +86,8 @@ def _ci_instantiations():
 _registry.declare(_SPARSE_FILE, _ci_instantiations())
 _registry.declare(_SPARSE_FILE, [_sparse_name(bfloat16, 2, _KB_FOR_NV[DEFAULT_KB][2], True, False)],
                   {"FFN_L2_EVICT_LAST": 1})
-_registry.declare(_SPARSE_FILE, [_sparse_name(bfloat16, 2, _KB_FOR_NV[k][2], True, False) for k in _KB_FOR_NV],
-                  {"FFN_MIN_BLOCKS": 2})
+_registry.declare(_SPARSE_FILE, [_sparse_name(bfloat16, 2, _KB_FOR_NV[k][2], True, False)
+                                for k in ("narrow", "narrower", "single")], {"FFN_MIN_BLOCKS": 2})
 _registry.declare(_PACK_FILE, [f"twellpy_ffn_{k}<{_registry.ctype(d)}>"
                                for d in _DTYPES for k in ("pack", "gate_mul", "relu", "rowpack")])
 
