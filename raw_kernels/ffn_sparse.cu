@@ -31,9 +31,11 @@
 #endif
 // Resident blocks per SM the register budget is sized for (launch bound).
 // 1 lets the compiler use up to 255 registers a thread; at FFN_MAX_WARPS 8 a
-// value of 2 caps it at 128, 3 at 80 (benchmarks/ffn.py times the choices).
+// value of 2 caps it at 128, 3 at 80. Measured on the H200 (W1-16k, bf16,
+// 4-warp blocks, 2026-12-03): 2 gave 1.163-1.180 ms per FFN against
+// 1.271-1.291 ms for 1 (4 resident blocks instead of 3 per SM).
 #ifndef FFN_MIN_BLOCKS
-#define FFN_MIN_BLOCKS 1
+#define FFN_MIN_BLOCKS 2
 #endif
 #ifndef FFN_LIST_CAP
 #define FFN_LIST_CAP 2048

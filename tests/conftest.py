@@ -94,7 +94,9 @@ def _ledger_done(config, items):
             lines = f.read().splitlines()
         if not lines or lines[0] != f"# code {code}":
             continue  # another version of the code: its results say nothing about this one
-        done.update(line.split(" ", 1)[1] for line in lines[1:] if line and not line.startswith("#"))
+        # "ok <node id>\t<seconds>" (older ledgers have no seconds)
+        done.update(line.split(" ", 1)[1].split("\t", 1)[0] for line in lines[1:]
+                    if line and not line.startswith("#"))
     drop = [it for it in items if it.nodeid in done]
     if drop:
         config.hook.pytest_deselected(items=drop)
@@ -108,13 +110,16 @@ class _Ledger:
         if new:
             self._file.write(f"# code {_code_hash()}\n")
         self._failed = set()
+        self._seconds = {}
 
     def pytest_runtest_logreport(self, report):
-        # a skipped test vouches for nothing, so only passes count as done
+        # a skipped test vouches for nothing, so only passes count as done; the
+        # seconds (setup + call + teardown) show where a sanitizer run's time goes
+        self._seconds[report.nodeid] = self._seconds.get(report.nodeid, 0.0) + float(report.duration or 0.0)
         if report.failed or report.skipped:
             self._failed.add(report.nodeid)
         elif report.when == "teardown" and report.nodeid not in self._failed:
-            self._file.write(f"ok {report.nodeid}\n")
+            self._file.write(f"ok {report.nodeid}\t{self._seconds.pop(report.nodeid, 0.0):.2f}\n")
 
 
 def pytest_configure(config):

@@ -676,9 +676,18 @@ def twell_spmm(values, indices, counts, B):
     Returns
     -------
     out : (M, K) cupy array in the promoted dtype (float32 accumulation,
-        float64 for float64). One warp per (row, column block), lanes own 8
-        consecutive bf16 columns read with 16-byte loads of the B rows of the
-        active indices; the sum order is the slot order (deterministic).
+        float64 for float64); the sum order is the slot order, so the result
+        is deterministic.
+
+    Notes
+    -----
+    Outputs at least ``SPMM_ROWS_THREADS`` 16-byte vectors wide (K >= 1024
+    in bf16) run ``twellpy_twell_spmm_rows``: a block per (row, column
+    block), the row's entries listed once in shared memory, each thread
+    gathering its columns of the B rows with ``SPMM_ROWS_INFLIGHT`` 16-byte
+    loads in flight. Narrower outputs (and ``SPMM_ROW_BLOCK = False``) run
+    the warp-per-row ``twellpy_twell_spmm``. Both sum in the same order and
+    give the same bits.
     """
     values = _values_array(values, "values")
     indices = _index_array(indices, "indices")

@@ -51,13 +51,17 @@ def _sparse_name(dtype, nv, kb, gated, write_h):
             f"{'true' if gated else 'false'}, {'true' if write_h else 'false'}>")
 
 
-def _group_define(dtype, nv, kb, gated, write_h, l2_hint=False, min_blocks=1):
+#: resident blocks per SM of the sparse kernel's register budget (FFN_MIN_BLOCKS in ffn_sparse.cu)
+DEFAULT_MIN_BLOCKS = 2
+
+
+def _group_define(dtype, nv, kb, gated, write_h, l2_hint=False, min_blocks=DEFAULT_MIN_BLOCKS):
     # One compiled module per instantiation: a call compiles only the kernel it
     # uses (the registry compiles all names declared with equal defines together).
     d = {"FFN_GROUP": f"{_DTYPES.index(np.dtype(dtype))}_{nv}_{kb}_{int(gated)}_{int(write_h)}"}
     if l2_hint:
         d["FFN_L2_EVICT_LAST"] = 1
-    if min_blocks != 1:
+    if min_blocks != DEFAULT_MIN_BLOCKS:
         d["FFN_MIN_BLOCKS"] = int(min_blocks)
     return d
 
@@ -87,7 +91,9 @@ _registry.declare(_SPARSE_FILE, _ci_instantiations())
 _registry.declare(_SPARSE_FILE, [_sparse_name(bfloat16, 2, _KB_FOR_NV[DEFAULT_KB][2], True, False)],
                   {"FFN_L2_EVICT_LAST": 1})
 _registry.declare(_SPARSE_FILE, [_sparse_name(bfloat16, 2, _KB_FOR_NV[k][2], True, False)
-                                for k in ("narrow", "narrower", "single")], {"FFN_MIN_BLOCKS": 2})
+                                for k in ("narrower", "single")])
+_registry.declare(_SPARSE_FILE, [_sparse_name(bfloat16, 2, _KB_FOR_NV[DEFAULT_KB][2], True, False)],
+                  {"FFN_MIN_BLOCKS": 1})
 _registry.declare(_PACK_FILE, [f"twellpy_ffn_{k}<{_registry.ctype(d)}>"
                                for d in _DTYPES for k in ("pack", "gate_mul", "relu", "rowpack")])
 
@@ -314,8 +320,9 @@ class FFNPlan:
         #: gather weights with an L2 evict_last policy (TWELLPY_FFN_L2HINT=1)
         self.l2_hint = os.environ.get("TWELLPY_FFN_L2HINT", "0") == "1"
         #: resident blocks per SM the sparse kernel's registers are sized for
-        #: (FFN_MIN_BLOCKS; TWELLPY_FFN_MIN_BLOCKS, benchmarks/ffn.py times 1 and 2)
-        self.min_blocks = int(os.environ.get("TWELLPY_FFN_MIN_BLOCKS", "1"))
+        #: (FFN_MIN_BLOCKS; TWELLPY_FFN_MIN_BLOCKS, benchmarks/ffn.py times 1 to 4)
+        env_blocks = os.environ.get("TWELLPY_FFN_MIN_BLOCKS")
+        self.min_blocks = int(env_blocks) if env_blocks else self.default_min_blocks()
         if not 1 <= self.min_blocks <= 8:
             raise ValueError(f"TWELLPY_FFN_MIN_BLOCKS must be in [1, 8], got {self.min_blocks}")
         self.sparse_ok = self.config is not None
@@ -349,6 +356,11 @@ class FFNPlan:
                 if cand >= nv:
                     return warps, cand
         return None  # D too large for the register-resident row: dense path
+
+    def default_min_blocks(self):
+        """FFN_MIN_BLOCKS for this plan: 2, except for rows of 8 vectors a thread
+        (D > 4096 in 16-bit types), whose registers would spill under its cap."""
+        return DEFAULT_MIN_BLOCKS if self.config is None or self.config[1] <= 4 else 1
 
     def _default_threshold(self):
         # Cost model calibrated on the H200 (benchmarks/ffn.py): the sparse step
