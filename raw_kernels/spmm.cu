@@ -317,10 +317,15 @@ __device__ __forceinline__ vec_t<T, VEC> gather(const T* __restrict__ p) {
     return *reinterpret_cast<const vec_t<T, VEC>*>(p);
 }
 
-// Inclusive prefix sum over the block (blockDim.x threads, a multiple of 32);
-// `total` gets the block's sum. Two barriers; s_warp holds one int per warp.
+// Inclusive prefix sum over the block (NWARPS warps: the launch's blockDim.x
+// / 32); `total` gets the block's sum. Two barriers; s_warp holds one int per
+// warp. The warp count is a compile-time constant: with a run-time count the
+// compiler read s_warp with vector loads past its end (found by memcheck at
+// 64 threads, where s_warp has 2 entries and a 12-byte load read 3).
+template <int NWARPS>
 __device__ __forceinline__ int block_inclusive_sum(int v, int* s_warp, int& total) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    constexpr int nwarps = NWARPS;
 #pragma unroll
     for (int off = 1; off < 32; off <<= 1) {
         const int t = __shfl_up_sync(FULL_MASK, v, off);
@@ -435,7 +440,7 @@ twellpy_twell_spmm_rows(const T* __restrict__ values, const int* __restrict__ in
             const int t = t0 + tid;
             const int cnt = (t < n_tiles) ? min(max(counts[crow + t], 0), slots) : 0;
             int total;
-            const int incl = block_inclusive_sum(cnt, s_warp, total);
+            const int incl = block_inclusive_sum<SPMM_ROWS_THREADS / 32>(cnt, s_warp, total);
             const int excl = incl - cnt;
             const long long base = (crow + t) * slots;
             // Entries [done, done + take) of this chunk of tiles go to the list
