@@ -93,7 +93,6 @@ def apply_variant(ffn, variant):
         plan.min_blocks = plan.default_min_blocks()
         return "default"
     warps, nv, kb, hint = variant[:4]
-    min_blocks = variant[4] if len(variant) > 4 else plan.default_min_blocks()
     if nv == 0:
         warps, nv = plan._choose_config()
     vec = 16 // plan.dtype.itemsize
@@ -102,7 +101,8 @@ def apply_variant(ffn, variant):
     plan.config = (warps, nv)
     plan.kb_variant = kb
     plan.l2_hint = hint
-    plan.min_blocks = min_blocks
+    # the default budget depends on the config, so it is read after setting it
+    min_blocks = plan.min_blocks = variant[4] if len(variant) > 4 else plan.default_min_blocks()
     return f"{warps}w-nv{nv}-{kb}" + ("-l2hint" if hint else "") + f"-{min_blocks}blk"
 
 

@@ -254,33 +254,37 @@ def main(argv=None):
     record("twellpy twell_spmm bf16 (defaults)", lambda: tc.twell_spmm(vals, idx, counts, wb))
     # row-block kernel (the default): threads x 16-byte loads in flight per
     # thread x resident blocks per SM (register budget) x L1 no-allocate gathers
-    rows_sweep = {}
+    rows_sweep, rows_configs = {}, {}
     saved = tc.SPMM_ROWS_THREADS, tc.SPMM_ROWS_INFLIGHT, tc.SPMM_DEFINES
-    # (first H200 sweep, 2026-12-03: 128/16/3 0.395, 128/16/3 L1 off 0.792, 128/12/4 0.338, 128/8/4 0.326,
-    #  128/8/5 0.300, 256/8/2 0.531, 256/16/1 1.071, 64/8/8 0.330, 128/4/8 0.261 ms)
-    for threads, inflight, blocks, no_l1 in ((128, 4, 8, 0), (128, 2, 8, 0), (256, 4, 4, 0), (64, 4, 16, 0),
-                                             (64, 2, 16, 0), (128, 16, 3, 0), (128, 8, 5, 0)):
+
+    def use_rows_config(threads, inflight, blocks, no_l1):
         tc.SPMM_ROWS_THREADS, tc.SPMM_ROWS_INFLIGHT = threads, inflight
         tc.SPMM_DEFINES = {"SPMM_ROWS_THREADS": threads, "SPMM_ROWS_MIN_BLOCKS": blocks, "SPMM_ROWS_NO_L1": no_l1}
-        rows_sweep[f"{threads}t/{inflight}ld/{blocks}b/L1{'off' if no_l1 else 'on'}"] = timer(
-            lambda: tc.twell_spmm(vals, idx, counts, wb))
+
+    # (first H200 sweep, 2026-12-03: 128/16/3 0.395, 128/16/3 L1 off 0.792, 128/12/4 0.338, 128/8/4 0.326,
+    #  128/8/5 0.300, 256/8/2 0.531, 256/16/1 1.071, 64/8/8 0.330, 128/4/8 0.261 ms)
+    for cfg in ((128, 4, 8, 0), (128, 2, 8, 0), (256, 4, 4, 0), (64, 4, 16, 0), (64, 2, 16, 0), (128, 16, 3, 0),
+                (128, 8, 5, 0)):
+        threads, inflight, blocks, no_l1 = cfg
+        key = f"{threads}t/{inflight}ld/{blocks}b/L1{'off' if no_l1 else 'on'}"
+        rows_configs[key] = cfg
+        use_rows_config(*cfg)
+        rows_sweep[key] = timer(lambda: tc.twell_spmm(vals, idx, counts, wb))
     best_key = min(rows_sweep, key=rows_sweep.get)
-    t_, ld_, b_, l1_ = best_key.split("/")
-    tc.SPMM_ROWS_THREADS, tc.SPMM_ROWS_INFLIGHT = int(t_[:-1]), int(ld_[:-2])
-    tc.SPMM_DEFINES = {"SPMM_ROWS_THREADS": int(t_[:-1]), "SPMM_ROWS_MIN_BLOCKS": int(b_[:-1]),
-                       "SPMM_ROWS_NO_L1": int(l1_ == "L1off")}
+    use_rows_config(*rows_configs[best_key])
     record("twellpy twell_spmm bf16", lambda: tc.twell_spmm(vals, idx, counts, wb),
            f"(best {best_key}; sweep {', '.join(f'{k}:{v:.3f}' for k, v in rows_sweep.items())})")
     tc.SPMM_ROWS_THREADS, tc.SPMM_ROWS_INFLIGHT, tc.SPMM_DEFINES = saved
     # the earlier warp-per-row kernel, for the record (strips per warp x loads in flight per lane)
     default_iters = tc.SPMM_MAX_ITERS
     tc.SPMM_ROW_BLOCK = False
-    iters_sweep = {}
+    iters_sweep, iters_configs = {}, {}
     for it, loads in ((4, 8), (8, 8), (2, 8)):
+        iters_configs[f"{it}x{loads}"] = (it, loads)
         tc.SPMM_MAX_ITERS, tc.SPMM_DEFINES = it, {"SPMM_LOADS": loads}
         iters_sweep[f"{it}x{loads}"] = timer(lambda: tc.twell_spmm(vals, idx, counts, wb))
     warp_key = min(iters_sweep, key=iters_sweep.get)
-    it_, ld_ = (int(v) for v in warp_key.split("x"))
+    it_, ld_ = iters_configs[warp_key]
     tc.SPMM_MAX_ITERS, tc.SPMM_DEFINES = it_, {"SPMM_LOADS": ld_}
     record("twellpy warp-per-row twell_spmm bf16", lambda: tc.twell_spmm(vals, idx, counts, wb),
            f"(best strips x loads {warp_key}; sweep {', '.join(f'{k}:{v:.3f}' for k, v in iters_sweep.items())})")
