@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call that checks a release tree: the whole GPU suite (Dask's GPU tests too when
+# .whl/ is carried), benchmarks/kernels.py, benchmarks/ffn.py --quick and Nsight Compute counters,
+# each under its own time limit so the call fits the 600 s cap. All logs and JSON go into
+# $OUT/results.tgz (the device returns at most 8 files); the short tables print last.
+# Usage on the H200 (repo root, carry=[".whl"] for Dask):  bash benchmarks/device_release.sh
+set -uo pipefail
+export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_cache}
+R=$(mktemp -d); OUT=${OUT:-./device_out}; mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:. || echo "Dask wheels did not install"
+else
+  export PYTHONPATH=.
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$R/gpu.txt"
+step() {  # step NAME LIMIT_S COMMAND...: run under a limit, log to $R/NAME.log, say how long it took
+  local name=$1 limit=$2; shift 2; local t0=$SECONDS
+  OUT=$R timeout "$limit" "$@" > "$R/$name.log" 2>&1; local rc=$?
+  echo "[$name] exit $rc in $((SECONDS - t0)) s" | tee -a "$R/steps.txt"
+}
+step gpu_tests ${TESTS_LIMIT:-200} python -m pytest -q -m gpu -n ${GPU_WORKERS:-16} tests -p no:cacheprovider
+step kernels ${KERNELS_LIMIT:-150} python benchmarks/kernels.py
+step profile ${PROFILE_LIMIT:-120} python benchmarks/profile_kernels.py
+step ffn ${FFN_LIMIT:-90} python benchmarks/ffn.py --quick
+tar czf "$OUT/results.tgz" -C "$R" .
+echo "== GPU suite"; grep -E "passed|failed" "$R/gpu_tests.log" | tail -2; grep -E "^(FAILED|ERROR) " "$R/gpu_tests.log" | head -10
+for s in kernels profile ffn; do echo "== $s"; tail -${TAIL_LINES:-24} "$R/$s.log"; done
+cat "$R/steps.txt"
