@@ -208,7 +208,7 @@ def rel_err(got, ref):
 
 
 def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=1, batches=1,
-        log=print, ffn_kwargs=None, submit="pipelined"):
+        log=print, ffn_kwargs=None, submit="pipelined", long_batches=None):
     """Time direct and Dask runs; returns a dict of results (JSON-serialisable).
 
     One timed repetition processes ``batches`` batches of M tokens back to back
@@ -219,6 +219,12 @@ def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=
     that depends on every chunk), so that
     throughput is measured the way a stream of batches runs, with Dask's fixed
     per-call costs (graph, scheduling, round trips) amortised as they would be.
+
+    ``long_batches`` (> ``batches``) also times streams of that many batches,
+    alternating with direct calls, and reports the *marginal* overhead: the
+    extra Dask time per added batch over the extra direct time per added batch.
+    The difference to the short stream's overhead is the fixed latency of one
+    wait (Dask's round trip), which a stream pays once, not per batch.
     """
     import numpy as np
 
@@ -252,8 +258,8 @@ def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=
     ffn_kwargs = dict(ffn_kwargs or {})
     ffn = GatedFFN(w_gate, w_up, w_down, **ffn_kwargs)
 
-    def direct():
-        for _ in range(batches):
+    def direct(count=batches):
+        for _ in range(count):
             ffn(x)
         sync()
 
@@ -297,7 +303,7 @@ def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=
 
             counter = iter(range(10**9))
 
-            def dask_run():
+            def dask_run(batches=batches):
                 # fresh output names per run: identical calls would otherwise share keys
                 # with results still in worker memory and time nothing
                 if submit == "together":
@@ -345,6 +351,31 @@ def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=
             t_dask, all_times = statistics.median(t_dask_list), t_dask_list
             t_floor = round_trip_floor(client)
             t_direct_here = statistics.median(t_direct_n)
+            marginal = None
+            if long_batches and long_batches > batches:
+                # long streams: what one more batch costs, without the fixed wait latency
+                t_dl, t_kl = [], []
+                for _ in range(max(5, reps // 2)):
+                    t0 = time.perf_counter()
+                    direct(long_batches)
+                    t_dl.append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    dask_run(long_batches)
+                    t_kl.append(time.perf_counter() - t0)
+                d_long, k_long = statistics.median(t_dl), statistics.median(t_kl)
+                added = long_batches - batches
+                per_direct = (d_long - t_direct_here) / added
+                per_dask = (k_long - t_dask) / added
+                marginal = {"long_batches": long_batches, "direct_seconds": d_long, "dask_seconds": k_long,
+                            "overhead_long_stream": k_long / d_long - 1.0,
+                            "direct_seconds_per_batch": per_direct, "dask_seconds_per_batch": per_dask,
+                            "marginal_overhead": per_dask / per_direct - 1.0,
+                            "fixed_latency_seconds": (t_dask - t_direct_here) - batches * (per_dask - per_direct)}
+                log(f"dask {n} worker(s), streams of {long_batches} batches: {k_long * 1e3:.2f} ms against "
+                    f"{d_long * 1e3:.2f} ms direct ({100 * marginal['overhead_long_stream']:.1f}%); per added "
+                    f"batch {per_dask * 1e3:.3f} ms against {per_direct * 1e3:.3f} ms: marginal overhead "
+                    f"{100 * marginal['marginal_overhead']:.1f}%, fixed latency per wait "
+                    f"{marginal['fixed_latency_seconds'] * 1e3:.2f} ms")
             y = dask_run()
             got = y.compute()
             got_host = xp.asnumpy(got) if mode == "gpu" else got
@@ -355,7 +386,7 @@ def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=
                    "tokens_per_s": tokens / t_dask, "direct_seconds_interleaved": t_direct_here,
                    "overhead_vs_direct": t_dask / t_direct_here - 1.0,
                    "rel_err_vs_direct": err, "worker_env": envs, "keys_per_worker": per_worker,
-                   "noop_round_trip_seconds": t_floor}
+                   "noop_round_trip_seconds": t_floor, "long_stream": marginal}
             results["dask"].append(rec)
             log(f"dask {n} worker(s) [{kind}], {chunks_n} chunks: {t_dask * 1e3:.2f} ms "
                 f"(direct meanwhile {t_direct_here * 1e3:.2f} ms), {tokens / t_dask:,.0f} tokens/s, "

@@ -46,6 +46,9 @@ def main(argv=None):
                         "Dask's own cost; benchmarks/multi_gpu.py uses 8)")
     p.add_argument("--batches", type=int, default=None,
                    help="batches of M tokens per timed repetition (default 8 on GPU, 1 on CPU)")
+    p.add_argument("--long-batches", type=int, default=None,
+                   help="also time streams of this many batches and report the marginal overhead per "
+                        "added batch and the fixed latency per wait (default 64 on GPU, none on CPU)")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (median)")
     p.add_argument("--workers", default="1,2", help="worker counts (default 1,2)")
     p.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU default)")
@@ -95,7 +98,9 @@ def main(argv=None):
         ffn_kwargs["check_finite"] = False
     threads = args.threads if mode == "gpu" else 1
     results = bench.run(mode, sizes, counts, chunks, reps, dtype, batches=batches, threads=threads,
-                        ffn_kwargs=ffn_kwargs, submit=args.submit)
+                        ffn_kwargs=ffn_kwargs, submit=args.submit,
+                        long_batches=args.long_batches if args.long_batches is not None
+                        else (64 if mode == "gpu" else None))
     results["workload"] = name
     bench.write_out(results, "dask_scaling.json")
     print()
@@ -108,6 +113,12 @@ def main(argv=None):
         verdict = "ok" if one[0]["overhead_vs_direct"] <= 0.10 else "ABOVE the 10% target"
         print(f"Dask overhead at 1 worker: {one[0]['overhead_vs_direct'] * 100:.1f}% ({verdict}); "
               f"a no-op task's round trip: {one[0]['noop_round_trip_seconds'] * 1e3:.2f} ms")
+        ls = one[0].get("long_stream")
+        if ls:
+            verdict = "ok" if ls["marginal_overhead"] <= 0.10 else "ABOVE the 10% target"
+            print(f"streams of {ls['long_batches']} batches: {ls['overhead_long_stream'] * 100:.1f}% overhead; "
+                  f"marginal overhead per batch {ls['marginal_overhead'] * 100:.1f}% ({verdict}); "
+                  f"fixed latency per wait {ls['fixed_latency_seconds'] * 1e3:.2f} ms")
     return results
 
 
