@@ -23,7 +23,11 @@ step gpu_tests ${TESTS_LIMIT:-200} python -m pytest -q -m gpu -n ${GPU_WORKERS:-
 step kernels ${KERNELS_LIMIT:-150} python benchmarks/kernels.py
 step profile ${PROFILE_LIMIT:-120} python benchmarks/profile_kernels.py
 step ffn ${FFN_LIMIT:-90} python benchmarks/ffn.py --quick
+# Dask overhead (issue 8): only with the wheels carried and DASK_LIMIT > 0
+if [[ ${DASK_LIMIT:-0} -gt 0 ]] && python -c "import dask_cuda" 2>/dev/null; then
+  step dask $DASK_LIMIT python benchmarks/dask_scaling.py --workers 1 --reps ${DASK_REPS:-10} --submit eager
+fi
 tar czf "$OUT/results.tgz" -C "$R" .
 echo "== GPU suite"; grep -E "passed|failed" "$R/gpu_tests.log" | tail -2; grep -E "^(FAILED|ERROR) " "$R/gpu_tests.log" | head -10
-for s in kernels profile ffn; do echo "== $s"; tail -${TAIL_LINES:-24} "$R/$s.log"; done
+for s in kernels profile ffn dask; do [[ -f "$R/$s.log" ]] || continue; echo "== $s"; tail -${TAIL_LINES:-24} "$R/$s.log"; done
 cat "$R/steps.txt"
