@@ -253,20 +253,21 @@ def main(argv=None):
     log("h @ W:")
     record("twellpy twell_spmm bf16 (defaults)", lambda: tc.twell_spmm(vals, idx, counts, wb))
     # row-block kernel (the default): threads x 16-byte loads in flight per
-    # thread x resident blocks per SM (register budget) x L1 no-allocate gathers
+    # thread x resident blocks per SM (register budget). The L1 no-allocate
+    # gather variant (SPMM_ROWS_NO_L1) is gone: it doubled the time (0.792 ms).
     rows_sweep, rows_configs = {}, {}
     saved = tc.SPMM_ROWS_THREADS, tc.SPMM_ROWS_INFLIGHT, tc.SPMM_DEFINES
 
-    def use_rows_config(threads, inflight, blocks, no_l1):
+    def use_rows_config(threads, inflight, blocks):
+        # the kernel gets SPMM_ROWS_THREADS from tc.SPMM_ROWS_THREADS (cuda._spmm_rows_defines)
         tc.SPMM_ROWS_THREADS, tc.SPMM_ROWS_INFLIGHT = threads, inflight
-        tc.SPMM_DEFINES = {"SPMM_ROWS_THREADS": threads, "SPMM_ROWS_MIN_BLOCKS": blocks, "SPMM_ROWS_NO_L1": no_l1}
+        tc.SPMM_DEFINES = {"SPMM_ROWS_MIN_BLOCKS": blocks}
 
     # (first H200 sweep, 2026-12-03: 128/16/3 0.395, 128/16/3 L1 off 0.792, 128/12/4 0.338, 128/8/4 0.326,
     #  128/8/5 0.300, 256/8/2 0.531, 256/16/1 1.071, 64/8/8 0.330, 128/4/8 0.261 ms)
-    for cfg in ((128, 4, 8, 0), (128, 2, 8, 0), (256, 4, 4, 0), (64, 4, 16, 0), (64, 2, 16, 0), (128, 16, 3, 0),
-                (128, 8, 5, 0)):
-        threads, inflight, blocks, no_l1 = cfg
-        key = f"{threads}t/{inflight}ld/{blocks}b/L1{'off' if no_l1 else 'on'}"
+    for cfg in ((128, 4, 8), (128, 2, 8), (256, 4, 4), (64, 4, 16), (64, 2, 16), (128, 16, 3), (128, 8, 5)):
+        threads, inflight, blocks = cfg
+        key = f"{threads}t/{inflight}ld/{blocks}b"
         rows_configs[key] = cfg
         use_rows_config(*cfg)
         rows_sweep[key] = timer(lambda: tc.twell_spmm(vals, idx, counts, wb))

@@ -81,4 +81,16 @@ __device__ __forceinline__ int warp_max(int v) {
     return v;
 }
 
+// Inclusive prefix sum over the warp (5 shuffles): lane i gets the sum of v
+// over lanes 0..i. lane = this thread's lane (threadIdx.x & 31); every lane
+// of the warp must call it (full-mask shuffles).
+__device__ __forceinline__ int warp_inclusive_sum(int v, int lane) {
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const int t = __shfl_up_sync(FULL_MASK, v, off);
+        if (lane >= off) v += t;
+    }
+    return v;
+}
+
 }  // namespace twellpy

@@ -80,16 +80,6 @@ __device__ __forceinline__ T vec_element(const vec_t<T, VEC>& w, int k) {
     return out;
 }
 
-// Inclusive prefix sum over the warp (5 shuffles).
-__device__ __forceinline__ int warp_inclusive_sum(int v, int lane) {
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-        const int t = __shfl_up_sync(FULL_MASK, v, off);
-        if (lane >= off) v += t;
-    }
-    return v;
-}
-
 // NaN or +-Inf: every exponent bit set (decided on the bits, like nonzero()).
 __device__ __forceinline__ bool nonfinite(float v) {
     return (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u;

@@ -132,12 +132,7 @@ __global__ void twellpy_ffn_rowpack(const T* __restrict__ g, long long ldg, int 
                 }
             }
             const int c = __popc(mask);
-            int incl = c;
-#pragma unroll
-            for (int off = 1; off < 32; off <<= 1) {
-                const int t = __shfl_up_sync(0xffffffffu, incl, off);
-                if (lane >= off) incl += t;
-            }
+            const int incl = twellpy::warp_inclusive_sum(c, lane);
             int pos = found + incl - c;
 #pragma unroll
             for (int i = 0; i < VEC; ++i) {

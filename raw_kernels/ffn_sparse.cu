@@ -34,6 +34,9 @@
 // value of 2 caps it at 128, 3 at 80. Measured on the H200 (W1-16k, bf16,
 // 4-warp blocks, 2026-12-03): 2 gave 1.163-1.180 ms per FFN against
 // 1.271-1.291 ms for 1 (4 resident blocks instead of 3 per SM).
+// twellpy always passes it (cuda_ffn.DEFAULT_MIN_BLOCKS, or 1 for NV = 8: see
+// cuda_ffn._default_min_blocks); this default only serves standalone compiles
+// (tests/test_registry.py checks that it equals DEFAULT_MIN_BLOCKS).
 #ifndef FFN_MIN_BLOCKS
 #define FFN_MIN_BLOCKS 2
 #endif
@@ -300,12 +303,7 @@ twellpy_ffn_sparse(const T* __restrict__ x, long long ldx,
                         if (active_acc(gv[i])) mask |= 1u << i;
                 }
                 const int c = __popc(mask);
-                int incl = c;
-#pragma unroll
-                for (int off = 1; off < 32; off <<= 1) {
-                    const int t = __shfl_up_sync(0xffffffffu, incl, off);
-                    if (lane >= off) incl += t;
-                }
+                const int incl = twellpy::warp_inclusive_sum(c, lane);
                 if (lane == 31) s_warp_tot[warp] = incl;
                 __syncthreads();
                 int warp_off = 0, total = 0;

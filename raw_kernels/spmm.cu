@@ -282,8 +282,9 @@ twellpy_csr_spmm(const int* __restrict__ indptr, const int* __restrict__ cols,
 // with the register budget fixed by SPMM_ROWS_MIN_BLOCKS blocks per SM.
 // ===========================================================================
 #ifndef SPMM_ROWS_THREADS
-#define SPMM_ROWS_THREADS 128        // threads per block, exactly (the launcher passes this many)
-#endif
+#define SPMM_ROWS_THREADS 128        // threads per block, exactly. twellpy always passes it (cuda._spmm_rows_defines,
+#endif                               // the set the launch also takes its block size from); this default only
+                                     // serves standalone compiles.
 #ifndef SPMM_ROWS_MIN_BLOCKS
 #define SPMM_ROWS_MIN_BLOCKS 8       // resident blocks per SM the register budget is sized for: 8 x 128
 #endif                               // threads at 64 registers. Measured on the H200 (W1-16k h @ w_down):
@@ -291,9 +292,6 @@ twellpy_csr_spmm(const int* __restrict__ indptr, const int* __restrict__ cols,
                                      // more rows in flight beat more loads per thread.
 #ifndef SPMM_ROWS_LIST
 #define SPMM_ROWS_LIST 1024          // shared-memory list of (index, value); longer rows run in rounds
-#endif
-#ifndef SPMM_ROWS_NO_L1
-#define SPMM_ROWS_NO_L1 0            // 1: gather B with ld.global.nc.L1::no_allocate (B rows are not reused in L1)
 #endif
 
 static_assert(SPMM_ROWS_THREADS % 32 == 0 && SPMM_ROWS_THREADS >= 32 && SPMM_ROWS_THREADS <= 1024,
@@ -306,14 +304,6 @@ using namespace twellpy;
 
 template <typename T, int VEC>
 __device__ __forceinline__ vec_t<T, VEC> gather(const T* __restrict__ p) {
-#if SPMM_ROWS_NO_L1
-    if (VEC * sizeof(T) == 16) {
-        uint4 r;
-        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-        return *reinterpret_cast<vec_t<T, VEC>*>(&r);
-    }
-#endif
     return *reinterpret_cast<const vec_t<T, VEC>*>(p);
 }
 
@@ -326,11 +316,7 @@ template <int NWARPS>
 __device__ __forceinline__ int block_inclusive_sum(int v, int* s_warp, int& total) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     constexpr int nwarps = NWARPS;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-        const int t = __shfl_up_sync(FULL_MASK, v, off);
-        if (lane >= off) v += t;
-    }
+    v = warp_inclusive_sum(v, lane);
     if (lane == 31) s_warp[warp] = v;
     __syncthreads();
     int before = 0;

@@ -169,12 +169,7 @@ twellpy_train_relu_pack(const T* __restrict__ z, long long rows, int H, int vec,
                 for (int i = 0; i < N; ++i) bitsm |= (relu_on(e[i]) ? 1u : 0u) << i;
             }
             const int cnt = __popc(bitsm);
-            int incl = cnt;  // inclusive warp scan of the per-lane counts
-#pragma unroll
-            for (int off = 1; off < 32; off <<= 1) {
-                const int t = __shfl_up_sync(0xffffffffu, incl, off);
-                if (lane >= off) incl += t;
-            }
+            const int incl = warp_inclusive_sum(cnt, lane);  // inclusive warp scan of the per-lane counts
             long long p = pos + (incl - cnt);
             const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll

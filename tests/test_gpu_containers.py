@@ -526,8 +526,8 @@ def test_twell_spmm_row_block_tunings(threads, inflight, min_blocks, monkeypatch
     base = cuda.twell_spmm(vals, idx, counts, wg)
     monkeypatch.setattr(cuda, "SPMM_ROWS_THREADS", threads)
     monkeypatch.setattr(cuda, "SPMM_ROWS_INFLIGHT", inflight)
-    monkeypatch.setattr(cuda, "SPMM_DEFINES", {"SPMM_ROWS_THREADS": threads, "SPMM_ROWS_MIN_BLOCKS": min_blocks,
-                                               "SPMM_ROWS_NO_L1": 1})
+    # SPMM_ROWS_THREADS reaches the kernel from the module constant (cuda._spmm_rows_defines)
+    monkeypatch.setattr(cuda, "SPMM_DEFINES", {"SPMM_ROWS_MIN_BLOCKS": min_blocks})
     tuned = cuda.twell_spmm(vals, idx, counts, wg)
     assert_same_bits(tuned, base, f"twell_spmm with {threads} threads, {inflight} loads, {min_blocks} blocks")
     a_stored = cpu.slots_to_dense(to_cpu(vals).reshape(37, -1), to_cpu(idx).reshape(37, -1), 5632)

@@ -93,6 +93,39 @@ def test_launch_sizes_within_launch_bounds():
     assert cuda.SPMM_MAX_ITERS in (1, 2, 4, 8)
 
 
+def test_spmm_rows_threads_reach_kernel_and_launch_from_one_define_set(declared, monkeypatch):
+    """The row-block SpMM's block size is compiled in (SPMM_ROWS_THREADS) from the
+    same define set the launch reads, declarations included."""
+    from twellpy.backends import cuda
+
+    defs = cuda._spmm_rows_defines()
+    assert defs == {"SPMM_ROWS_THREADS": cuda.SPMM_ROWS_THREADS}
+    rows = [d for names, d in declared["spmm.cu"] if any("twell_spmm_rows" in n for n in names)]
+    assert rows and all(d == defs for d in rows)
+    assert all(not any("twell_spmm_rows" in n for n in names)
+               for names, d in declared["spmm.cu"] if d != defs)
+    # the standalone default of spmm.cu agrees too
+    assert _define_default("spmm.cu", "SPMM_ROWS_THREADS") == cuda.SPMM_ROWS_THREADS
+    assert cuda._spmm_rows_plan(4096, np.float32)[3] == cuda.SPMM_ROWS_THREADS
+    monkeypatch.setattr(cuda, "SPMM_DEFINES", {"SPMM_ROWS_THREADS": 256})
+    assert cuda._spmm_rows_defines()["SPMM_ROWS_THREADS"] == 256
+    assert cuda._spmm_rows_plan(4096, np.float32)[3] == 256
+
+
+def test_ffn_min_blocks_always_passed(declared):
+    """Every ffn_sparse.cu compile names FFN_MIN_BLOCKS; declarations use the
+    budget run time picks for their NV (1 for NV = 8)."""
+    from twellpy.backends import cuda_ffn
+
+    assert _define_default("ffn_sparse.cu", "FFN_MIN_BLOCKS") == cuda_ffn.DEFAULT_MIN_BLOCKS
+    groups = declared["ffn_sparse.cu"]
+    assert groups and all("FFN_MIN_BLOCKS" in d for _, d in groups)
+    nv8 = [d["FFN_MIN_BLOCKS"] for names, d in groups for n in names if n.split(",")[1].strip() == "8"]
+    assert nv8 and all(mb == cuda_ffn._default_min_blocks(8) == 1 for mb in nv8)
+    for mb in (1, 2, 3):
+        assert cuda_ffn._group_define(bfloat16, 2, 4, True, False, min_blocks=mb)["FFN_MIN_BLOCKS"] == mb
+
+
 @pytest.mark.parametrize("fname", CONTAINER_FILES)
 def test_kernel_files_only_include_cuda_headers_and_common(fname):
     includes = re.findall(r'#include\s*[<"]([^>"]+)[>"]', reg.read_source(fname))

@@ -72,14 +72,23 @@ _SPMM_ITERS = (1, 2, 4, 8)
 #: ``twell_spmm`` runs the row-block kernel ``twellpy_twell_spmm_rows``
 #: (False: the warp-per-row ``twellpy_twell_spmm``; benchmarks compare both).
 SPMM_ROW_BLOCK = True
-#: Threads per block of the row-block SpMM: must equal SPMM_ROWS_THREADS of
-#: spmm.cu (pass {"SPMM_ROWS_THREADS": n} in SPMM_DEFINES with another value).
+#: Threads per block of the row-block SpMM. The kernel is always compiled with
+#: it as -DSPMM_ROWS_THREADS (see _spmm_rows_defines; an SPMM_ROWS_THREADS in
+#: SPMM_DEFINES takes precedence) and the launch takes its block size from the
+#: same define set, so the kernel's block size and the launch always agree.
 SPMM_ROWS_THREADS = 128
 #: 16-byte B loads each thread of the row-block SpMM keeps in flight (KB * NV);
 #: 4 with spmm.cu's 8 resident blocks per SM was the fastest measured pair.
 SPMM_ROWS_INFLIGHT = 4
 #: strips per thread of the row-block SpMM (NV): wider rows use more column blocks
 _SPMM_ROWS_NV = (1, 2)
+
+
+def _spmm_rows_defines():
+    """``#define``s the row-block SpMM is compiled with: SPMM_DEFINES plus
+    SPMM_ROWS_THREADS (from the module constant unless SPMM_DEFINES sets it).
+    Its SPMM_ROWS_THREADS is also the launch's block size (_spmm_rows_plan)."""
+    return {"SPMM_ROWS_THREADS": int(SPMM_ROWS_THREADS), **SPMM_DEFINES}
 
 
 def _vec_width(dtype) -> int:
@@ -115,13 +124,13 @@ def _name_cast(src, dst):
 
 
 def _declare_all():
-    construct, convert, spmm, transpose = [], [], [], []
+    construct, convert, spmm, spmm_rows, transpose = [], [], [], [], []
     for dt in FLOAT_DTYPES:
         for vec in sorted({1, _vec_width(dt)}):
             construct += [_name_dense(k, dt, vec) for k in ("dense_to_twell", "dense_row_nnz", "dense_to_ell")]
             for iters in _SPMM_ITERS:
                 spmm += [_name_spmm(k, dt, vec, iters) for k in ("twell_spmm", "slots_spmm", "csr_spmm")]
-            spmm += [_name_spmm_rows(dt, vec, nv, max(1, SPMM_ROWS_INFLIGHT // nv)) for nv in _SPMM_ROWS_NV]
+            spmm_rows += [_name_spmm_rows(dt, vec, nv, max(1, SPMM_ROWS_INFLIGHT // nv)) for nv in _SPMM_ROWS_NV]
         construct += [_name_t("csr_to_twell", dt), _name_t("csr_to_ell", dt)]
         convert += [_name_t("slots_to_dense", dt), _name_t("slots_to_csr", dt)]
         convert += [_name_cast(dt, d2) for d2 in FLOAT_DTYPES if d2 != dt]
@@ -130,6 +139,8 @@ def _declare_all():
     reg.declare("construct.cu", construct)
     reg.declare("convert.cu", convert)
     reg.declare("spmm.cu", spmm)
+    # with the defines twell_spmm looks them up with, so a warm-up compile is the one run time uses
+    reg.declare("spmm.cu", spmm_rows, _spmm_rows_defines())
     reg.declare("transpose.cu", transpose)
 
 
@@ -639,7 +650,7 @@ def _spmm_rows_plan(k_cols, dtype, *arrays):
     if k_cols % vec or not _aligned(*arrays):
         vec = 1
     n_vec = -(-k_cols // vec)
-    threads = int(SPMM_ROWS_THREADS)
+    threads = int(_spmm_rows_defines()["SPMM_ROWS_THREADS"])  # what the kernel is compiled with
     if n_vec < threads:
         return None
     nv = 1 if n_vec <= threads else 2
@@ -714,7 +725,7 @@ def twell_spmm(values, indices, counts, B):
         plan = _spmm_rows_plan(k_cols, res, B, out)
         if plan is not None:
             vec, nv, kb, threads, n_cb = plan
-            k = reg.get_kernel("spmm.cu", _name_spmm_rows(res, vec, nv, kb), **SPMM_DEFINES)
+            k = reg.get_kernel("spmm.cu", _name_spmm_rows(res, vec, nv, kb), **_spmm_rows_defines())
             k((min(m, _MAX_GRID), n_cb), (threads,),
               (values, indices, counts, B, out, _i32(m), _i32(n_tiles), _i32(slots), _i32(n_rows_b),
                _i32(k_cols)))

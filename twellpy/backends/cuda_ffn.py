@@ -51,8 +51,18 @@ def _sparse_name(dtype, nv, kb, gated, write_h):
             f"{'true' if gated else 'false'}, {'true' if write_h else 'false'}>")
 
 
-#: resident blocks per SM of the sparse kernel's register budget (FFN_MIN_BLOCKS in ffn_sparse.cu)
+#: resident blocks per SM of the sparse kernel's register budget. Every compile
+#: of ffn_sparse.cu gets its budget as -DFFN_MIN_BLOCKS (run-time lookups and
+#: declarations alike); the #ifndef default in the .cu file only serves
+#: standalone compiles (tests/test_registry.py checks that it equals this).
 DEFAULT_MIN_BLOCKS = 2
+
+
+def _default_min_blocks(nv):
+    """FFN_MIN_BLOCKS run time uses for rows of ``nv`` 16-byte vectors a thread:
+    DEFAULT_MIN_BLOCKS, except nv = 8 (D > 4096 in 16-bit types), whose
+    registers would spill under its cap."""
+    return DEFAULT_MIN_BLOCKS if nv <= 4 else 1
 
 
 def _group_define(dtype, nv, kb, gated, write_h, l2_hint=False, min_blocks=DEFAULT_MIN_BLOCKS):
@@ -61,39 +71,48 @@ def _group_define(dtype, nv, kb, gated, write_h, l2_hint=False, min_blocks=DEFAU
     d = {"FFN_GROUP": f"{_DTYPES.index(np.dtype(dtype))}_{nv}_{kb}_{int(gated)}_{int(write_h)}"}
     if l2_hint:
         d["FFN_L2_EVICT_LAST"] = 1
-    if min_blocks != DEFAULT_MIN_BLOCKS:
-        d["FFN_MIN_BLOCKS"] = int(min_blocks)
+    d["FFN_MIN_BLOCKS"] = int(min_blocks)  # always explicit: Python is the one source of the budget
     return d
 
 
 def _ci_instantiations():
-    """A covering set of sparse-kernel instantiations for tools/check_kernels.py.
+    """A covering set of sparse-kernel instantiations for tools/check_kernels.py,
+    as ``(dtype, nv, kb, gated, write_h)`` tuples.
 
     Every dtype, both FFN kinds, both h-writing modes, every NV and both batch
     variants appear at least once; compiling all 256 combinations in CI would
     take half an hour and adds no coverage (run time compiles what it uses).
     """
     bf16, f32 = bfloat16, np.dtype(np.float32)
-    names = []
+    out = []
     for dt in _DTYPES:
         nv = 2 if dt.itemsize == 2 else 1
-        names.append(_sparse_name(dt, nv, _KB_FOR_NV[DEFAULT_KB][nv], True, False))
+        out.append((dt, nv, _KB_FOR_NV[DEFAULT_KB][nv], True, False))
     for gated, wh in ((False, False), (True, True), (False, True)):
-        names.append(_sparse_name(bf16, 2, _KB_FOR_NV[DEFAULT_KB][2], gated, wh))
-    names.append(_sparse_name(f32, 1, _KB_FOR_NV[DEFAULT_KB][1], False, True))
+        out.append((bf16, 2, _KB_FOR_NV[DEFAULT_KB][2], gated, wh))
+    out.append((f32, 1, _KB_FOR_NV[DEFAULT_KB][1], False, True))
     for nv in (1, 4, 8):
-        names.append(_sparse_name(bf16, nv, _KB_FOR_NV[DEFAULT_KB][nv], True, False))
-    names.append(_sparse_name(bf16, 2, _KB_FOR_NV["wide"][2], True, False))
-    return names
+        out.append((bf16, nv, _KB_FOR_NV[DEFAULT_KB][nv], True, False))
+    out.append((bf16, 2, _KB_FOR_NV["wide"][2], True, False))
+    return out
 
 
-_registry.declare(_SPARSE_FILE, _ci_instantiations())
-_registry.declare(_SPARSE_FILE, [_sparse_name(bfloat16, 2, _KB_FOR_NV[DEFAULT_KB][2], True, False)],
-                  {"FFN_L2_EVICT_LAST": 1})
-_registry.declare(_SPARSE_FILE, [_sparse_name(bfloat16, 2, _KB_FOR_NV[k][2], True, False)
-                                for k in ("narrower", "single")])
-_registry.declare(_SPARSE_FILE, [_sparse_name(bfloat16, 2, _KB_FOR_NV[DEFAULT_KB][2], True, False)],
-                  {"FFN_MIN_BLOCKS": 1})
+def _declare_sparse(instantiations, min_blocks=None, **defines):
+    """Declare ``(dtype, nv, kb, gated, write_h)`` instantiations of the sparse
+    kernel, each compiled with the FFN_MIN_BLOCKS run time gives its NV
+    (``_default_min_blocks``), or ``min_blocks`` when given."""
+    groups = {}
+    for inst in instantiations:
+        mb = _default_min_blocks(inst[1]) if min_blocks is None else int(min_blocks)
+        groups.setdefault(mb, []).append(_sparse_name(*inst))
+    for mb, names in groups.items():
+        _registry.declare(_SPARSE_FILE, names, {**defines, "FFN_MIN_BLOCKS": mb})
+
+
+_declare_sparse(_ci_instantiations())
+_declare_sparse([(bfloat16, 2, _KB_FOR_NV[DEFAULT_KB][2], True, False)], FFN_L2_EVICT_LAST=1)
+_declare_sparse([(bfloat16, 2, _KB_FOR_NV[k][2], True, False) for k in ("narrower", "single")])
+_declare_sparse([(bfloat16, 2, _KB_FOR_NV[DEFAULT_KB][2], True, False)], min_blocks=1)
 _registry.declare(_PACK_FILE, [f"twellpy_ffn_{k}<{_registry.ctype(d)}>"
                                for d in _DTYPES for k in ("pack", "gate_mul", "relu", "rowpack")])
 
@@ -360,7 +379,7 @@ class FFNPlan:
     def default_min_blocks(self):
         """FFN_MIN_BLOCKS for this plan: 2, except for rows of 8 vectors a thread
         (D > 4096 in 16-bit types), whose registers would spill under its cap."""
-        return DEFAULT_MIN_BLOCKS if self.config is None or self.config[1] <= 4 else 1
+        return DEFAULT_MIN_BLOCKS if self.config is None else _default_min_blocks(self.config[1])
 
     def _default_threshold(self):
         # Cost model calibrated on the H200 (benchmarks/ffn.py): the sparse step
