@@ -21,11 +21,11 @@ step() {  # step NAME LIMIT_S COMMAND...: run under a limit, log to $R/NAME.log,
 }
 step gpu_tests ${TESTS_LIMIT:-200} python -m pytest -q -m gpu -n ${GPU_WORKERS:-16} tests -p no:cacheprovider
 step kernels ${KERNELS_LIMIT:-150} python benchmarks/kernels.py
-step profile ${PROFILE_LIMIT:-120} python benchmarks/profile_kernels.py
+[[ ${PROFILE_LIMIT:-120} -gt 0 ]] && step profile ${PROFILE_LIMIT:-120} python benchmarks/profile_kernels.py
 step ffn ${FFN_LIMIT:-90} python benchmarks/ffn.py --quick
 # Dask overhead (issue 8): only with the wheels carried and DASK_LIMIT > 0
 if [[ ${DASK_LIMIT:-0} -gt 0 ]] && python -c "import dask_cuda" 2>/dev/null; then
-  step dask $DASK_LIMIT python benchmarks/dask_scaling.py --workers 1 --reps ${DASK_REPS:-10} --submit eager
+  step dask $DASK_LIMIT python benchmarks/dask_scaling.py --workers 1 --reps ${DASK_REPS:-10} --submit eager ${DASK_ARGS:-}
 fi
 tar czf "$OUT/results.tgz" -C "$R" .
 echo "== GPU suite"; grep -E "passed|failed" "$R/gpu_tests.log" | tail -2; grep -E "^(FAILED|ERROR) " "$R/gpu_tests.log" | head -10
