@@ -58,7 +58,12 @@ if [[ $what == memcheck-resume ]]; then
     --kernel-name ${MEMCHECK_KERNELS:-kns=twellpy_} \
     python -m pytest -q -m gpu -n ${MEMCHECK_WORKERS:-8} ${MEMCHECK_TESTS:-tests} -p no:cacheprovider --durations=25 > "$OUT/memcheck_resume.txt" 2>&1
   rc=$?
-  errors=$(grep -c '^========= \(Invalid\|Program hit\|Error\)' "$OUT/memcheck_resume.txt")
+  # numba's CUDA driver setup (entered by distributed's cupy deserialiser in the Dask tests) probes
+  # driver entry points with cuGetProcAddress and handles INVALID_VALUE; memcheck reports each probe
+  # as an API error. Those probes are counted apart; every other report rejects the ledger.
+  probes=$(grep -c '^========= Program hit CUDA_ERROR_INVALID_VALUE .* cuGetProcAddress' "$OUT/memcheck_resume.txt")
+  errors=$(grep '^========= \(Invalid\|Program hit\|Error\)' "$OUT/memcheck_resume.txt" | grep -vc 'CUDA_ERROR_INVALID_VALUE .* cuGetProcAddress')
+  echo "driver entry-point probes reported as API errors (numba, not counted): $probes"
   nonzero=$(grep 'ERROR SUMMARY' "$OUT/memcheck_resume.txt" | grep -vc 'ERROR SUMMARY: 0 errors')
   echo "memcheck-resume exit $rc (124: time limit, resume next call; 5: nothing left): $errors error lines," \
        "$nonzero non-zero ERROR SUMMARY lines; $(grep -c '^ok ' "$ledger" 2>/dev/null || echo 0) tests passed this call"
