@@ -176,13 +176,14 @@ def count_nonfinite(arr):
         return 0
     width = arr.dtype.itemsize
     words = arr.reshape(-1, order="C" if arr.flags.c_contiguous else "F").view(_NONFINITE_VIEW[width])
-    count = cp.zeros((1,), np.uint64)
     per_block = _CHECK_BLOCK * (16 // width)
     grid = min(_blocks(n, per_block), _CHECK_MAX_BLOCKS)
-    k = reg.get_kernel("check.cu", f"twellpy_count_nonfinite<{_NONFINITE_WORD[width]}>")
-    k((grid,), (_CHECK_BLOCK,), (words, _i64(n), np.uint64(_exp_mask(arr.dtype)),
-                                 _i32(words.data.ptr % 16 == 0), count))
-    return int(count.get()[0])
+    with arr.device:  # launch where the data lives (a raw kernel does not check the device)
+        count = cp.zeros((1,), np.uint64)
+        k = reg.get_kernel("check.cu", f"twellpy_count_nonfinite<{_NONFINITE_WORD[width]}>")
+        k((grid,), (_CHECK_BLOCK,), (words, _i64(n), np.uint64(_exp_mask(arr.dtype)),
+                                     _i32(words.data.ptr % 16 == 0), count))
+        return int(count.get()[0])
 
 
 _declare_all()
