@@ -283,7 +283,8 @@ def test_count_nonfinite_every_16_bit_pattern(dtype):
     assert want == 2 * ((1 << (7 if dtype is bfloat16 else 10)))  # +-Inf and every NaN payload, both signs
     dev = cp.asarray(host_bits).view(dtype)
     assert cuda.count_nonfinite(dev) == want
-    # misaligned starts (element by element path), tails shorter than a vector, one element
+    # misaligned starts (element by element path); aligned starts with fewer elements than a
+    # vector (0x7C00 and 0x7F80 are 16-byte aligned offsets); one element
     for start, stop in ((1, None), (3, 1 << 15), (0, 7), (0x7C00, 0x7C01), (0x7F80, 0x7F81), (5, 6)):
         sub = dev[start:stop]
         assert cuda.count_nonfinite(sub) == _nonfinite_reference(host_vals[start:stop]), (start, stop)
@@ -308,6 +309,11 @@ def test_count_nonfinite_against_numpy(dtype, shape):
     fortran = cp.asfortranarray(dev.view(word)).view(dtype)  # copied as raw words (CuPy has no bf16)
     assert fortran.flags.f_contiguous and (min(shape) == 1 or not fortran.flags.c_contiguous)
     assert cuda.count_nonfinite(fortran) == _nonfinite_reference(host_vals)
+    # misaligned 4- and 8-byte views (the element-by-element path of the wider words)
+    flat_dev, flat_host = dev.reshape(-1), host_vals.reshape(-1)
+    for start in (1, 3):
+        if flat_host.size > start:
+            assert cuda.count_nonfinite(flat_dev[start:]) == _nonfinite_reference(flat_host[start:]), start
     # check_finite: raises exactly when there is something to find, and names the argument
     if _nonfinite_reference(host_vals):
         with pytest.raises(ValueError, match="x contains"):

@@ -13,6 +13,7 @@ Kernels and where they live:
 ``convert.cu``         slot lists -> dense / CSR, dtype casts
 ``spmm.cu``            TwELL / slot-list / CSR times dense
 ``transpose.cu``       deterministic counting-sort transpose
+``check.cu``           NaN/Inf count in one pass (``check_finite``)
 =====================  =================================================
 
 Determinism: every slot position and every output position comes from a
