@@ -5,7 +5,9 @@
 #   2026-12-02: a third of the suite takes > 560 s with every kernel checked and 300-450 s with
 #   MEMCHECK_KERNELS=kns=twellpy_ (twellpy's kernels only), so the whole suite needs ~4-5 calls.
 #   memcheck-resume: the whole suite, resumable through a ledger of passed tests (see below);
-#   MEMCHECK_TESTS (space-separated node ids) narrows a call to those tests (the slowest ones).
+#   MEMCHECK_TESTS (space-separated node ids) narrows a call to those tests (the slowest ones);
+#   MEMCHECK_MARK="gpu and gpu_exclusive" with MEMCHECK_WORKERS=1 runs the exclusive-lock tests alone
+#   (behind shared-lock tests they can wait for the whole call).
 #   repeat the call (copying $OUT's ledger into docs/bench_logs/memcheck_ledger/) until it says
 #   nothing is left.
 #   Keep 8 workers: 14 made no progress in 570 s (instrumentation does not scale with processes).
@@ -56,7 +58,7 @@ if [[ $what == memcheck-resume ]]; then
   OUT= TWELLPY_SANITIZE=1 TWELLPY_LEDGER="$ledger" TWELLPY_LEDGER_DONE='docs/bench_logs/memcheck_ledger/*.txt' \
     timeout ${SHARD_TIMEOUT:-560} compute-sanitizer --tool memcheck --print-limit 20 \
     --kernel-name ${MEMCHECK_KERNELS:-kns=twellpy_} \
-    python -m pytest -q -m gpu -n ${MEMCHECK_WORKERS:-8} ${MEMCHECK_TESTS:-tests} -p no:cacheprovider --durations=25 > "$OUT/memcheck_resume.txt" 2>&1
+    python -m pytest -q -m "${MEMCHECK_MARK:-gpu}" -n ${MEMCHECK_WORKERS:-8} ${MEMCHECK_TESTS:-tests} -p no:cacheprovider --durations=25 > "$OUT/memcheck_resume.txt" 2>&1
   rc=$?
   # numba's CUDA driver setup (entered by distributed's cupy deserialiser in the Dask tests) probes
   # driver entry points with cuGetProcAddress and handles INVALID_VALUE; memcheck reports each probe
