@@ -208,7 +208,7 @@ def rel_err(got, ref):
 
 
 def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=1, batches=1,
-        log=print, ffn_kwargs=None, submit="pipelined", long_batches=None):
+        log=print, ffn_kwargs=None, submit="pipelined", long_batches=None, keep_outputs=False):
     """Time direct and Dask runs; returns a dict of results (JSON-serialisable).
 
     One timed repetition processes ``batches`` batches of M tokens back to back
@@ -219,6 +219,9 @@ def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=
     that depends on every chunk), so that
     throughput is measured the way a stream of batches runs, with Dask's fixed
     per-call costs (graph, scheduling, round trips) amortised as they would be.
+
+    ``keep_outputs`` makes the direct stream hold all its outputs until it
+    ends, as the Dask worker holds every persisted output until the wait.
 
     ``long_batches`` (> ``batches``) also times streams of that many batches,
     alternating with direct calls, and reports the *marginal* overhead: the
@@ -259,8 +262,13 @@ def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=
     ffn = GatedFFN(w_gate, w_up, w_down, **ffn_kwargs)
 
     def direct(count=batches):
+        # keep_outputs: hold every output until the stream ends, as the Dask worker
+        # holds every persisted chunk until the wait (same allocations, same memory)
+        kept = [] if keep_outputs else None
         for _ in range(count):
-            ffn(x)
+            y = ffn(x)
+            if kept is not None:
+                kept.append(y)
         sync()
 
     t_direct, _ = _median_time(direct, reps)
@@ -271,7 +279,7 @@ def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=
     del ref
     tokens = m * batches
     results = {"mode": mode, "sizes": sizes, "dtype": dtype_name, "ffn_kwargs": ffn_kwargs,
-               "threads_per_worker": threads, "submit": submit,
+               "threads_per_worker": threads, "submit": submit, "direct_keeps_outputs": keep_outputs,
                "chunks": "workers x " + str(n_chunks(1)) if callable(n_chunks) else n_chunks, "reps": reps,
                "batches_per_rep": batches,
                "direct": {"seconds": t_direct, "tokens_per_s": tokens / t_direct,

@@ -49,6 +49,9 @@ def main(argv=None):
     p.add_argument("--long-batches", type=int, default=None,
                    help="also time streams of this many batches and report the marginal overhead per "
                         "added batch and the fixed latency per wait (default 64 on GPU, none on CPU)")
+    p.add_argument("--direct-keeps-outputs", action="store_true",
+                   help="the direct stream holds all its outputs until it ends, as the Dask worker "
+                        "holds its persisted outputs (same allocations and memory on both sides)")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (median)")
     p.add_argument("--workers", default="1,2", help="worker counts (default 1,2)")
     p.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU default)")
@@ -99,6 +102,7 @@ def main(argv=None):
     threads = args.threads if mode == "gpu" else 1
     results = bench.run(mode, sizes, counts, chunks, reps, dtype, batches=batches, threads=threads,
                         ffn_kwargs=ffn_kwargs, submit=args.submit,
+                        keep_outputs=args.direct_keeps_outputs,
                         long_batches=args.long_batches if args.long_batches is not None
                         else (64 if mode == "gpu" else None))
     results["workload"] = name
