@@ -198,6 +198,18 @@ def _median_time(fn, reps, warmup=1):
     return statistics.median(times), times
 
 
+def _alternate(first, second, reps):
+    """Times of ``reps`` alternating calls of ``first`` and ``second`` (two lists),
+    so that both see the same machine load."""
+    t_first, t_second = [], []
+    for _ in range(reps):
+        for fn, times in ((first, t_first), (second, t_second)):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return t_first, t_second
+
+
 def rel_err(got, ref):
     import numpy as np
 
@@ -348,28 +360,15 @@ def run(mode, sizes, worker_counts, n_chunks, reps, dtype_name, seed=0, threads=
             # (on a shared machine the load drifts by more than the effect measured).
             dask_run()
             dask_run()
-            t_direct_n, t_dask_list = [], []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                direct()
-                t_direct_n.append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                dask_run()
-                t_dask_list.append(time.perf_counter() - t0)
+            t_direct_n, t_dask_list = _alternate(direct, dask_run, reps)
             t_dask, all_times = statistics.median(t_dask_list), t_dask_list
             t_floor = round_trip_floor(client)
             t_direct_here = statistics.median(t_direct_n)
             marginal = None
             if long_batches and long_batches > batches:
                 # long streams: what one more batch costs, without the fixed wait latency
-                t_dl, t_kl = [], []
-                for _ in range(max(5, reps // 2)):
-                    t0 = time.perf_counter()
-                    direct(long_batches)
-                    t_dl.append(time.perf_counter() - t0)
-                    t0 = time.perf_counter()
-                    dask_run(long_batches)
-                    t_kl.append(time.perf_counter() - t0)
+                t_dl, t_kl = _alternate(lambda: direct(long_batches), lambda: dask_run(long_batches),
+                                        max(5, reps // 2))
                 d_long, k_long = statistics.median(t_dl), statistics.median(t_kl)
                 added = long_batches - batches
                 per_direct = (d_long - t_direct_here) / added

@@ -5,14 +5,8 @@
 # $OUT/results.tgz (the device returns at most 8 files); the short tables print last.
 # Usage on the H200 (repo root, carry=[".whl"] for Dask):  bash benchmarks/device_release.sh
 set -uo pipefail
-export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_cache}
+source "$(dirname "${BASH_SOURCE[0]}")/_device_env.sh"
 R=$(mktemp -d); OUT=${OUT:-./device_out}; mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:. || echo "Dask wheels did not install"
-else
-  export PYTHONPATH=.
-fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$R/gpu.txt"
 step() {  # step NAME LIMIT_S COMMAND...: run under a limit, log to $R/NAME.log, say how long it took
   local name=$1 limit=$2; shift 2; local t0=$SECONDS

@@ -13,12 +13,7 @@
 #   Keep 8 workers: 14 made no progress in 570 s (instrumentation does not scale with processes).
 # Logs and JSON go to $OUT (or ./device_out); the short tables print last.
 set -uo pipefail
-export PYTHONPATH=. PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_cache}
-# Dask's GPU tests need the wheels from benchmarks/fetch_dask_wheels.sh (carry=[".whl"]); the device has no index
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:. || echo "Dask wheels did not install"
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/_device_env.sh"
 OUT=${OUT:-./device_out}; mkdir -p "$OUT"
 what=${1:-all}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
