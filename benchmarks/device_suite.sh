@@ -50,10 +50,14 @@ if [[ $what == memcheck-resume ]]; then
   fi
   echo "positive control: memcheck reported the planted overrun in twellpy_sanitizer_probe<float>"
   ledger="$OUT/memcheck_ledger_$(date +%H%M%S).txt"
+  # work stealing (pytest-xdist >= 3.2): a worker stuck in one slow test no longer holds the
+  # tests queued behind it, idle workers take them
+  dist=$(python -c "import xdist; print('--dist worksteal' if tuple(map(int, xdist.__version__.split('.')[:2])) >= (3, 2) else '')")
+  echo "xdist scheduling: ${dist:-load (default)}"
   OUT= TWELLPY_SANITIZE=1 TWELLPY_LEDGER="$ledger" TWELLPY_LEDGER_DONE='docs/bench_logs/memcheck_ledger/*.txt' \
     timeout ${SHARD_TIMEOUT:-560} compute-sanitizer --tool memcheck --print-limit 20 \
     --kernel-name ${MEMCHECK_KERNELS:-kns=twellpy_} \
-    python -m pytest -q -m "${MEMCHECK_MARK:-gpu}" -n ${MEMCHECK_WORKERS:-8} ${MEMCHECK_TESTS:-tests} -p no:cacheprovider --durations=25 > "$OUT/memcheck_resume.txt" 2>&1
+    python -m pytest -q -m "${MEMCHECK_MARK:-gpu}" -n ${MEMCHECK_WORKERS:-8} $dist ${MEMCHECK_TESTS:-tests} -p no:cacheprovider --durations=25 > "$OUT/memcheck_resume.txt" 2>&1
   rc=$?
   # numba's CUDA driver setup (entered by distributed's cupy deserialiser in the Dask tests) probes
   # driver entry points with cuGetProcAddress and handles INVALID_VALUE; memcheck reports each probe

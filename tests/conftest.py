@@ -151,18 +151,29 @@ def _gpu_memory_lock(request):
     memory for a moment; a small allocation in a parallel worker then fails.
     Every GPU test holds a shared lock, ``gpu_exclusive`` tests an exclusive
     one, on a file unique to this pytest run.
+
+    flock grants new shared locks while an exclusive one waits, so a busy
+    suite could starve an exclusive test (and every test xdist queued behind
+    it on that worker) for a whole device call. A second file, the gate,
+    gives the writer priority: an exclusive test takes the gate first and
+    holds it; shared tests pass through the gate only on their way in.
     """
     worker_run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if not HAS_GPU or not worker_run or "gpu" not in request.keywords:
         yield
         return
-    path = os.path.join(tempfile.gettempdir(), f"twellpy-gpu-{worker_run}.lock")
-    with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX if "gpu_exclusive" in request.keywords else fcntl.LOCK_SH)
+    base = os.path.join(tempfile.gettempdir(), f"twellpy-gpu-{worker_run}")
+    exclusive = "gpu_exclusive" in request.keywords
+    with open(base + ".gate", "a+") as gate, open(base + ".lock", "a+") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        if not exclusive:
+            fcntl.flock(gate, fcntl.LOCK_UN)  # holds only the lock: a waiting writer goes next
         try:
             yield
         finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            fcntl.flock(gate, fcntl.LOCK_UN)
 
 
 @pytest.fixture(autouse=True)

@@ -269,3 +269,18 @@ def test_sparse_kernel_tunings_give_the_same_bits(gated):
             poison()
             y = ffn(w["x"])
             assert bool((y.view(cp.uint16) == base.view(cp.uint16)).all()), (kb, blocks)
+
+
+def test_default_bf16_call_loads_a_declared_module():
+    """The module the default W1-shaped call loads is one the declarations list
+    (``twellpy info --compile`` then warms exactly what run time uses)."""
+    from twellpy.backends import _registry as reg
+
+    w = to_gpu(make_ffn(64, 2048, 1024, 20, sigma=0.2, dtype=bfloat16, xp=np, seed=11))
+    poison()
+    y = run(w, mode="sparse")
+    assert rel_err(y, ref64(w)) <= TOL[bfloat16]
+    declared = {(n, tuple(sorted(d.items()))) for names, d in reg.declared()["ffn_sparse.cu"] for n in names}
+    used = {(name, defs) for (_, f, defs, name) in list(reg._CACHE) if f == "ffn_sparse.cu"}
+    assert used, "the sparse FFN kernel was not fetched through the registry"
+    assert used & declared, f"run time loaded {sorted(used)}, none of them declared"

@@ -258,3 +258,74 @@ def test_cupy_operands_on_both_sides_of_at():
     y = A @ cp.ones((x.shape[1], 2), cp.float32)
     want = np.repeat(x.astype(np.float64).sum(1, keepdims=True), 2, axis=1)
     assert isinstance(y, cp.ndarray) and rel_err(f64(y), want) <= 1e-5
+
+
+# ---- the one-pass finiteness check (raw_kernels/check.cu) -------------------
+def _nonfinite_reference(host_array):
+    """NaN/Inf count decided on the bits in numpy (float64 view not needed)."""
+    dt = np.dtype(host_array.dtype)
+    if dt == bfloat16:
+        bits, mask = host_array.view(np.uint16), 0x7F80
+    else:
+        bits = host_array.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[dt.itemsize])
+        mask = {2: 0x7C00, 4: 0x7F800000, 8: 0x7FF0000000000000}[dt.itemsize]
+    return int(np.count_nonzero((bits & bits.dtype.type(mask)) == bits.dtype.type(mask)))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, bfloat16])
+def test_count_nonfinite_every_16_bit_pattern(dtype):
+    from twellpy.backends import cuda
+
+    cp = _cp()
+    host_bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    host_vals = host_bits.view(dtype)
+    want = _nonfinite_reference(host_vals)
+    assert want == 2 * ((1 << (7 if dtype is bfloat16 else 10)))  # +-Inf and every NaN payload, both signs
+    dev = cp.asarray(host_bits).view(dtype)
+    assert cuda.count_nonfinite(dev) == want
+    # misaligned starts (element by element path); aligned starts with fewer elements than a
+    # vector (0x7C00 and 0x7F80 are 16-byte aligned offsets); one element
+    for start, stop in ((1, None), (3, 1 << 15), (0, 7), (0x7C00, 0x7C01), (0x7F80, 0x7F81), (5, 6)):
+        sub = dev[start:stop]
+        assert cuda.count_nonfinite(sub) == _nonfinite_reference(host_vals[start:stop]), (start, stop)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 5), (257, 129), (2, 70001)])
+def test_count_nonfinite_against_numpy(dtype, shape):
+    from twellpy.backends import cuda
+
+    cp = _cp()
+    rng = np.random.default_rng(int(np.prod(shape)) + np.dtype(dtype).itemsize)
+    host_vals = rng.standard_normal(shape).astype(np.float32)
+    flat = host_vals.reshape(-1)
+    specials = np.array([np.nan, np.inf, -np.inf, -0.0, 1e-45, 3.0e38], np.float32)
+    picks = rng.integers(0, flat.size, size=min(flat.size, 9))
+    flat[picks] = specials[rng.integers(0, specials.size, size=picks.size)]
+    host_vals = host_vals.astype(dtype)
+    dev = to_gpu(host_vals)
+    assert cuda.count_nonfinite(dev) == _nonfinite_reference(host_vals)
+    word = {2: np.uint16, 4: np.uint32, 8: np.uint64}[np.dtype(dtype).itemsize]
+    fortran = cp.asfortranarray(dev.view(word)).view(dtype)  # copied as raw words (CuPy has no bf16)
+    assert fortran.flags.f_contiguous and (min(shape) == 1 or not fortran.flags.c_contiguous)
+    assert cuda.count_nonfinite(fortran) == _nonfinite_reference(host_vals)
+    # misaligned 4- and 8-byte views (the element-by-element path of the wider words)
+    flat_dev, flat_host = dev.reshape(-1), host_vals.reshape(-1)
+    for start in (1, 3):
+        if flat_host.size > start:
+            assert cuda.count_nonfinite(flat_dev[start:]) == _nonfinite_reference(flat_host[start:]), start
+    # check_finite: raises exactly when there is something to find, and names the argument
+    if _nonfinite_reference(host_vals):
+        with pytest.raises(ValueError, match="x contains"):
+            tw._array.check_finite(dev, "x")
+    else:
+        assert tw._array.check_finite(dev, "x") is dev
+    # a non-contiguous view still goes through the (slow) counting path and agrees
+    if shape[1] > 1:
+        strided = dev[:, ::2]
+        finite = _nonfinite_reference(np.ascontiguousarray(host_vals[:, ::2])) == 0
+        if finite:
+            assert tw._array.check_finite(strided, "x") is strided
+        else:
+            with pytest.raises(ValueError, match="x contains"):
+                tw._array.check_finite(strided, "x")

@@ -17,7 +17,7 @@ from twellpy._array import bfloat16
 from twellpy.backends import _registry as reg
 
 ROOT = Path(__file__).resolve().parent.parent
-CONTAINER_FILES = ["construct.cu", "convert.cu", "spmm.cu", "transpose.cu"]
+CONTAINER_FILES = ["check.cu", "construct.cu", "convert.cu", "spmm.cu", "transpose.cu"]
 
 
 def _check_kernels_module():
@@ -91,6 +91,7 @@ def test_launch_sizes_within_launch_bounds():
     assert cuda.ELEMENTWISE_BLOCK <= _define_default("transpose.cu", "TRANSPOSE_BLOCK")
     assert cuda.SPMM_WARPS <= _define_default("spmm.cu", "SPMM_WARPS")
     assert cuda.SPMM_MAX_ITERS in (1, 2, 4, 8)
+    assert cuda._CHECK_BLOCK <= _define_default("check.cu", "CHECK_BLOCK")
 
 
 def test_spmm_rows_threads_reach_kernel_and_launch_from_one_define_set(declared, monkeypatch):
@@ -123,7 +124,18 @@ def test_ffn_min_blocks_always_passed(declared):
     nv8 = [d["FFN_MIN_BLOCKS"] for names, d in groups for n in names if n.split(",")[1].strip() == "8"]
     assert nv8 and all(mb == cuda_ffn._default_min_blocks(8) == 1 for mb in nv8)
     for mb in (1, 2, 3):
-        assert cuda_ffn._group_define(bfloat16, 2, 4, True, False, min_blocks=mb)["FFN_MIN_BLOCKS"] == mb
+        assert cuda_ffn._sparse_defines(min_blocks=mb) == {"FFN_MIN_BLOCKS": mb}
+    assert cuda_ffn._sparse_defines(True, 2) == {"FFN_L2_EVICT_LAST": 1, "FFN_MIN_BLOCKS": 2}
+
+
+def test_ffn_declarations_use_the_run_time_defines(declared):
+    """A warm-up compile of the declarations must be the module run time loads:
+    every declared define set is one _sparse_defines produces (no per-group
+    extras that would make the run-time lookup a different compile)."""
+    from twellpy.backends import cuda_ffn
+
+    for names, d in declared["ffn_sparse.cu"]:
+        assert d == cuda_ffn._sparse_defines("FFN_L2_EVICT_LAST" in d, d["FFN_MIN_BLOCKS"]), (names, d)
 
 
 @pytest.mark.parametrize("fname", CONTAINER_FILES)
@@ -141,11 +153,11 @@ def test_every_kernel_has_a_header_comment():
             start = head.rfind(f"// {name}")
             assert start >= 0, f"{fname}: {name} lacks a header comment"
             comment = "\n".join(ln for ln in head[start:].splitlines() if ln.startswith("//"))
-            assert re.search(r"\((\w+|\d)[\w+*, ]*\)\s+(T|int32|int64|S|D)\b", comment), \
+            assert re.search(r"\((\w+|\d)[\w+*, ]*\)\s+(T|U|int32|int64|uint64|S|D)\b", comment), \
                 f"{fname}: the comment of {name} lists no array shapes"
 
 
-@pytest.mark.parametrize("fname", ["convert.cu", "transpose.cu"])
+@pytest.mark.parametrize("fname", ["check.cu", "convert.cu", "transpose.cu"])
 def test_small_files_compile_and_every_name_resolves(declared, fname):
     """Fast NVRTC check (sm_80) that every declared name expression lowers to a symbol."""
     from cupy_backends.cuda.libs import nvrtc

@@ -229,6 +229,12 @@ def check_finite(arr, name: str):
     if arr.size == 0:
         return arr
     xp = xp_of(arr)
+    if xp is not np and arr.dtype in FLOAT_DTYPES and (arr.flags.c_contiguous or arr.flags.f_contiguous):
+        # one pass over the bits on the device; the slow paths below only count NaN vs Inf
+        from .backends import cuda as _cuda
+
+        if _cuda.count_nonfinite(arr) == 0:
+            return arr
     if arr.dtype in (bfloat16, np.dtype(np.float16)):
         # Decide on the bit pattern: CuPy has no bfloat16 arithmetic, and a
         # float32 upcast would cost a full extra copy.

@@ -13,6 +13,7 @@ Kernels and where they live:
 ``convert.cu``         slot lists -> dense / CSR, dtype casts
 ``spmm.cu``            TwELL / slot-list / CSR times dense
 ``transpose.cu``       deterministic counting-sort transpose
+``check.cu``           NaN/Inf count in one pass (``check_finite``)
 =====================  =================================================
 
 Determinism: every slot position and every output position comes from a
@@ -142,6 +143,48 @@ def _declare_all():
     # with the defines twell_spmm looks them up with, so a warm-up compile is the one run time uses
     reg.declare("spmm.cu", spmm_rows, _spmm_rows_defines())
     reg.declare("transpose.cu", transpose)
+    reg.declare("check.cu", [f"twellpy_count_nonfinite<{c}>" for c in _NONFINITE_WORD.values()])
+
+
+# element width -> (unsigned word dtype, its C type) of twellpy_count_nonfinite
+_NONFINITE_WORD = {2: "unsigned short", 4: "unsigned int", 8: "unsigned long long"}
+_NONFINITE_VIEW = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+# exponent bits per float dtype (all set: NaN or Inf)
+_EXP_MASK = {np.dtype(np.float16): 0x7C00, np.dtype(np.float32): 0x7F800000,
+             np.dtype(np.float64): 0x7FF0000000000000}
+_CHECK_BLOCK = 256
+_CHECK_MAX_BLOCKS = 4096  # grid-stride: enough blocks to fill an H200 several times over
+
+
+def _exp_mask(dtype):
+    from .._array import bfloat16
+
+    return 0x7F80 if np.dtype(dtype) == bfloat16 else _EXP_MASK[np.dtype(dtype)]
+
+
+def count_nonfinite(arr):
+    """Number of NaN and Inf elements of a contiguous cupy float array.
+
+    One pass over the bits (``raw_kernels/check.cu``) instead of CuPy's
+    mask, compare and reduce passes with their temporaries. Reads the count
+    back, so it synchronises with the current stream like ``bool(a.any())``.
+    """
+    cp = _cp()
+    if not (arr.flags.c_contiguous or arr.flags.f_contiguous):
+        raise ValueError("count_nonfinite needs a contiguous array")
+    n = int(arr.size)
+    if n == 0:
+        return 0
+    width = arr.dtype.itemsize
+    words = arr.reshape(-1, order="C" if arr.flags.c_contiguous else "F").view(_NONFINITE_VIEW[width])
+    per_block = _CHECK_BLOCK * (16 // width)
+    grid = min(_blocks(n, per_block), _CHECK_MAX_BLOCKS)
+    with arr.device:  # launch where the data lives (a raw kernel does not check the device)
+        count = cp.zeros((1,), np.uint64)
+        k = reg.get_kernel("check.cu", f"twellpy_count_nonfinite<{_NONFINITE_WORD[width]}>")
+        k((grid,), (_CHECK_BLOCK,), (words, _i64(n), np.uint64(_exp_mask(arr.dtype)),
+                                     _i32(words.data.ptr % 16 == 0), count))
+        return int(count.get()[0])
 
 
 _declare_all()

@@ -65,12 +65,11 @@ def _default_min_blocks(nv):
     return DEFAULT_MIN_BLOCKS if nv <= 4 else 1
 
 
-def _group_define(dtype, nv, kb, gated, write_h, l2_hint=False, min_blocks=DEFAULT_MIN_BLOCKS):
-    # One compiled module per instantiation: a call compiles only the kernel it
-    # uses (the registry compiles all names declared with equal defines together).
-    d = {"FFN_GROUP": f"{_DTYPES.index(np.dtype(dtype))}_{nv}_{kb}_{int(gated)}_{int(write_h)}"}
-    if l2_hint:
-        d["FFN_L2_EVICT_LAST"] = 1
+def _sparse_defines(l2_hint=False, min_blocks=DEFAULT_MIN_BLOCKS):
+    """Defines of a sparse-kernel module; run time and ``_declare_sparse`` both
+    use this, so a warm-up compile (``twellpy info --compile``) is the module
+    run time loads (the registry compiles one kernel per module anyway)."""
+    d = {"FFN_L2_EVICT_LAST": 1} if l2_hint else {}
     d["FFN_MIN_BLOCKS"] = int(min_blocks)  # always explicit: Python is the one source of the budget
     return d
 
@@ -97,7 +96,7 @@ def _ci_instantiations():
     return out
 
 
-def _declare_sparse(instantiations, min_blocks=None, **defines):
+def _declare_sparse(instantiations, min_blocks=None, l2_hint=False):
     """Declare ``(dtype, nv, kb, gated, write_h)`` instantiations of the sparse
     kernel, each compiled with the FFN_MIN_BLOCKS run time gives its NV
     (``_default_min_blocks``), or ``min_blocks`` when given."""
@@ -106,11 +105,11 @@ def _declare_sparse(instantiations, min_blocks=None, **defines):
         mb = _default_min_blocks(inst[1]) if min_blocks is None else int(min_blocks)
         groups.setdefault(mb, []).append(_sparse_name(*inst))
     for mb, names in groups.items():
-        _registry.declare(_SPARSE_FILE, names, {**defines, "FFN_MIN_BLOCKS": mb})
+        _registry.declare(_SPARSE_FILE, names, _sparse_defines(l2_hint, mb))
 
 
 _declare_sparse(_ci_instantiations())
-_declare_sparse([(bfloat16, 2, _KB_FOR_NV[DEFAULT_KB][2], True, False)], FFN_L2_EVICT_LAST=1)
+_declare_sparse([(bfloat16, 2, _KB_FOR_NV[DEFAULT_KB][2], True, False)], l2_hint=True)
 _declare_sparse([(bfloat16, 2, _KB_FOR_NV[k][2], True, False) for k in ("narrower", "single")])
 _declare_sparse([(bfloat16, 2, _KB_FOR_NV[DEFAULT_KB][2], True, False)], min_blocks=1)
 _registry.declare(_PACK_FILE, [f"twellpy_ffn_{k}<{_registry.ctype(d)}>"
@@ -465,8 +464,7 @@ class FFNPlan:
             _, nv = self.config
             kb = _KB_FOR_NV[self.kb_variant][nv]
             k = _registry.get_kernel(_SPARSE_FILE, _sparse_name(self.dtype, nv, kb, self.gated, write_h),
-                                     **_group_define(self.dtype, nv, kb, self.gated, write_h, self.l2_hint,
-                                                     self.min_blocks))
+                                     **_sparse_defines(self.l2_hint, self.min_blocks))
         hit = self._kernels[key] = (k, _sm_count(dev) * 16)
         return hit
 
