@@ -106,7 +106,7 @@ def _worker_env():
 
     return {k: _os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "NCCL_NVLS_ENABLE",
                                             "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
-                                            "NUMBA_NUM_THREADS")}
+                                            "NUMBA_NUM_THREADS", "CUPY_CUDA_PER_THREAD_DEFAULT_STREAM")}
 
 
 def start_cluster(mode, n_workers, threads):

@@ -58,6 +58,10 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1,
                    help="threads per GPU worker, so tasks overlap their host synchronisations "
                         "(CPU workers always use one thread: the benchmark pins BLAS/Numba to one)")
+    p.add_argument("--ptds", action="store_true",
+                   help="GPU workers use CuPy's per-thread default stream (CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1), "
+                        "so with --threads > 1 one task's Dask bookkeeping and host sync overlap another "
+                        "thread's kernels instead of waiting on one shared stream")
     p.add_argument("--ffn-mode", default=None, choices=("auto", "sparse", "dense"),
                    help="FFN mode of both the direct and the Dask runs (default: the library's)")
     p.add_argument("--no-check-finite", action="store_true",
@@ -100,6 +104,9 @@ def main(argv=None):
     if args.no_check_finite:
         ffn_kwargs["check_finite"] = False
     threads = args.threads if mode == "gpu" else 1
+    if args.ptds:
+        # read by CuPy at import: the worker processes, started after this, inherit it
+        os.environ["CUPY_CUDA_PER_THREAD_DEFAULT_STREAM"] = "1"
     results = bench.run(mode, sizes, counts, chunks, reps, dtype, batches=batches, threads=threads,
                         ffn_kwargs=ffn_kwargs, submit=args.submit,
                         keep_outputs=args.direct_keeps_outputs,
@@ -110,7 +117,8 @@ def main(argv=None):
     print()
     print(f"Dask scaling, {name} (M={sizes['M']}), {dtype}, {mode}, "
           f"{batches} batch(es) per run, median of {reps} runs, {threads} thread(s) per worker, "
-          f"FFN options {ffn_kwargs or 'default'}, batches submitted {args.submit}")
+          f"FFN options {ffn_kwargs or 'default'}, batches submitted {args.submit}"
+          f"{', per-thread default streams on the workers' if args.ptds and mode == 'gpu' else ''}")
     print(bench.table(results, unit="GPU" if mode == "gpu" else "worker"))
     one = [r for r in results["dask"] if r["workers"] == 1]
     if one:

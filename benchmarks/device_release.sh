@@ -13,7 +13,9 @@ step() {  # step NAME LIMIT_S COMMAND...: run under a limit, log to $R/NAME.log,
   OUT=$R timeout "$limit" "$@" > "$R/$name.log" 2>&1; local rc=$?
   echo "[$name] exit $rc in $((SECONDS - t0)) s" | tee -a "$R/steps.txt"
 }
-step gpu_tests ${TESTS_LIMIT:-200} python -m pytest -q -m gpu -n ${GPU_WORKERS:-16} tests -p no:cacheprovider
+gpu_memory_log "$R/gpu_memory.csv"; watcher=$!
+step gpu_tests ${TESTS_LIMIT:-200} python -m pytest -q -m gpu -n ${GPU_WORKERS:-16} $XDIST_DIST tests -p no:cacheprovider --durations=20
+kill $watcher 2>/dev/null
 step kernels ${KERNELS_LIMIT:-150} python benchmarks/kernels.py
 [[ ${PROFILE_LIMIT:-120} -gt 0 ]] && step profile ${PROFILE_LIMIT:-120} python benchmarks/profile_kernels.py
 step ffn ${FFN_LIMIT:-90} python benchmarks/ffn.py --quick

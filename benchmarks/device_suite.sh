@@ -20,7 +20,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 git rev-parse --short HEAD 2>/dev/null | tee "$OUT/commit.txt"
 status=0
 if [[ $what == tests || $what == all ]]; then
-  python -m pytest -q -m gpu -n ${GPU_WORKERS:-16} tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 || status=1
+  gpu_memory_log "$OUT/gpu_memory.csv"; watcher=$!
+  python -m pytest -q -m gpu -n ${GPU_WORKERS:-16} $XDIST_DIST tests -p no:cacheprovider --durations=20 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 || status=1
+  kill $watcher 2>/dev/null
 fi
 if [[ $what == memcheck ]]; then
   shard=${2:?usage: device_suite.sh memcheck K/N}
@@ -50,14 +52,11 @@ if [[ $what == memcheck-resume ]]; then
   fi
   echo "positive control: memcheck reported the planted overrun in twellpy_sanitizer_probe<float>"
   ledger="$OUT/memcheck_ledger_$(date +%H%M%S).txt"
-  # work stealing (pytest-xdist >= 3.2): a worker stuck in one slow test no longer holds the
-  # tests queued behind it, idle workers take them
-  dist=$(python -c "import xdist; print('--dist worksteal' if tuple(map(int, xdist.__version__.split('.')[:2])) >= (3, 2) else '')")
-  echo "xdist scheduling: ${dist:-load (default)}"
+  echo "xdist scheduling: ${XDIST_DIST:-load (default)}"
   OUT= TWELLPY_SANITIZE=1 TWELLPY_LEDGER="$ledger" TWELLPY_LEDGER_DONE='docs/bench_logs/memcheck_ledger/*.txt' \
     timeout ${SHARD_TIMEOUT:-560} compute-sanitizer --tool memcheck --print-limit 20 \
     --kernel-name ${MEMCHECK_KERNELS:-kns=twellpy_} \
-    python -m pytest -q -m "${MEMCHECK_MARK:-gpu}" -n ${MEMCHECK_WORKERS:-8} $dist ${MEMCHECK_TESTS:-tests} -p no:cacheprovider --durations=25 > "$OUT/memcheck_resume.txt" 2>&1
+    python -m pytest -q -m "${MEMCHECK_MARK:-gpu}" -n ${MEMCHECK_WORKERS:-8} $XDIST_DIST ${MEMCHECK_TESTS:-tests} -p no:cacheprovider --durations=25 > "$OUT/memcheck_resume.txt" 2>&1
   rc=$?
   # numba's CUDA driver setup (entered by distributed's cupy deserialiser in the Dask tests) probes
   # driver entry points with cuGetProcAddress and handles INVALID_VALUE; memcheck reports each probe
