@@ -137,6 +137,10 @@ def start_cluster(mode, n_workers, threads):
         kind = "SpecCluster+CUDA_VISIBLE_DEVICES (dask-cuda not installed)"
     client = Client(cluster)
     client.wait_for_workers(n_workers, timeout=300)
+    switch = os.environ.get("TWELLPY_BENCH_SWITCH_INTERVAL_MS")
+    if switch is not None:
+        client.run(sys.setswitchinterval, float(switch) / 1000)
+        kind += f", GIL switch interval {switch} ms"
     interval = os.environ.get("TWELLPY_BENCH_COMM_INTERVAL_MS")
     if interval is not None:
         set_comm_intervals(client, float(interval) / 1000)

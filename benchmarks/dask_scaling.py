@@ -74,7 +74,13 @@ def main(argv=None):
     p.add_argument("--comm-interval-ms", type=float, default=None,
                    help="experiment: set distributed's hard-coded batched-send throttles "
                         "(10/5/2 ms) to this value, to measure their share of the overhead")
+    p.add_argument("--switch-interval-ms", type=float, default=None,
+                   help="experiment: sys.setswitchinterval on the workers (Python's default 5 ms). A task "
+                        "thread that wakes from a host sync may wait that long for the GIL while the "
+                        "worker's event loop thread runs")
     args = p.parse_args(argv)
+    if args.switch_interval_ms is not None:
+        os.environ["TWELLPY_BENCH_SWITCH_INTERVAL_MS"] = str(args.switch_interval_ms)
     if args.comm_interval_ms is not None:
         os.environ["TWELLPY_BENCH_COMM_INTERVAL_MS"] = str(args.comm_interval_ms)
 

@@ -7,6 +7,8 @@
 #                  for one task can overlap the GPU work of the one before
 #   ptds2          default options, 2 threads per worker on per-thread default streams
 #   nosync-ptds2   both
+#   switch         default options, the workers' GIL switch interval at 0.1 ms instead of 5 ms (a task
+#                  thread waking from a host sync may otherwise wait for the event loop thread's GIL)
 # Usage on the H200 (repo root, carry=[".whl"]):  bash benchmarks/dask_variants.sh
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_device_env.sh"
@@ -17,8 +19,9 @@ declare -A variants=(
   [nosync]="--no-check-finite --ffn-mode sparse"
   [ptds2]="--threads 2 --ptds"
   [nosync-ptds2]="--no-check-finite --ffn-mode sparse --threads 2 --ptds"
+  [switch]="--switch-interval-ms 0.1"
 )
-for name in default nosync ptds2 nosync-ptds2; do
+for name in default nosync ptds2 nosync-ptds2 switch; do
   mkdir -p "$R/$name"
   OUT="$R/$name" timeout ${VARIANT_LIMIT:-60} python benchmarks/dask_scaling.py $common ${variants[$name]} \
     > "$R/dask_$name.log" 2>&1
@@ -26,7 +29,7 @@ for name in default nosync ptds2 nosync-ptds2; do
 done
 tar czf "$OUT/dask_variants.tgz" -C "$R" .
 cat "$R/dask_steps.txt"
-for name in default nosync ptds2 nosync-ptds2; do
+for name in default nosync ptds2 nosync-ptds2 switch; do
   echo "== $name: ${variants[$name]:-(library defaults)}"
   grep -E "^(Dask overhead|streams of)" "$R/dask_$name.log" || tail -3 "$R/dask_$name.log"
 done
