@@ -19,11 +19,13 @@ kill $watcher 2>/dev/null
 step kernels ${KERNELS_LIMIT:-150} python benchmarks/kernels.py
 [[ ${PROFILE_LIMIT:-120} -gt 0 ]] && step profile ${PROFILE_LIMIT:-120} python benchmarks/profile_kernels.py
 step ffn ${FFN_LIMIT:-90} python benchmarks/ffn.py --quick
+# issue 4 experiment: SM-capped gate GEMM overlapped with the sparse step (only with OVERLAP_LIMIT > 0)
+[[ ${OVERLAP_LIMIT:-0} -gt 0 ]] && step overlap $OVERLAP_LIMIT python benchmarks/overlap_probe.py
 # Dask overhead (issue 8): only with the wheels carried and DASK_LIMIT > 0
 if [[ ${DASK_LIMIT:-0} -gt 0 ]] && python -c "import dask_cuda" 2>/dev/null; then
   step dask $DASK_LIMIT python benchmarks/dask_scaling.py --workers 1 --reps ${DASK_REPS:-10} --submit eager ${DASK_ARGS:-}
 fi
 tar czf "$OUT/results.tgz" -C "$R" .
 echo "== GPU suite"; grep -E "passed|failed" "$R/gpu_tests.log" | tail -2; grep -E "^(FAILED|ERROR) " "$R/gpu_tests.log" | head -10
-for s in kernels profile ffn dask; do [[ -f "$R/$s.log" ]] || continue; echo "== $s"; tail -${TAIL_LINES:-24} "$R/$s.log"; done
+for s in kernels profile ffn overlap dask; do [[ -f "$R/$s.log" ]] || continue; echo "== $s"; tail -${TAIL_LINES:-24} "$R/$s.log"; done
 cat "$R/steps.txt"
