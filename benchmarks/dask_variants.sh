@@ -21,7 +21,8 @@ declare -A variants=(
   [nosync-ptds2]="--no-check-finite --ffn-mode sparse --threads 2 --ptds"
   [switch]="--switch-interval-ms 0.1"
 )
-for name in default nosync ptds2 nosync-ptds2 switch; do
+order=(default nosync ptds2 nosync-ptds2 switch)  # run and report order (bash maps keep none)
+for name in "${order[@]}"; do
   mkdir -p "$R/$name"
   OUT="$R/$name" timeout ${VARIANT_LIMIT:-60} python benchmarks/dask_scaling.py $common ${variants[$name]} \
     > "$R/dask_$name.log" 2>&1
@@ -29,7 +30,7 @@ for name in default nosync ptds2 nosync-ptds2 switch; do
 done
 tar czf "$OUT/dask_variants.tgz" -C "$R" .
 cat "$R/dask_steps.txt"
-for name in default nosync ptds2 nosync-ptds2 switch; do
+for name in "${order[@]}"; do
   echo "== $name: ${variants[$name]:-(library defaults)}"
   grep -E "^(Dask overhead|streams of)" "$R/dask_$name.log" || tail -3 "$R/dask_$name.log"
 done
