@@ -14,7 +14,8 @@ step() {  # step NAME LIMIT_S COMMAND...: run under a limit, log to $R/NAME.log,
   echo "[$name] exit $rc in $((SECONDS - t0)) s" | tee -a "$R/steps.txt"
 }
 gpu_memory_log "$R/gpu_memory.csv"; watcher=$!
-step gpu_tests ${TESTS_LIMIT:-200} python -m pytest -q -m gpu -n ${GPU_WORKERS:-16} $XDIST_DIST tests -p no:cacheprovider --durations=20
+mkdir -p "$R/pools"  # per-worker CuPy pool sizes after each test (benchmarks/gpu_memory_hygiene.py)
+step gpu_tests ${TESTS_LIMIT:-200} env TWELLPY_MEMORY_LOG="$R/pools" python -m pytest -q -m gpu -n ${GPU_WORKERS:-16} $XDIST_DIST tests -p no:cacheprovider -p benchmarks.gpu_memory_hygiene --durations=20
 kill $watcher 2>/dev/null
 step kernels ${KERNELS_LIMIT:-150} python benchmarks/kernels.py
 [[ ${PROFILE_LIMIT:-120} -gt 0 ]] && step profile ${PROFILE_LIMIT:-120} python benchmarks/profile_kernels.py

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite, sanitizers, and every benchmark.
-# Usage on the H200 (from the repo root):  bash benchmarks/device_suite.sh [tests|sanitize|race|memcheck K/N|memcheck-resume|profile|bench|all]
+# Usage on the H200 (from the repo root):  bash benchmarks/device_suite.sh [tests|sanitize|race|memcheck K/N|memcheck-resume|memcheck-finish|profile|bench|all]
 #   memcheck K/N: shard K of N of the whole GPU suite under memcheck (8 xdist workers). Measured
 #   2026-12-02: a third of the suite takes > 560 s with every kernel checked and 300-450 s with
 #   MEMCHECK_KERNELS=kns=twellpy_ (twellpy's kernels only), so the whole suite needs ~4-5 calls.
+#   memcheck-finish: memcheck-resume for the shared-lock tests, then the exclusive ones alone.
 #   memcheck-resume: the whole suite, resumable through a ledger of passed tests (see below);
 #   MEMCHECK_TESTS (space-separated node ids) narrows a call to those tests (the slowest ones);
 #   MEMCHECK_MARK="gpu and gpu_exclusive" with MEMCHECK_WORKERS=1 runs the exclusive-lock tests alone
@@ -20,9 +21,15 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 git rev-parse --short HEAD 2>/dev/null | tee "$OUT/commit.txt"
 status=0
 if [[ $what == tests || $what == all ]]; then
-  gpu_memory_log "$OUT/gpu_memory.csv"; watcher=$!
-  python -m pytest -q -m gpu -n ${GPU_WORKERS:-16} $XDIST_DIST tests -p no:cacheprovider --durations=20 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 || status=1
+  # everything this step writes (log, memory log, pool logs, fuzz counts) goes back as one tarball:
+  # the device returns at most 8 files, and loose fuzz_counts_*.json files once crowded the log out
+  T=$(mktemp -d); mkdir -p "$T/pools"
+  gpu_memory_log "$T/gpu_memory.csv"; watcher=$!
+  OUT=$T TWELLPY_MEMORY_LOG=$T/pools python -m pytest -q -m gpu -n ${GPU_WORKERS:-16} $XDIST_DIST tests -p no:cacheprovider \
+    -p benchmarks.gpu_memory_hygiene --durations=20 2>&1 | tee "$T/gpu_tests.log" | tail -25
+  [[ ${PIPESTATUS[0]} == 0 ]] || status=1
   kill $watcher 2>/dev/null
+  tar czf "$OUT/gpu_tests.tgz" -C "$T" .
 fi
 if [[ $what == memcheck ]]; then
   shard=${2:?usage: device_suite.sh memcheck K/N}
@@ -38,7 +45,39 @@ if [[ $what == memcheck ]]; then
   grep -E '[0-9]+ (passed|failed)' "$OUT/memcheck_$tag.txt" | tail -1
   [[ $rc == 0 || $rc == 5 ]] || status=1  # 5: this shard selected no test
 fi
-if [[ $what == memcheck-resume ]]; then
+memcheck_resume_pass() {  # memcheck_resume_pass MARK WORKERS TIMEOUT_S TAG
+  local mark=$1 workers=$2 limit=$3 tag=$4
+  (( limit >= 30 )) || limit=30  # timeout 0 would mean no limit at all
+  local ledger="$OUT/memcheck_ledger_${tag}_$(date +%H%M%S).txt" log="$OUT/memcheck_resume_$tag.txt"
+  echo "[$tag] -m \"$mark\", $workers workers, ${limit} s, xdist scheduling: ${XDIST_DIST:-load (default)}"
+  OUT= TWELLPY_SANITIZE=1 TWELLPY_LEDGER="$ledger" TWELLPY_LEDGER_DONE='docs/bench_logs/memcheck_ledger/*.txt' \
+    timeout $limit compute-sanitizer --tool memcheck --print-limit 20 \
+    --kernel-name ${MEMCHECK_KERNELS:-kns=twellpy_} \
+    python -m pytest -q -m "$mark" -n $workers $XDIST_DIST ${MEMCHECK_TESTS:-tests} -p no:cacheprovider --durations=25 > "$log" 2>&1
+  local rc=$?
+  # numba's CUDA driver setup (entered by distributed's cupy deserialiser in the Dask tests) probes
+  # driver entry points with cuGetProcAddress and handles INVALID_VALUE; memcheck reports each probe
+  # as an API error. Those probes are counted apart; every other report rejects the ledger.
+  local probes errors nonzero
+  probes=$(grep -c '^========= Program hit CUDA_ERROR_INVALID_VALUE .* cuGetProcAddress' "$log")
+  errors=$(grep '^========= \(Invalid\|Program hit\|Error\)' "$log" | grep -vc 'CUDA_ERROR_INVALID_VALUE .* cuGetProcAddress')
+  nonzero=$(grep 'ERROR SUMMARY' "$log" | grep -vc 'ERROR SUMMARY: 0 errors')
+  echo "[$tag] driver entry-point probes reported as API errors (numba, not counted): $probes"
+  echo "[$tag] exit $rc (124: time limit, resume next call; 5: nothing left): $errors error lines," \
+       "$nonzero non-zero ERROR SUMMARY lines; $(cat "$ledger" 2>/dev/null | awk '/^ok /{n++} END{print n+0}') tests passed"
+  grep -E '[0-9]+ (passed|failed|deselected)' "$log" | tail -1
+  grep -E '^(FAILED|ERROR) ' "$log" | head -20
+  # the host-side stack frames are most of a sanitizer log and say nothing about device memory
+  grep -v 'Host Frame' "$log" | tail -c 400000 > "$log.tmp" && mv "$log.tmp" "$log"
+  if [[ $errors != 0 || $nonzero != 0 ]]; then mv "$ledger" "$ledger.rejected"; status=1
+  elif [[ -f $ledger ]]; then
+    # later passes of this call skip what this one passed (the repo copy is refreshed only between calls:
+    # copy $OUT's ledgers into docs/bench_logs/memcheck_ledger/ before the next call)
+    cp "$ledger" "docs/bench_logs/memcheck_ledger/_this_call_$tag.txt"
+  fi
+  [[ $rc == 0 || $rc == 5 || $rc == 124 ]] || status=1
+}
+if [[ $what == memcheck-resume || $what == memcheck-finish ]]; then
   # The whole GPU suite under memcheck, resumable across calls: tests already passed under
   # memcheck at this code hash (ledgers in docs/bench_logs/memcheck_ledger/, copied there from
   # $OUT after each call) are skipped; this call's passes go to a new ledger in $OUT. A ledger
@@ -51,26 +90,16 @@ if [[ $what == memcheck-resume ]]; then
     cat "$OUT/sanitizer_probe.txt"; exit 1
   fi
   echo "positive control: memcheck reported the planted overrun in twellpy_sanitizer_probe<float>"
-  ledger="$OUT/memcheck_ledger_$(date +%H%M%S).txt"
-  echo "xdist scheduling: ${XDIST_DIST:-load (default)}"
-  OUT= TWELLPY_SANITIZE=1 TWELLPY_LEDGER="$ledger" TWELLPY_LEDGER_DONE='docs/bench_logs/memcheck_ledger/*.txt' \
-    timeout ${SHARD_TIMEOUT:-560} compute-sanitizer --tool memcheck --print-limit 20 \
-    --kernel-name ${MEMCHECK_KERNELS:-kns=twellpy_} \
-    python -m pytest -q -m "${MEMCHECK_MARK:-gpu}" -n ${MEMCHECK_WORKERS:-8} $XDIST_DIST ${MEMCHECK_TESTS:-tests} -p no:cacheprovider --durations=25 > "$OUT/memcheck_resume.txt" 2>&1
-  rc=$?
-  # numba's CUDA driver setup (entered by distributed's cupy deserialiser in the Dask tests) probes
-  # driver entry points with cuGetProcAddress and handles INVALID_VALUE; memcheck reports each probe
-  # as an API error. Those probes are counted apart; every other report rejects the ledger.
-  probes=$(grep -c '^========= Program hit CUDA_ERROR_INVALID_VALUE .* cuGetProcAddress' "$OUT/memcheck_resume.txt")
-  errors=$(grep '^========= \(Invalid\|Program hit\|Error\)' "$OUT/memcheck_resume.txt" | grep -vc 'CUDA_ERROR_INVALID_VALUE .* cuGetProcAddress')
-  echo "driver entry-point probes reported as API errors (numba, not counted): $probes"
-  nonzero=$(grep 'ERROR SUMMARY' "$OUT/memcheck_resume.txt" | grep -vc 'ERROR SUMMARY: 0 errors')
-  echo "memcheck-resume exit $rc (124: time limit, resume next call; 5: nothing left): $errors error lines," \
-       "$nonzero non-zero ERROR SUMMARY lines; $(grep -c '^ok ' "$ledger" 2>/dev/null || echo 0) tests passed this call"
-  grep -E '[0-9]+ (passed|failed|deselected)' "$OUT/memcheck_resume.txt" | tail -1
-  grep -E '^(FAILED|ERROR) ' "$OUT/memcheck_resume.txt" | head -20
-  if [[ $errors != 0 || $nonzero != 0 ]]; then mv "$ledger" "$ledger.rejected"; status=1; fi
-  [[ $rc == 0 || $rc == 5 || $rc == 124 ]] || status=1
+  if [[ $what == memcheck-resume ]]; then
+    memcheck_resume_pass "${MEMCHECK_MARK:-gpu}" ${MEMCHECK_WORKERS:-8} ${SHARD_TIMEOUT:-560} all
+  else
+    # memcheck-finish: shared-lock tests first on 8 workers, then the exclusive-lock tests alone
+    # (measured 2026-12-03: one exclusive large-shape test in the mixed queue held all 8 workers behind
+    # the writer-priority gate for most of a call, so 14 tests passed in 540 s)
+    t0=$SECONDS
+    memcheck_resume_pass "gpu and not gpu_exclusive" ${MEMCHECK_WORKERS:-8} ${SHARED_TIMEOUT:-300} shared
+    memcheck_resume_pass "gpu and gpu_exclusive" 1 $(( ${SHARD_TIMEOUT:-560} - (SECONDS - t0) )) exclusive
+  fi
 fi
 if [[ $what == profile ]]; then
   # Nsight Compute counters for the construction, TwELL @ W, cuBLAS, copy and fused-FFN kernels

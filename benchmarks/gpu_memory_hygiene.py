@@ -1,0 +1,51 @@
+"""pytest plugin for the parallel GPU suite on the device: give cached GPU memory back after each test.
+
+Load it with ``-p benchmarks.gpu_memory_hygiene`` (the device scripts do; ``PYTHONPATH=.``).
+
+Why: with 16 xdist workers on one GPU, every worker's CuPy memory pool and torch caching
+allocator keep the peak of every test that worker has run. On 2026-12-03 (H200, 139 GiB) the
+suite then failed four unrelated tests with ``OutOfMemoryError`` / ``CUBLAS_STATUS_ALLOC_FAILED``
+while the exclusive large-shape tests (tens of GiB each) ran or had just run. CuPy frees its own
+cache and retries when *it* runs out, but it cannot reach another process's cache, so the
+workers have to let go between tests. The tests themselves are unchanged.
+
+With ``TWELLPY_MEMORY_LOG=DIR`` each worker also appends ``test, pool bytes held, pool bytes
+in use`` (before the release) to ``DIR/pool_<worker>.csv``, to find the tests that grow a pool.
+"""
+
+import os
+
+import pytest
+
+
+def _release_cached_gpu_memory():
+    held = used = 0
+    try:
+        import cupy
+
+        pool = cupy.get_default_memory_pool()
+        held, used = pool.total_bytes(), pool.used_bytes()
+        pool.free_all_blocks()
+        cupy.get_default_pinned_memory_pool().free_all_blocks()
+    except Exception:  # no CuPy or no GPU: nothing cached
+        pass
+    try:
+        import sys
+
+        torch = sys.modules.get("torch")  # only if a test imported it: importing torch costs seconds
+        if torch is not None and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+    except Exception:
+        pass
+    return held, used
+
+
+@pytest.hookimpl(hookwrapper=True, trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield  # the test's own fixtures are torn down first
+    held, used = _release_cached_gpu_memory()
+    log_dir = os.environ.get("TWELLPY_MEMORY_LOG")
+    if log_dir and held:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(os.path.join(log_dir, f"pool_{worker}.csv"), "a") as f:
+            f.write(f"{item.nodeid},{held},{used}\n")
