@@ -26,7 +26,11 @@ step ffn ${FFN_LIMIT:-90} python benchmarks/ffn.py --quick
 if [[ ${DASK_LIMIT:-0} -gt 0 ]] && python -c "import dask_cuda" 2>/dev/null; then
   step dask $DASK_LIMIT python benchmarks/dask_scaling.py --workers 1 --reps ${DASK_REPS:-10} --submit eager ${DASK_ARGS:-}
 fi
+# issue 8: the five Dask sync variants (benchmarks/dask_variants.sh), only with DASK_VARIANTS_LIMIT > 0
+if [[ ${DASK_VARIANTS_LIMIT:-0} -gt 0 ]] && python -c "import dask_cuda" 2>/dev/null; then
+  step dask_variants $DASK_VARIANTS_LIMIT bash benchmarks/dask_variants.sh
+fi
 tar czf "$OUT/results.tgz" -C "$R" .
 echo "== GPU suite"; grep -E "passed|failed" "$R/gpu_tests.log" | tail -2; grep -E "^(FAILED|ERROR) " "$R/gpu_tests.log" | head -10
-for s in kernels profile ffn overlap dask; do [[ -f "$R/$s.log" ]] || continue; echo "== $s"; tail -${TAIL_LINES:-24} "$R/$s.log"; done
+for s in kernels profile ffn overlap dask dask_variants; do [[ -f "$R/$s.log" ]] || continue; echo "== $s"; tail -${TAIL_LINES:-24} "$R/$s.log"; done
 cat "$R/steps.txt"
