@@ -20,6 +20,10 @@ kill $watcher 2>/dev/null
 step kernels ${KERNELS_LIMIT:-150} python benchmarks/kernels.py
 [[ ${PROFILE_LIMIT:-120} -gt 0 ]] && step profile ${PROFILE_LIMIT:-120} python benchmarks/profile_kernels.py
 step ffn ${FFN_LIMIT:-90} python benchmarks/ffn.py --quick
+# training step (issue 5): phases with the host clock beside them (only with TRAIN_LIMIT > 0)
+[[ ${TRAIN_LIMIT:-0} -gt 0 ]] && step train $TRAIN_LIMIT python benchmarks/train.py --workloads ${TRAIN_WORKLOADS:-W1-16k} --reps 20
+# per-kernel GPU timeline of the training step and the inference call (torch.profiler / CUPTI)
+[[ ${TIMELINE_LIMIT:-0} -gt 0 ]] && step timeline $TIMELINE_LIMIT python benchmarks/step_timeline.py
 # issue 4 experiment: SM-capped gate GEMM overlapped with the sparse step (only with OVERLAP_LIMIT > 0)
 [[ ${OVERLAP_LIMIT:-0} -gt 0 ]] && step overlap $OVERLAP_LIMIT python benchmarks/overlap_probe.py
 # Dask overhead (issue 8): only with the wheels carried and DASK_LIMIT > 0
@@ -32,5 +36,5 @@ if [[ ${DASK_VARIANTS_LIMIT:-0} -gt 0 ]] && python -c "import dask_cuda" 2>/dev/
 fi
 tar czf "$OUT/results.tgz" -C "$R" .
 echo "== GPU suite"; grep -E "passed|failed" "$R/gpu_tests.log" | tail -2; grep -E "^(FAILED|ERROR) " "$R/gpu_tests.log" | head -10
-for s in kernels profile ffn overlap dask dask_variants; do [[ -f "$R/$s.log" ]] || continue; echo "== $s"; tail -${TAIL_LINES:-24} "$R/$s.log"; done
+for s in kernels profile ffn train timeline overlap dask dask_variants; do [[ -f "$R/$s.log" ]] || continue; echo "== $s"; tail -${TAIL_LINES:-24} "$R/$s.log"; done
 cat "$R/steps.txt"
