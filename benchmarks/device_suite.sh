@@ -4,7 +4,7 @@
 #   memcheck K/N: shard K of N of the whole GPU suite under memcheck (8 xdist workers). Measured
 #   2026-12-02: a third of the suite takes > 560 s with every kernel checked and 300-450 s with
 #   MEMCHECK_KERNELS=kns=twellpy_ (twellpy's kernels only), so the whole suite needs ~4-5 calls.
-#   memcheck-finish: memcheck-resume for the shared-lock tests, then the exclusive ones alone.
+#   memcheck-finish: memcheck-resume in three passes: short shared-lock tests, exclusive ones alone, long ones.
 #   memcheck-resume: the whole suite, resumable through a ledger of passed tests (see below);
 #   MEMCHECK_TESTS (space-separated node ids) narrows a call to those tests (the slowest ones);
 #   MEMCHECK_MARK="gpu and gpu_exclusive" with MEMCHECK_WORKERS=1 runs the exclusive-lock tests alone
@@ -45,15 +45,15 @@ if [[ $what == memcheck ]]; then
   grep -E '[0-9]+ (passed|failed)' "$OUT/memcheck_$tag.txt" | tail -1
   [[ $rc == 0 || $rc == 5 ]] || status=1  # 5: this shard selected no test
 fi
-memcheck_resume_pass() {  # memcheck_resume_pass MARK WORKERS TIMEOUT_S TAG
-  local mark=$1 workers=$2 limit=$3 tag=$4
+memcheck_resume_pass() {  # memcheck_resume_pass MARK WORKERS TIMEOUT_S TAG [-k EXPRESSION]
+  local mark=$1 workers=$2 limit=$3 tag=$4; shift 4
   (( limit >= 30 )) || limit=30  # timeout 0 would mean no limit at all
   local ledger="$OUT/memcheck_ledger_${tag}_$(date +%H%M%S).txt" log="$OUT/memcheck_resume_$tag.txt"
   echo "[$tag] -m \"$mark\", $workers workers, ${limit} s, xdist scheduling: ${XDIST_DIST:-load (default)}"
   OUT= TWELLPY_SANITIZE=1 TWELLPY_LEDGER="$ledger" TWELLPY_LEDGER_DONE='docs/bench_logs/memcheck_ledger/*.txt' \
     timeout $limit compute-sanitizer --tool memcheck --print-limit 20 \
     --kernel-name ${MEMCHECK_KERNELS:-kns=twellpy_} \
-    python -m pytest -q -m "$mark" -n $workers $XDIST_DIST ${MEMCHECK_TESTS:-tests} -p no:cacheprovider --durations=25 > "$log" 2>&1
+    python -m pytest -q -m "$mark" "$@" -n $workers $XDIST_DIST ${MEMCHECK_TESTS:-tests} -p no:cacheprovider --durations=25 > "$log" 2>&1
   local rc=$?
   # numba's CUDA driver setup (entered by distributed's cupy deserialiser in the Dask tests) probes
   # driver entry points with cuGetProcAddress and handles INVALID_VALUE; memcheck reports each probe
@@ -93,12 +93,18 @@ if [[ $what == memcheck-resume || $what == memcheck-finish ]]; then
   if [[ $what == memcheck-resume ]]; then
     memcheck_resume_pass "${MEMCHECK_MARK:-gpu}" ${MEMCHECK_WORKERS:-8} ${SHARD_TIMEOUT:-560} all
   else
-    # memcheck-finish: shared-lock tests first on 8 workers, then the exclusive-lock tests alone
-    # (measured 2026-12-03: one exclusive large-shape test in the mixed queue held all 8 workers behind
-    # the writer-priority gate for most of a call, so 14 tests passed in 540 s)
+    # memcheck-finish: what a plain resume left behind on 2026-12-03 (14 tests passed in 540 s): every
+    # worker sat in one of the tests that start subprocesses or many threads (the GPU examples, the
+    # Dask cluster tests, the concurrency tests), while the short tests queued behind them waited, and
+    # an exclusive large-shape test behind the writer-priority gate held the rest. So, in this order:
+    #   short   shared-lock tests without subprocesses or thread pools (8 workers)
+    #   exclusive  the exclusive-lock tests, one worker
+    #   long    the subprocess / cluster / many-thread tests (8 workers), with whatever time is left
     t0=$SECONDS
-    memcheck_resume_pass "gpu and not gpu_exclusive" ${MEMCHECK_WORKERS:-8} ${SHARED_TIMEOUT:-300} shared
-    memcheck_resume_pass "gpu and gpu_exclusive" 1 $(( ${SHARD_TIMEOUT:-560} - (SECONDS - t0) )) exclusive
+    long_k="test_example_runs_on_gpu or local_cuda_cluster or test_gpu_container_ops_from_many_threads"
+    memcheck_resume_pass "gpu and not gpu_exclusive" ${MEMCHECK_WORKERS:-8} ${SHORT_TIMEOUT:-200} short -k "not ($long_k)"
+    memcheck_resume_pass "gpu and gpu_exclusive" 1 ${EXCLUSIVE_TIMEOUT:-120} exclusive
+    memcheck_resume_pass "gpu and not gpu_exclusive" ${MEMCHECK_WORKERS:-8} $(( ${SHARD_TIMEOUT:-560} - (SECONDS - t0) )) long -k "$long_k"
   fi
 fi
 if [[ $what == profile ]]; then
