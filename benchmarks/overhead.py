@@ -126,7 +126,7 @@ def main():
     sync()
     marks = _ffn_train._PROFILE
     _ffn_train._PROFILE = None
-    phases = [(n1, cp.cuda.get_elapsed_time(e0, e1)) for (_, e0), (n1, e1) in zip(marks, marks[1:])]
+    phases = [(n1, cp.cuda.get_elapsed_time(e0, e1)) for (_, e0, _t0), (n1, e1, _t1) in zip(marks, marks[1:])]
     prof_train = _profile(step, sync, n=10)
     try:
         import torch

@@ -12,7 +12,8 @@
 //     dense backup rows (R*N); a transposed entry's `pos` indexes them.
 //
 // Determinism: no kernel here uses floating-point atomics. Integer atomics
-// are only used on counters that one warp owns for a row at a time, so every
+// are used on counters that one warp owns for a row at a time (slot positions),
+// and on per-neuron counts whose sums do not depend on the order, so every
 // output (padding included) is the same bit pattern on every run.
 #include "common.cuh"
 
@@ -69,6 +70,9 @@ __device__ __forceinline__ bool relu_on(__nv_bfloat16 v) {
     unsigned short b = __bfloat16_as_ushort(v), m = b & 0x7fffu;
     return m > 0x7f80u || (m != 0u && !(b >> 15));
 }
+
+__device__ __forceinline__ float abs_acc(float v) { return fabsf(v); }
+__device__ __forceinline__ double abs_acc(double v) { return fabs(v); }
 
 template <typename A> __device__ __forceinline__ A sign_of(A h) {
     return h > A(0) ? A(1) : (h < A(0) ? A(-1) : (h == h ? A(0) : h));
@@ -199,6 +203,123 @@ twellpy_train_relu_pack(const T* __restrict__ z, long long rows, int H, int vec,
     }
 }
 
+// twellpy_train_relu_to_hybrid<T>: relu(z) straight into a Hybrid, no CSR in
+// between (the forward's path when one chunk holds every row). The host has
+// read relu_count's counts and chosen W and the backup rows, so every row
+// knows where it goes: rows with row_map < 0 pack their active columns
+// (ascending, positions from warp prefix counts) into the ELL slots; backup
+// rows are written whole (relu(z), zeros included), so the backup part needs
+// no zero fill. neuron_counts gets +1 per active entry: integer atomics, so
+// the counts are exact and the same on every run whatever the order.
+//   z             (rows, H) T     gate GEMM output, rows = M
+//   row_map       (M,)    int     -1, or the row's position in backup
+//   ell_val       (M, W)  T       out (padding 0)
+//   ell_idx       (M, W)  int     out (padding -1)
+//   ell_nnz       (M,)    int     out (0 for backup rows)
+//   backup        (R, H)  T       out
+//   neuron_counts (H,)    int     in/out, zero-filled by the caller
+// vec = 1: z rows start 16-byte aligned and H*sizeof(T) % 16 == 0 (vector loads);
+// vec_store = 1: so do the backup rows (vector stores; the backup part starts
+// after M*W ELL values, so it is aligned only when M*W*sizeof(T) % 16 == 0).
+// Rows go to the ELL part only when relu_count (the same relu_on test on the
+// same z) counted at most W active columns, so the p < W guards never drop
+// an entry; they only keep a broken caller from writing out of bounds (such a
+// caller would also see neuron_counts count entries the ELL part does not hold).
+template <typename T>
+__global__ void __launch_bounds__(32 * TW_WARPS)
+twellpy_train_relu_to_hybrid(const T* __restrict__ z, long long M, int H, int vec, int vec_store,
+                             const int* __restrict__ row_map, int W, T* __restrict__ ell_val,
+                             int* __restrict__ ell_idx, int* __restrict__ ell_nnz, T* __restrict__ backup,
+                             int* __restrict__ neuron_counts) {
+    const int lane = threadIdx.x & 31;
+    const long long r = (long long)blockIdx.x * TW_WARPS + (threadIdx.x >> 5);
+    if (r >= M) return;
+    const T* zr = z + r * (long long)H;
+    const int rm = row_map[r];
+    const long long base = r * (long long)W;
+    int pos = 0;  // active columns of this row seen so far (the same on every lane)
+    if (rm >= 0) {
+        T* br = backup + (long long)rm * H;
+        if (vec) {
+            constexpr int N = VecN<T>::N;
+            for (int c = lane * N; c < H; c += 32 * N) {
+                uint4 raw = __ldg(reinterpret_cast<const uint4*>(zr + c));
+                T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+                for (int i = 0; i < N; ++i) {
+                    if (relu_on(e[i])) atomicAdd(neuron_counts + c + i, 1);
+                    else e[i] = zero_value<T>();
+                }
+                if (vec_store) {
+                    *reinterpret_cast<uint4*>(br + c) = raw;
+                } else {
+#pragma unroll
+                    for (int i = 0; i < N; ++i) br[c + i] = e[i];
+                }
+            }
+        } else {
+            for (int c = lane; c < H; c += 32) {
+                const T v = zr[c];
+                const bool on = relu_on(v);
+                if (on) atomicAdd(neuron_counts + c, 1);
+                br[c] = on ? v : zero_value<T>();
+            }
+        }
+    } else if (vec) {
+        constexpr int N = VecN<T>::N;
+        for (int c0 = 0; c0 < H; c0 += 32 * N) {
+            const int c = c0 + lane * N;
+            uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+            unsigned bitsm = 0u;
+            if (c < H) {  // H % N == 0 here, so the whole vector is in range
+                raw = __ldg(reinterpret_cast<const uint4*>(zr + c));
+                const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+                for (int i = 0; i < N; ++i) bitsm |= (relu_on(e[i]) ? 1u : 0u) << i;
+            }
+            const int cnt = __popc(bitsm);
+            const int incl = warp_inclusive_sum(cnt, lane);
+            int p = pos + (incl - cnt);
+            const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                if ((bitsm >> i) & 1u) {
+                    if (p < W) {
+                        ell_val[base + p] = e[i];
+                        ell_idx[base + p] = c + i;
+                    }
+                    atomicAdd(neuron_counts + c + i, 1);
+                    ++p;
+                }
+            }
+            pos += __shfl_sync(0xffffffffu, incl, 31);
+        }
+    } else {
+        const unsigned below = (1u << lane) - 1u;
+        for (int c0 = 0; c0 < H; c0 += 32) {
+            const int c = c0 + lane;
+            const T v = c < H ? zr[c] : zero_value<T>();
+            const bool on = c < H && relu_on(v);
+            const unsigned mask = __ballot_sync(0xffffffffu, on);
+            if (on) {
+                const int p = pos + __popc(mask & below);
+                if (p < W) {
+                    ell_val[base + p] = v;
+                    ell_idx[base + p] = c;
+                }
+                atomicAdd(neuron_counts + c, 1);
+            }
+            pos += __popc(mask);
+        }
+    }
+    const int kept = rm >= 0 ? 0 : min(pos, W);
+    for (int s = kept + lane; s < W; s += 32) {
+        ell_val[base + s] = zero_value<T>();
+        ell_idx[base + s] = -1;
+    }
+    if (lane == 0) ell_nnz[r] = kept;
+}
+
 // twellpy_train_csr_to_hybrid<T>: split a CSR (sorted columns) into the ELL
 // part (rows with row_map < 0) and dense backup rows (row_map >= 0).
 //   indptr  (M+1,)  long long;  col (nnz,) int;  val (nnz,) T
@@ -251,27 +372,36 @@ twellpy_train_csr_to_hybrid(const long long* __restrict__ indptr, const int* __r
 //   gval    (M, W) T     g = relu(x w_gate^T) on the pattern (ReLU FFN: h)
 //   uval    (M, W) T     out (GATED): u = x w_up^T on the pattern, padding 0
 //   y       (M, D) T     out: (g*u) @ w_down^T for the ELL rows, 0 for backup rows
+//   habs    (M,)   A     out: sum of |h| over the row's slots (the L1 statistic without
+//                        another pass over the values; 0 for backup rows), A = accum<T>
 template <typename T, int GATED>
 __global__ void __launch_bounds__(32 * TW_WARPS)
 twellpy_train_fwd(const T* __restrict__ x, const T* __restrict__ w_up, const T* __restrict__ w_downT,
                   const int* __restrict__ idx, const int* __restrict__ nnz, const T* __restrict__ gval,
-                  T* __restrict__ uval, T* __restrict__ y, long long M, int W, int D, int vec) {
+                  T* __restrict__ uval, T* __restrict__ y, typename accum<T>::type* __restrict__ habs,
+                  long long M, int W, int D, int vec) {
     typedef typename accum<T>::type A;
     const int lane = threadIdx.x & 31;
     const long long r = (long long)blockIdx.x * TW_WARPS + (threadIdx.x >> 5);
     if (r >= M) return;
     const int n = min(nnz[r], W);
     const long long base = r * (long long)W;
+    A hs = A(0);  // sum of |h| in slot order (every lane holds the same value)
     if (GATED) {
         const T* xr = x + r * (long long)D;
         for (int s = 0; s < n; ++s) {
             const int k = idx[base + s];
             const A u = warp_dot<T, A>(xr, w_up + (long long)k * D, D, vec, lane);
-            if (lane == 0) uval[base + s] = from_acc<T, A>(u);
+            const T ut = from_acc<T, A>(u);
+            if (lane == 0) uval[base + s] = ut;
+            hs += abs_acc(h_value<T, A, 1>(gval[base + s], ut));
         }
         for (int s = n + lane; s < W; s += 32) uval[base + s] = zero_value<T>();
         __syncwarp();
+    } else {
+        for (int s = 0; s < n; ++s) hs += abs_acc(to_acc<A, T>(gval[base + s]));
     }
+    if (lane == 0) habs[r] = hs;
     T* yr = y + r * (long long)D;
     if (vec) {
         constexpr int N = VecN<T>::N;

@@ -1,12 +1,12 @@
 // transpose.cu -- slot lists (M, K) -> CSR of the transpose (n_cols, M).
 //
-// Deterministic counting sort in three steps (the launcher does step 2 with
-// cupy):
+// Deterministic counting sort in three steps:
 //   1. twellpy_transpose_count: per row chunk c and column j, how many entries
 //      of the chunk's rows have column j -> chunk_counts (n_chunks, n_cols).
 //      Integer atomics: the totals do not depend on the order.
-//   2. indptr = exclusive prefix sum of the column totals; the cursor of
-//      (chunk c, column j) = indptr[j] + entries of column j in chunks < c.
+//   2. indptr = exclusive prefix sum of the column totals (cupy); the cursor of
+//      (chunk c, column j) = indptr[j] + entries of column j in chunks < c
+//      (twellpy_transpose_scan, at the end of this file).
 //   3. twellpy_transpose_fill: block c walks its rows IN ORDER (a block barrier
 //      between rows); the entries of one row have distinct columns, so every
 //      cursor is bumped at most once per row and the output position of an
@@ -70,5 +70,43 @@ twellpy_transpose_fill(const T* __restrict__ values, const int* __restrict__ ind
             }
         }
         __syncthreads();  // row r is placed before row r+1 takes a cursor
+    }
+}
+
+// ---------------------------------------------------------------------------
+// twellpy_transpose_scan: the start offset of every (block, column) of a
+// counting sort (this file's and the training transpose's), in one pass: cursor[b, c] = indptr[c] + sum of counts[b', c]
+// over b' < b. A block of 32 x TW_TR_SEGS threads owns 32 columns; each warp
+// sums one segment of the block axis, the segment sums are scanned in shared
+// memory, then each warp writes its segment's running offsets. Integer sums
+// in a fixed order: the same result on every run.
+//   counts  (nb, N)  int32  entries per (block, column) from a count pass
+//   indptr  (N+1,)   int32  column starts of the transpose
+//   cursor  (nb, N)  int32  out
+template <int SEGS>
+__global__ void __launch_bounds__(32 * SEGS)
+twellpy_transpose_scan(const int* __restrict__ counts, const int* __restrict__ indptr, int nb, int N,
+                      int* __restrict__ cursor) {
+    __shared__ int seg_sum[SEGS][32];
+    const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+    const int c = blockIdx.x * 32 + tx;
+    const int per = (nb + SEGS - 1) / SEGS;
+    const int b0 = min(nb, ty * per), b1 = min(nb, b0 + per);
+    int s = 0;
+    if (c < N) {
+#pragma unroll 4
+        for (int b = b0; b < b1; ++b) s += counts[(long long)b * N + c];
+    }
+    seg_sum[ty][tx] = s;
+    __syncthreads();
+    if (c >= N) return;
+    int run = indptr[c];
+    for (int k = 0; k < ty; ++k) run += seg_sum[k][tx];
+#pragma unroll 4
+    for (int b = b0; b < b1; ++b) {
+        const long long i = (long long)b * N + c;
+        const int v = counts[i];
+        cursor[i] = run;
+        run += v;
     }
 }

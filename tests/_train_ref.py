@@ -101,3 +101,23 @@ def make_problem(M, D, H, nnz, *, sigma=0.0, hot=None, empty=(), seed=0, gated=T
     if gated:
         return x, w_act, w_other, w_down, dy
     return x, w_act, w_down, dy
+
+
+def step_outputs(x, wg, wu, wd, dy, width, gated):
+    """Every output of one training step as host arrays (for bit comparisons)."""
+    from twellpy import _ffn_train as T
+
+    if gated:
+        y, ctx = T.gated_forward_train(x, wg, wu, wd, l1=0.05, width=width)
+        grads = T.gated_backward(ctx, dy)
+    else:
+        y, ctx = T.relu_forward_train(x, wu, wd, l1=0.05, width=width)
+        grads = T.relu_backward(ctx, dy)
+    out = {"y": y, "idx": ctx.idx, "ell_nnz": ctx.ell_nnz, "gvals": ctx.gvals,
+           "backup_rows": ctx.backup_rows, "token_counts": ctx.stats["token_counts"],
+           "neuron_counts": ctx.stats["neuron_counts"]}
+    if gated:
+        out["uvals"] = ctx.uvals
+    out.update({f"grad{i}": g for i, g in enumerate(grads)})
+    host = {k: np.asarray(v.get() if hasattr(v, "get") else v) for k, v in out.items()}
+    return host, ctx.stats["l1"], ctx.stats["width"]

@@ -817,3 +817,34 @@ def test_to_device_nonexistent_gpu(device):
         A.to_device(device)
     with pytest.raises(ValueError, match=r"device"):
         _saved_then_load(device=device)
+
+
+# ---- the one NaN/Inf bit table (twellpy._array) --------------------------------------------------
+from twellpy._array import bfloat16  # noqa: E402
+@pytest.mark.parametrize("dtype", [np.float16, bfloat16])
+def test_nan_inf_counts_every_16_bit_pattern(dtype):
+    from twellpy._array import nan_inf_counts
+
+    vals = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(dtype)
+    wide = vals.astype(np.float32)  # ml_dtypes upcast: an independent NaN/Inf test
+    assert nan_inf_counts(vals) == (int(np.isnan(wide).sum()), int(np.isinf(wide).sum()))
+    assert nan_inf_counts(vals[::7]) == (int(np.isnan(wide[::7]).sum()), int(np.isinf(wide[::7]).sum()))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, bfloat16, np.float32, np.float64])
+def test_check_finite_counts_planted_values(dtype):
+    from twellpy._array import check_finite
+
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((37, 53)).astype(dtype)
+    assert check_finite(a, "a") is a and check_finite(a[:, ::3], "a") is not None
+    flat = a.reshape(-1)
+    flat[1 + rng.choice(flat.size - 2, 5, replace=False)] = np.nan  # the two ends get the Infs
+    flat[flat.size - 1], flat[0] = np.inf, -np.inf
+    with pytest.raises(ValueError, match=r"^a contains 5 NaN and 2 Inf values"):
+        check_finite(a, "a")
+    view, wide = a[:, ::2], a[:, ::2].astype(np.float64)
+    want = rf"^view contains {int(np.isnan(wide).sum())} NaN and {int(np.isinf(wide).sum())} Inf values"
+    with pytest.raises(ValueError, match=want):
+        check_finite(view, "view")  # a strided view: counted on its own elements only
+    assert check_finite(np.arange(6), "ints") is not None  # integers are always finite

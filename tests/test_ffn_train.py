@@ -5,7 +5,7 @@ import pytest
 from twellpy import _ffn_train as T
 from twellpy._array import bfloat16
 
-from _train_ref import dense_gated, dense_relu, f64, make_problem
+from _train_ref import dense_gated, dense_relu, f64, make_problem, step_outputs
 
 TOL = {np.dtype(np.float64): 1e-10, np.dtype(np.float32): 1e-5, bfloat16: 1e-2,
        np.dtype(np.float16): 1e-2}
@@ -211,3 +211,38 @@ def test_small_training_loop_reduces_loss():
         wu -= 0.5 * dwu
         wd -= 0.5 * dwd
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("case", ["uneven", "hot2000", "empty_rows"])
+def test_direct_pack_matches_the_csr_path(monkeypatch, case, gated):
+    """The one-chunk forward packs relu(z) straight into the Hybrid; the chunked one goes through
+    a CSR. On the same gate output both must give the same bits everywhere (values, pattern,
+    counts, gradients), and row chunks must still match the dense reference."""
+    spec = dict(CASES[case], M=600)  # 600 rows: three 256-row chunks when the budget is tiny
+    if case == "empty_rows":
+        spec["empty"] = (0, 7, 599)
+    prob = _cast(make_problem(**spec, seed=4, gated=gated), bfloat16)
+    x, wg, wu, wd, dy = prob if gated else (prob[0], None, *prob[1:])
+    for width in ("auto", 2):
+        direct, l1_direct, w_direct = step_outputs(x, wg, wu, wd, dy, width, gated)
+        monkeypatch.setattr(T, "_DIRECT_PACK", False)  # same single GEMM, CSR in between
+        via_csr, l1_csr, w_csr = step_outputs(x, wg, wu, wd, dy, width, gated)
+        monkeypatch.undo()
+        assert w_direct == w_csr
+        assert direct.keys() == via_csr.keys()
+        for k in direct:
+            a, b = direct[k], via_csr[k]
+            assert a.shape == b.shape and a.dtype == b.dtype, k
+            assert a.tobytes() == b.tobytes(), (width, k)
+        assert l1_direct == l1_csr  # the same saved values go through the same kernel
+        counts = direct["token_counts"]
+        kept = int(direct["ell_nnz"].sum()) + int(counts[direct["backup_rows"]].sum())
+        assert kept == int(counts.sum())  # every active entry is in the ELL part or a backup row
+    monkeypatch.setattr(T, "GATE_CHUNK_BYTES", 1)  # every chunk is the 256-row minimum
+    chunked, _, _ = step_outputs(x, wg, wu, wd, dy, "auto", gated)
+    ref = dense_gated(x, wg, wu, wd, dy, 0.05) if gated else dense_relu(x, wu, wd, dy, 0.05)
+    assert rel(chunked["y"], ref["y"]) <= TOL[bfloat16]
+    grad_names = ("dx", "dw_gate", "dw_up", "dw_down") if gated else ("dx", "dw_up", "dw_down")
+    for i, name in enumerate(grad_names):
+        assert rel(chunked[f"grad{i}"], ref[name]) <= TOL[bfloat16], name

@@ -329,3 +329,39 @@ def test_count_nonfinite_against_numpy(dtype, shape):
         else:
             with pytest.raises(ValueError, match="x contains"):
                 tw._array.check_finite(strided, "x")
+
+
+def test_count_nonfinite_reuses_its_counter_across_streams_and_threads():
+    """The per-(thread, device) counter is zeroed on the caller's stream: no call sees another's count."""
+    import threading
+
+    from twellpy.backends import cuda
+
+    cp = _cp()
+    arrays = []
+    for k in range(8):
+        a = cp.zeros((64, 1000 + k), cp.float32)
+        a.reshape(-1)[: 3 * k + 1] = cp.nan  # each array has its own count
+        arrays.append(a)
+    want = [3 * k + 1 for k in range(8)]
+    cp.cuda.get_current_stream().synchronize()  # the fills ran there; a non-blocking stream would not wait
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        assert [cuda.count_nonfinite(a) for a in arrays] == want
+    assert [cuda.count_nonfinite(a) for a in arrays[::-1]] == want[::-1]
+    got, errors = {}, []
+
+    def work(k):
+        try:
+            with cp.cuda.Stream(non_blocking=True):
+                got[k] = [cuda.count_nonfinite(arrays[(k + j) % 8]) for j in range(16)]
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert all(got[k] == [want[(k + j) % 8] for j in range(16)] for k in range(8))

@@ -8,7 +8,7 @@ from twellpy import _ffn_train as T
 from twellpy import ops
 from twellpy._array import bfloat16
 
-from _train_ref import dense_gated, dense_relu, f64, make_problem, to_gpu
+from _train_ref import dense_gated, dense_relu, f64, make_problem, step_outputs, to_gpu
 
 pytestmark = pytest.mark.gpu
 
@@ -231,3 +231,64 @@ def test_transpose_gpu_many_rows():
     assert T1.shape == (N, M) and T1.indices.dtype == cp.int32
     assert bool((T1.values == T2.values).all()) and bool((T1.indices == T2.indices).all())
     np.testing.assert_array_equal(T1.toarray().get(), m.toarray().get().T)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("case", ["uneven1", "hot2000", "empty_rows", "M1", "odd"])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16])
+def test_direct_pack_matches_the_csr_path_gpu(monkeypatch, case, dtype, gated):
+    """relu(z) packed straight into the Hybrid (twellpy_train_relu_to_hybrid) against the CSR
+    path on the same gate output: the same bits in every output, with poisoned pools, for
+    vector (H % 8 == 0) and scalar ("odd": H = 301) rows, and fixed widths that force
+    backup rows. Also the per-row |h| sums of the forward kernel: the L1 statistic."""
+    prob = [to_gpu(a.astype(dtype)) for a in make_problem(**CASES[case], seed=21, gated=gated)]
+    x, wg, wu, wd, dy = prob if gated else (prob[0], None, *prob[1:])
+    for width in ("auto", 2):
+        poison()
+        direct, l1_direct, w_direct = step_outputs(x, wg, wu, wd, dy, width, gated)
+        monkeypatch.setattr(T, "_DIRECT_PACK", False)
+        poison()
+        via_csr, l1_csr, w_csr = step_outputs(x, wg, wu, wd, dy, width, gated)
+        monkeypatch.undo()
+        assert w_direct == w_csr
+        for k in direct:
+            assert direct[k].tobytes() == via_csr[k].tobytes(), (width, k)
+        assert l1_direct == l1_csr  # the same saved values go through the same kernel
+        # the L1 statistic against the host: h on the pattern from the saved values
+        g = f64(direct["gvals"])
+        h = g * f64(direct["uvals"]) if gated else g
+        if dtype == bfloat16:
+            h = f64(h.astype(np.float32).astype(bfloat16))
+        M = x.shape[0]
+        assert l1_direct == pytest.approx(0.05 * float(np.abs(h).sum()) / M, rel=1e-5)
+
+
+@pytest.mark.parametrize("M,N,K,R", [(1, 1, 1, 0), (17, 33, 5, 2), (1000, 600, 12, 7), (40000, 70001, 3, 3),
+                                     (140000, 256, 4, 0)])
+def test_transpose_pattern_matches_cpu_bitwise(M, N, K, R):
+    """The counting sort (tr_count, tr_scan, tr_place) against the Numba twin: the same indptr,
+    rows and positions, for one and many row blocks, N > 65535, and backup rows."""
+    import cupy as cp
+
+    from twellpy.backends import cpu_train, cuda_train
+
+    rng = np.random.default_rng(M + N)
+    idx = np.full((M, K), -1, np.int32)
+    for r in range(min(M, 5000)):  # the rest stay empty rows
+        n = int(rng.integers(0, min(K, N) + 1))
+        idx[r, :n] = np.sort(rng.choice(N, n, replace=False))
+    if M > 5000:
+        idx[5000:, 0] = rng.integers(0, N, M - 5000)  # one entry per row
+    row_map = np.full(M, -1, np.int32)
+    rows_b = rng.choice(M, R, replace=False) if R else np.zeros(0, int)
+    row_map[rows_b] = np.arange(R, dtype=np.int32)
+    idx[rows_b] = -1  # backup rows keep padding only in the slots
+    backup = (rng.random((R, N)) < 0.2) * rng.standard_normal((R, N))
+    backup = backup.astype(np.float32)
+    want = cpu_train.transpose_pattern(idx, row_map, backup, N)
+    poison()
+    got = cuda_train.transpose_pattern(cp.asarray(idx), cp.asarray(row_map), cp.asarray(backup), N)
+    for name, a, b in zip(("indptr", "rows", "pos"), got, want):
+        assert a.dtype == np.int32 and a.shape == b.shape, name
+        np.testing.assert_array_equal(a.get(), b, err_msg=name)
+    assert int(want[0][-1]) == int((idx >= 0).sum() + (backup != 0).sum())

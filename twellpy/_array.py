@@ -19,6 +19,20 @@ bfloat16 = np.dtype(ml_dtypes.bfloat16)
 FLOAT_DTYPES = (np.dtype(np.float16), bfloat16, np.dtype(np.float32), np.dtype(np.float64))
 INDEX_DTYPE = np.dtype(np.int32)
 
+#: Unsigned dtype of each float width: bit tests run on this view of the data.
+UINT_OF_WIDTH = {2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
+
+#: (exponent, mantissa) bits of each float dtype. A value is NaN or Inf when all
+#: its exponent bits are set, and NaN when a mantissa bit is set as well. The
+#: one table for every NaN/Inf test (numpy, cupy, Numba and the CUDA check kernel),
+#: so bfloat16 needs no float arithmetic anywhere.
+_FLOAT_BIT_MASKS = {
+    np.dtype(np.float16): (0x7C00, 0x03FF),
+    bfloat16: (0x7F80, 0x007F),
+    np.dtype(np.float32): (0x7F800000, 0x007FFFFF),
+    np.dtype(np.float64): (0x7FF0000000000000, 0x000FFFFFFFFFFFFF),
+}
+
 _lock = threading.Lock()
 
 
@@ -224,34 +238,65 @@ def check_float(arr, name: str, *, allowed=FLOAT_DTYPES):
     return arr
 
 
+def float_bit_masks(dtype):
+    """Exponent and mantissa masks of a float dtype, as scalars of its unsigned view.
+
+    Parameters
+    ----------
+    dtype : numpy dtype
+        One of :data:`FLOAT_DTYPES`.
+
+    Returns
+    -------
+    (exponent_mask, mantissa_mask) : tuple of numpy unsigned integers
+        ``bits & exponent_mask == exponent_mask`` means NaN or Inf.
+    """
+    dt = np.dtype(dtype)
+    exp_mask, man_mask = _FLOAT_BIT_MASKS[dt]
+    word = UINT_OF_WIDTH[dt.itemsize].type
+    return word(exp_mask), word(man_mask)
+
+
+def nan_inf_counts(arr):
+    """Numbers of NaN and of Inf elements of a float array (numpy or cupy).
+
+    Works on the bits, so bfloat16 needs no upcast and any CuPy version works.
+    """
+    exp_mask, man_mask = float_bit_masks(arr.dtype)
+    bits = arr.view(UINT_OF_WIDTH[arr.dtype.itemsize])
+    special = (bits & exp_mask) == exp_mask
+    n_special = int(special.sum())
+    n_nan = int((special & ((bits & man_mask) != 0)).sum()) if n_special else 0
+    return n_nan, n_special - n_nan
+
+
 def check_finite(arr, name: str):
-    """Raise ValueError if ``arr`` holds NaN or Inf (works on numpy and cupy)."""
-    if arr.size == 0:
-        return arr
+    """Raise ValueError if ``arr`` holds NaN or Inf (works on numpy and cupy).
+
+    The message names ``name`` and says how many NaN and Inf values there are.
+    """
+    if arr.size == 0 or (arr.dtype not in FLOAT_DTYPES and arr.dtype.kind not in "fc"):
+        return arr  # integer and boolean data are always finite
     xp = xp_of(arr)
-    if xp is not np and arr.dtype in FLOAT_DTYPES and (arr.flags.c_contiguous or arr.flags.f_contiguous):
-        # one pass over the bits on the device; the slow paths below only count NaN vs Inf
+    if arr.dtype not in FLOAT_DTYPES:  # other float widths, complex: no bit table, plain test
+        if not bool(xp.isfinite(arr).all()):
+            raise ValueError(f"{name} contains {int(xp.isnan(arr).sum())} NaN and "
+                             f"{int(xp.isinf(arr).sum())} Inf values; pass check_finite=False "
+                             f"to keep IEEE semantics (NaN propagates)")
+        return arr
+    if xp is not np and (arr.flags.c_contiguous or arr.flags.f_contiguous):
+        # one pass over the bits on the device; counting NaN vs Inf is for the error only
         from .backends import cuda as _cuda
 
-        if _cuda.count_nonfinite(arr) == 0:
-            return arr
-    if arr.dtype in (bfloat16, np.dtype(np.float16)):
-        # Decide on the bit pattern: CuPy has no bfloat16 arithmetic, and a
-        # float32 upcast would cost a full extra copy.
-        exp_mask, man_mask = (0x7F80, 0x007F) if arr.dtype == bfloat16 else (0x7C00, 0x03FF)
-        bits = arr.view(np.uint16)
-        special = (bits & exp_mask) == exp_mask
-        ok = not bool(special.any())
-        if not ok:
-            nan = special & ((bits & man_mask) != 0)
-            n_nan = int(nan.sum())
-            n_inf = int(special.sum()) - n_nan
+        ok = _cuda.count_nonfinite(arr) == 0
+    elif arr.dtype.itemsize == 2:
+        # bit test: CuPy has no bfloat16 arithmetic, and an upcast would cost a copy
+        exp_mask, _ = float_bit_masks(arr.dtype)
+        ok = not bool(((arr.view(UINT_OF_WIDTH[2]) & exp_mask) == exp_mask).any())
     else:
         ok = bool(xp.isfinite(arr).all())
-        if not ok:
-            n_nan = int(xp.isnan(arr).sum())
-            n_inf = int(xp.isinf(arr).sum())
     if not ok:
+        n_nan, n_inf = nan_inf_counts(arr)
         raise ValueError(f"{name} contains {n_nan} NaN and {n_inf} Inf values; pass "
                          f"check_finite=False to keep IEEE semantics (NaN propagates)")
     return arr

@@ -12,10 +12,14 @@ Gated FFN (the non-gated ReLU FFN drops ``u``)::
     dw_down = dy.T @ h;  dw_up = du.T @ x;  dw_gate = dg.T @ x
     dx      = du @ w_up + dg @ w_gate
 
-Only the gate GEMM is dense. Its output is consumed in row chunks and turned
-into a CSR of the pattern (so the M x H gate output never exists whole), then
-into a Hybrid: an ELL part of width W for ordinary rows and dense backup rows
-for every row with more than W active neurons, so nothing is ever dropped.
+Only the gate GEMM is dense. Its output becomes a Hybrid: an ELL part of
+width W for ordinary rows and dense backup rows for every row with more than
+W active neurons, so nothing is ever dropped. When the whole gate output fits
+``GATE_CHUNK_BYTES`` its ReLU is counted per row, W is chosen from the counts
+(the step's one host synchronisation) and the values are packed straight into
+the Hybrid (the gate output, at most ``GATE_CHUNK_BYTES``, is held until that
+pack); larger batches are consumed in row chunks through a CSR of the
+pattern, so the M x H gate output never exists whole.
 Every other M x H product runs on the pattern only. The context keeps g and u
 on the pattern (ELL values + backup rows), the pattern's indices, x and the
 weights -- never an M x H dense array.
@@ -29,8 +33,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import backends
-from ._array import (as_array, check_float, contiguous, count_in_range, device_of, same_device, to_caller,
-                     xp_of)
+from ._array import (as_array, check_finite as _check_finite, check_float, contiguous, count_in_range, device_of, same_device,
+                     to_caller, xp_of)
 
 __all__ = ["gated_forward_train", "gated_backward", "relu_forward_train", "relu_backward",
            "TrainContext", "choose_width"]
@@ -39,15 +43,23 @@ __all__ = ["gated_forward_train", "gated_backward", "relu_forward_train", "relu_
 #: (bounds the only M x H temporary; a dense step keeps several of those).
 GATE_CHUNK_BYTES = 192 << 20
 
-#: Set to a list to collect ``(phase, cupy.cuda.Event)`` marks (benchmarks).
+#: The one-chunk forward packs relu(z) straight into the Hybrid; False sends it
+#: through the CSR path of the chunked forward instead (tests compare the two).
+_DIRECT_PACK = True
+
+#: Set to a list to collect ``(phase, cupy.cuda.Event, host seconds)`` marks
+#: (benchmarks/train.py): the event gives the device timeline, the host clock
+#: says how much of a phase was Python and synchronisation.
 _PROFILE = None
 
 
 def _mark(name, xp):
     if _PROFILE is not None and xp is not np:
+        import time
+
         ev = xp.cuda.Event()
         ev.record()
-        _PROFILE.append((name, ev))
+        _PROFILE.append((name, ev, time.perf_counter()))
 
 
 class _Stats(dict):
@@ -242,16 +254,6 @@ def _check_l1(l1):
     return l1f
 
 
-def _check_finite_be(a, name, be):
-    """ValueError on NaN/Inf (bit tests for 16-bit data, so any CuPy works)."""
-    if a.size == 0:
-        return
-    n_nan, n_inf = be.nonfinite_counts(a)
-    if n_nan or n_inf:
-        raise ValueError(f"{name} contains {n_nan} NaN and {n_inf} Inf values; pass "
-                         f"check_finite=False to keep IEEE semantics (NaN propagates)")
-
-
 def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, gated):
     names = ("x", "w_gate", "w_up", "w_down") if gated else ("x", "w_up", "w_down")
     raw = (x, w_gate, w_up, w_down) if gated else (x, w_up, w_down)
@@ -283,42 +285,54 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
     be = backends.get(x, "train")
     if check_finite:
         for nm, a in zip(names, arrs):
-            _check_finite_be(a, nm, be)
+            _check_finite(a, nm)
     xp = xp_of(x)
 
-    # 1) pattern: dense GEMM of the activation that is ReLU'd, in row chunks
+    # 1) pattern: dense GEMM of the activation that is ReLU'd. When the whole
+    # gate output fits the chunk budget, relu(z) is counted now and packed
+    # straight into the Hybrid once the width is chosen (one host
+    # synchronisation, no CSR); otherwise row chunks go through a CSR, so the
+    # M x H gate output never exists whole.
     _mark("start", xp)
     w_act = w_gate if gated else w_up
     chunk = max(256, GATE_CHUNK_BYTES // max(1, H * dt.itemsize))
-    counts, cols, vals = [], [], []
-    for a in range(0, M, chunk):
-        z = be.gemm(x[a:a + chunk], w_act.T, dt)
-        c, _, col, val = be.relu_csr(z)
-        del z
-        counts.append(c)
-        cols.append(col)
-        vals.append(val)
-    if M:
-        token_counts = xp.concatenate(counts) if len(counts) > 1 else counts[0]
-        col = xp.concatenate(cols) if len(cols) > 1 else cols[0]
-        val = be.concat(vals) if len(vals) > 1 else vals[0]
+    one_chunk = _DIRECT_PACK and 0 < M <= chunk
+    if one_chunk:
+        z = be.gemm(x, w_act.T, dt)
+        token_counts = be.relu_count(z)
     else:
-        token_counts = xp.zeros(0, dtype=np.int32)
-        col = xp.zeros(0, dtype=np.int32)
-        val = xp.zeros(0, dtype=dt)
-    del counts, cols, vals
-    indptr = xp.zeros(M + 1, dtype=np.int64)
-    if M:
-        xp.cumsum(token_counts, dtype=np.int64, out=indptr[1:])
+        counts, cols, vals = [], [], []
+        for a in range(0, M, chunk):
+            zc = be.gemm(x[a:a + chunk], w_act.T, dt)
+            c, _, col, val = be.relu_csr(zc)
+            del zc
+            counts.append(c)
+            cols.append(col)
+            vals.append(val)
+        if M:
+            token_counts = xp.concatenate(counts) if len(counts) > 1 else counts[0]
+            col = xp.concatenate(cols) if len(cols) > 1 else cols[0]
+            val = be.concat(vals) if len(vals) > 1 else vals[0]
+        else:
+            token_counts = xp.zeros(0, dtype=np.int32)
+            col = xp.zeros(0, dtype=np.int32)
+            val = xp.zeros(0, dtype=dt)
+        del counts, cols, vals
+        indptr = xp.zeros(M + 1, dtype=np.int64)
+        if M:
+            xp.cumsum(token_counts, dtype=np.int64, out=indptr[1:])
 
     _mark("gate GEMM + pattern", xp)
     # work that does not need the width is queued before the host reads the
     # counts, so the device keeps busy while the host picks W
-    neuron_counts = count_in_range(col, H)  # no host sync (cupy.bincount would sync twice)
+    if not one_chunk:
+        neuron_counts = count_in_range(col, H)  # no host sync (cupy.bincount would sync twice)
     w_downT = be.transpose_copy(w_down)
+    _mark("neuron counts + w_down^T", xp)
 
     # 2) Hybrid layout: width from the counts, backup rows for wider rows
     counts_host = token_counts.get() if hasattr(token_counts, "get") else token_counts
+    _mark("counts to host (sync)", xp)
     n_vals = 2 if gated else 1
     W = choose_width(counts_host, width, slot_bytes=n_vals * dt.itemsize + 4,
                      row_bytes=n_vals * dt.itemsize * H)
@@ -329,15 +343,21 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
     maps_host[M:] = backup_host
     maps = xp.asarray(maps_host)
     row_map, backup_rows = maps[:M], maps[M:]
-    gvals, idx, ell_nnz = be.csr_to_hybrid(indptr, col, val, row_map, W, H, R)
-    del col, val, indptr
+    _mark("width + row maps (host)", xp)
+    if one_chunk:
+        gvals, idx, ell_nnz, neuron_counts = be.relu_to_hybrid(z, row_map, W, R)
+        del z
+    else:
+        gvals, idx, ell_nnz = be.csr_to_hybrid(indptr, col, val, row_map, W, H, R)
+        del col, val, indptr
     g_ell, g_bk = be.split_combined(gvals, M, W, R, H)
 
-    # 3) forward on the pattern: ELL rows in one fused kernel, backup rows dense
+    # 3) forward on the pattern: ELL rows in one fused kernel (which also sums
+    # |h| per row for the L1 statistic), backup rows dense
     uvals = xp.empty_like(gvals) if gated else None
     u_ell, u_bk = be.split_combined(uvals, M, W, R, H) if gated else (None, None)
-    _mark("hybrid + w_down^T", xp)
-    y = be.ffn_forward_ell(x, w_up, w_downT, idx, ell_nnz, g_ell, u_ell, gated)
+    _mark("pattern -> hybrid", xp)
+    y, h_abs_rows = be.ffn_forward_ell(x, w_up, w_downT, idx, ell_nnz, g_ell, u_ell, gated)
     _mark("fused fwd kernel", xp)
     if R:
         xb = be.take_rows(x, backup_rows)
@@ -353,12 +373,9 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
 
     _mark("backup rows fwd", xp)
     # 4) statistics (the L1 value stays on the device until read)
-    if not gvals.size:
-        h_abs = 0.0
-    elif gated:
-        h_abs = xp.abs(be.to_acc(be.from_acc(be.to_acc(gvals) * be.to_acc(uvals), dt))).sum()
-    else:
-        h_abs = xp.abs(be.to_acc(gvals)).sum()
+    h_abs = h_abs_rows.sum() if M else 0.0
+    if R:
+        h_abs = h_abs + xp.abs(be.to_acc(hb)).sum()
     stats = _Stats({
         "l0": float(counts_host.sum()) / M if M else 0.0,
         "l1": (lambda: l1 * float(h_abs) / M) if M else 0.0,
@@ -392,7 +409,7 @@ def _backward(ctx, dy, gated):
     same_device([("x", ctx.x), ("dy", dy)])
     be, xp, dt = ctx._be, ctx.xp, ctx.dtype
     if ctx.check_finite:
-        _check_finite_be(dy, "dy", be)
+        _check_finite(dy, "dy")
     M, D, H, W, R = ctx.M, ctx.D, ctx.H, ctx.width, ctx.R
     l1s = ctx.l1_coef / M if M else 0.0
 

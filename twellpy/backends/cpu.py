@@ -17,14 +17,13 @@ import numba
 import numpy as np
 from numba import prange
 
+from .._array import float_bit_masks
+
 _INT32_MAX = 2**31 - 1
 
 # Unsigned "bits" dtype and the all-but-sign mask, by itemsize.
 _BITS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 _MASK = {2: np.uint16(0x7FFF), 4: np.uint32(0x7FFFFFFF), 8: np.uint64(0x7FFFFFFFFFFFFFFF)}
-# All-ones exponent by dtype (bfloat16 is looked up by _exp_mask).
-_EXP = {np.dtype(np.float16): np.uint16(0x7C00), np.dtype(np.float32): np.uint32(0x7F800000),
-        np.dtype(np.float64): np.uint64(0x7FF0000000000000)}
 
 
 # Output allocation of the Python wrappers (tests swap in a poisoning version).
@@ -113,9 +112,7 @@ def _k_dense_to_twell(xb, mask, tile, slots, vals, idx, counts, row_max, row_max
 
 def _exp_mask(dtype):
     """Bits of the all-ones exponent: ``bits & 0x7f..f >= this`` means NaN or Inf."""
-    from .._array import bfloat16
-
-    return np.uint16(0x7F80) if np.dtype(dtype) == bfloat16 else _EXP[np.dtype(dtype)]
+    return float_bit_masks(dtype)[0]
 
 
 def _dense_to_twell(x, tile, slots):

@@ -82,6 +82,62 @@ def relu_csr(z):
     return row_nnz, indptr, col, val.astype(z.dtype, copy=False)
 
 
+def relu_count(z):
+    """Stored entries of relu(z) per row: (rows,) int32."""
+    zc = _up(z)
+    row_nnz = np.empty(zc.shape[0], dtype=np.int32)
+    if zc.shape[0]:
+        _relu_count(zc, row_nnz)
+    return row_nnz
+
+
+@numba.njit(parallel=True, **_JIT)
+def _relu_to_hybrid(z, row_map, ell_val, ell_idx, ell_nnz, backup):
+    M, W = ell_idx.shape
+    H = z.shape[1]
+    for r in numba.prange(M):
+        rm = row_map[r]
+        kept = 0
+        if rm >= 0:
+            for c in range(H):
+                v = z[r, c]
+                if v > 0 or v != v:
+                    backup[rm, c] = v
+                else:
+                    backup[rm, c] = 0.0
+        else:
+            for c in range(H):
+                v = z[r, c]
+                if (v > 0 or v != v) and kept < W:  # the caller routes rows with more than W to backup
+                    ell_val[r, kept] = v
+                    ell_idx[r, kept] = c
+                    kept += 1
+        for s in range(kept, W):
+            ell_val[r, s] = 0
+            ell_idx[r, s] = -1
+        ell_nnz[r] = kept
+
+
+def relu_to_hybrid(z, row_map, width, n_backup):
+    """relu(z) packed straight into a Hybrid (no CSR); see the CUDA twin.
+
+    Returns ``vals, ell_idx (M, W), ell_nnz (M,), neuron_counts (H,)``.
+    """
+    zc = _up(z)
+    M, H = zc.shape
+    vals = np.empty(M * width + n_backup * H, dtype=zc.dtype)
+    ell_val, backup = split_combined(vals, M, width, n_backup, H)
+    ell_idx = np.empty((M, width), dtype=np.int32)
+    ell_nnz = np.empty(M, dtype=np.int32)
+    if M:
+        _relu_to_hybrid(zc, row_map, ell_val, ell_idx, ell_nnz, backup)
+    # per-neuron counts after the parallel pass (threads must not share counters)
+    neuron_counts = np.bincount(ell_idx[ell_idx >= 0], minlength=H).astype(np.int32)
+    if n_backup:
+        neuron_counts += np.count_nonzero(backup, axis=0).astype(np.int32)
+    return vals.astype(z.dtype, copy=False), ell_idx, ell_nnz, neuron_counts
+
+
 @numba.njit(parallel=True, **_JIT)
 def _csr_to_hybrid(indptr, col, val, row_map, ell_val, ell_idx, ell_nnz, backup):
     M, W = ell_idx.shape
@@ -205,9 +261,10 @@ def _h_values(gval, uval, gated, dtype):
 
 
 def ffn_forward_ell(x, w_up, w_downT, idx, nnz, gval, uval, gated):
-    """ELL part of the FFN forward: fills ``uval`` (M, W) when gated, returns y.
+    """ELL part of the FFN forward: fills ``uval`` (M, W) when gated, returns ``y, habs``.
 
-    Backup rows hold padding only in ``idx``, so their y rows are 0.
+    ``habs`` (M,) in the compute dtype is each row's sum of |h| over its slots.
+    Backup rows hold padding only in ``idx``, so their y rows and habs are 0.
     """
     dt = x.dtype
     g = _up(gval)
@@ -216,7 +273,7 @@ def ffn_forward_ell(x, w_up, w_downT, idx, nnz, gval, uval, gated):
         u = round_to(slots_sddmm(x, w_up, idx).astype(g.dtype, copy=False), dt)
         uval[...] = u
     h = _h_values(g, u, gated, dt)
-    return slots_spmm(h, idx, w_downT)
+    return slots_spmm(h, idx, w_downT), np.abs(h).sum(axis=1, dtype=h.dtype)
 
 
 def ffn_backward_ell(dy, w_downT, w_up, w_gate, idx, nnz, gval, uval, l1_scale, gated, da, db):
@@ -409,9 +466,3 @@ def gemm_acc(a, b):
     """Dense ``a @ b`` with a float32 result (float64 for float64 inputs)."""
     cd = compute_dtype(a.dtype)
     return np.matmul(a.astype(cd, copy=False), b.astype(cd, copy=False))
-
-
-def nonfinite_counts(a):
-    """(number of NaN, number of Inf) in ``a``."""
-    a = to_acc(a)
-    return int(np.isnan(a).sum()), int(np.isinf(a).sum())

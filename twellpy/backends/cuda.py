@@ -28,12 +28,16 @@ compiles every one of them for sm_90a and sm_80 without a GPU.
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
-from .._array import FLOAT_DTYPES, cupy_module
+from .._array import FLOAT_DTYPES, UINT_OF_WIDTH, cupy_module, float_bit_masks
 from . import _registry as reg
 
 _INT32_MAX = 2**31 - 1
+#: warps per block of twellpy_transpose_scan (segments of the row-block axis)
+TRANSPOSE_SCAN_SEGS = 8
 _I32 = np.dtype(np.int32)
 _I64 = np.dtype(np.int64)
 
@@ -136,7 +140,7 @@ def _declare_all():
         convert += [_name_t("slots_to_dense", dt), _name_t("slots_to_csr", dt)]
         convert += [_name_cast(dt, d2) for d2 in FLOAT_DTYPES if d2 != dt]
         transpose.append(_name_t("transpose_fill", dt))
-    transpose.append("twellpy_transpose_count")
+    transpose += ["twellpy_transpose_count", f"twellpy_transpose_scan<{TRANSPOSE_SCAN_SEGS}>"]
     reg.declare("construct.cu", construct)
     reg.declare("convert.cu", convert)
     reg.declare("spmm.cu", spmm)
@@ -146,20 +150,24 @@ def _declare_all():
     reg.declare("check.cu", [f"twellpy_count_nonfinite<{c}>" for c in _NONFINITE_WORD.values()])
 
 
-# element width -> (unsigned word dtype, its C type) of twellpy_count_nonfinite
+# element width -> C type of the unsigned words twellpy_count_nonfinite reads
 _NONFINITE_WORD = {2: "unsigned short", 4: "unsigned int", 8: "unsigned long long"}
-_NONFINITE_VIEW = {2: np.uint16, 4: np.uint32, 8: np.uint64}
-# exponent bits per float dtype (all set: NaN or Inf)
-_EXP_MASK = {np.dtype(np.float16): 0x7C00, np.dtype(np.float32): 0x7F800000,
-             np.dtype(np.float64): 0x7FF0000000000000}
 _CHECK_BLOCK = 256
 _CHECK_MAX_BLOCKS = 4096  # grid-stride: enough blocks to fill an H200 several times over
+# one uint64 counter per (thread, device), reused: a fresh cp.zeros per check cost an
+# allocation and a fill kernel on every FFN call
+_CHECK_COUNTERS = threading.local()
 
 
-def _exp_mask(dtype):
-    from .._array import bfloat16
-
-    return 0x7F80 if np.dtype(dtype) == bfloat16 else _EXP_MASK[np.dtype(dtype)]
+def _check_counter(device_id):
+    cp = _cp()
+    counters = getattr(_CHECK_COUNTERS, "by_device", None)
+    if counters is None:
+        counters = _CHECK_COUNTERS.by_device = {}
+    counter = counters.get(device_id)
+    if counter is None:
+        counter = counters[device_id] = cp.zeros((1,), np.uint64)
+    return counter
 
 
 def count_nonfinite(arr):
@@ -176,15 +184,19 @@ def count_nonfinite(arr):
     if n == 0:
         return 0
     width = arr.dtype.itemsize
-    words = arr.reshape(-1, order="C" if arr.flags.c_contiguous else "F").view(_NONFINITE_VIEW[width])
+    words = arr.reshape(-1, order="C" if arr.flags.c_contiguous else "F").view(UINT_OF_WIDTH[width])
     per_block = _CHECK_BLOCK * (16 // width)
     grid = min(_blocks(n, per_block), _CHECK_MAX_BLOCKS)
+    exp_mask, _ = float_bit_masks(arr.dtype)
     with arr.device:  # launch where the data lives (a raw kernel does not check the device)
-        count = cp.zeros((1,), np.uint64)
+        count = _check_counter(arr.device.id)
+        stream = cp.cuda.get_current_stream()
+        # zeroed on the stream the kernel and the read-back use, so no call sees another's count
+        cp.cuda.runtime.memsetAsync(count.data.ptr, 0, count.nbytes, stream.ptr)
         k = reg.get_kernel("check.cu", f"twellpy_count_nonfinite<{_NONFINITE_WORD[width]}>")
-        k((grid,), (_CHECK_BLOCK,), (words, _i64(n), np.uint64(_exp_mask(arr.dtype)),
+        k((grid,), (_CHECK_BLOCK,), (words, _i64(n), np.uint64(exp_mask),
                                      _i32(words.data.ptr % 16 == 0), count))
-        return int(count.get()[0])
+        return int(count.get(stream=stream)[0])
 
 
 _declare_all()
@@ -630,6 +642,22 @@ def _transpose_chunks(m, n_cols):
     return n_chunks, chunk_rows
 
 
+def transpose_cursor(counts, indptr):
+    """Start offsets of a counting sort: ``cursor[b, c] = indptr[c] + counts[:b, c].sum()``.
+
+    ``counts`` (blocks, N) int32 C-contiguous, ``indptr`` (N+1,) int32; one
+    kernel (``twellpy_transpose_scan``) instead of an axis-0 cumsum and two
+    passes over ``counts``. Used by both counting-sort transposes.
+    """
+    cp = _cp()
+    nb, n_cols = counts.shape
+    cursor = cp.empty_like(counts)
+    if nb and n_cols:
+        k = reg.get_kernel("transpose.cu", f"twellpy_transpose_scan<{TRANSPOSE_SCAN_SEGS}>")
+        k(((n_cols + 31) // 32,), (32 * TRANSPOSE_SCAN_SEGS,), (counts, indptr, _i32(nb), _i32(n_cols), cursor))
+    return cursor
+
+
 def transpose_slots(values, indices, n_cols):
     """CSR arrays ``(indptr, col, data)`` of the transpose (n_cols, M).
 
@@ -655,10 +683,7 @@ def transpose_slots(values, indices, n_cols):
     nnz = int(indptr64[-1])
     _check_int32(nnz, "the number of stored entries")
     indptr = indptr64.astype(_I32)
-    # cursor[c, j] = indptr[j] + entries of column j in chunks before c
-    cursor = cp.cumsum(chunk_counts, axis=0, dtype=_I32)
-    cursor -= chunk_counts
-    cursor += indptr[None, :-1]
+    cursor = transpose_cursor(chunk_counts, indptr)
     del chunk_counts
     col = _alloc(nnz, _I32)
     data = _alloc(nnz, values.dtype)

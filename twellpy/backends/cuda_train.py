@@ -11,6 +11,7 @@ import numpy as np
 
 from .._array import FLOAT_DTYPES, bfloat16, cupy_module
 from . import _registry
+from .cuda import transpose_cursor
 
 SOURCE = "train_ffn.cu"
 WARPS = 8            # keep in sync with TW_WARPS in train_ffn.cu
@@ -23,7 +24,7 @@ def _names():
     names = []
     for dt in FLOAT_DTYPES:
         t = _registry.ctype(dt)
-        for base in ("relu_count", "relu_pack", "csr_to_hybrid", "tr_count", "tr_place",
+        for base in ("relu_count", "relu_pack", "relu_to_hybrid", "csr_to_hybrid", "tr_count", "tr_place",
                      "gather_t", "slots_spmm", "slots_sddmm"):
             names.append(f"twellpy_train_{base}<{t}>")
         for dt2 in FLOAT_DTYPES:
@@ -107,6 +108,42 @@ def relu_csr(z):
     return row_nnz, indptr, col, val
 
 
+def relu_count(z):
+    """Stored entries of relu(z) per row: (rows,) int32 (``z`` (rows, H), C-contiguous)."""
+    cp = _cp()
+    rows, H = z.shape
+    row_nnz = cp.empty(rows, dtype=cp.int32)
+    if rows:
+        g, b = _rows_grid(rows)
+        _k("relu_count", z.dtype)(g, b, (z, _i64(rows), _i32(H), _i32(_vec_ok(H, z)), row_nnz))
+    return row_nnz
+
+
+def relu_to_hybrid(z, row_map, width, n_backup):
+    """relu(z) packed straight into a Hybrid (no CSR): the one-chunk forward's path.
+
+    ``z`` (M, H) is the whole gate output; ``row_map`` (M,) int32 sends each row
+    to the ELL part (-1) or to its backup row, and must route every row with
+    more than ``width`` active entries (``relu_count``) to a backup row.
+    Returns ``vals, ell_idx (M, W), ell_nnz (M,), neuron_counts (H,)`` with
+    ``vals`` the combined value buffer (ELL values, then the R backup rows).
+    """
+    cp = _cp()
+    M, H = z.shape
+    vals = cp.empty(M * width + n_backup * H, dtype=z.dtype)
+    ell_val, backup = split_combined(vals, M, width, n_backup, H)
+    ell_idx = cp.empty((M, width), dtype=cp.int32)
+    ell_nnz = cp.empty(M, dtype=cp.int32)
+    neuron_counts = cp.zeros(H, dtype=cp.int32)
+    if M:
+        g, b = _rows_grid(M)
+        vec = _vec_ok(H, z)
+        vec_store = vec and (not n_backup or _vec_ok(H, backup))  # backup starts after M*W values
+        _k("relu_to_hybrid", z.dtype)(g, b, (z, _i64(M), _i32(H), _i32(vec), _i32(vec_store), row_map,
+                                             _i32(width), ell_val, ell_idx, ell_nnz, backup, neuron_counts))
+    return vals, ell_idx, ell_nnz, neuron_counts
+
+
 def csr_to_hybrid(indptr, col, val, row_map, width, n_cols, n_backup):
     """Split a CSR into an ELL part of ``width`` and dense backup rows.
 
@@ -135,21 +172,24 @@ def split_combined(vals, M, W, R, N):
 
 
 def ffn_forward_ell(x, w_up, w_downT, idx, nnz, gval, uval, gated):
-    """ELL part of the FFN forward: fills ``uval`` (M, W) when gated, returns y.
+    """ELL part of the FFN forward: fills ``uval`` (M, W) when gated, returns ``y, habs``.
 
-    Backup rows (``nnz == 0``, padding only) get y = 0.
+    ``habs`` (M,) float32 (float64 for float64) is each row's sum of |h| over
+    its slots (the L1 statistic). Backup rows (``nnz == 0``, padding only) get
+    y = 0 and habs = 0.
     """
     cp = _cp()
     M, D = x.shape
     W = idx.shape[1]
     y = cp.empty((M, D), dtype=x.dtype)
+    habs = cp.empty(M, dtype=np.float64 if x.dtype == np.float64 else np.float32)
     if M:
         vec = _vec_ok(D, x, w_up if gated else None, w_downT, y)
         g, b = _rows_grid(M)
         _k("fwd", x.dtype, gated)(g, b, (x, w_up if gated else w_downT, w_downT, idx, nnz, gval,
-                                         uval if gated else gval, y, _i64(M), _i32(W), _i32(D),
+                                         uval if gated else gval, y, habs, _i64(M), _i32(W), _i32(D),
                                          _i32(vec)))
-    return y
+    return y, habs
 
 
 def ffn_backward_ell(dy, w_downT, w_up, w_gate, idx, nnz, gval, uval, l1_scale, gated, da, db):
@@ -219,10 +259,7 @@ def transpose_pattern(idx, row_map, backup, n_cols, nnz=None):
     if nnz > _INT32_MAX:
         raise ValueError(f"transpose has {nnz} entries, more than int32 indices can address")
     indptr = indptr64.astype(cp.int32)
-    # cursor[b, c] = indptr[c] + entries of column c in blocks before b
-    cursor = cp.cumsum(counts, axis=0, dtype=cp.int32)
-    cursor -= counts
-    cursor += indptr[None, :-1]
+    cursor = transpose_cursor(counts, indptr)  # indptr[c] + entries of column c in earlier blocks
     del counts
     rows = cp.empty(nnz, dtype=cp.int32)
     pos = cp.empty(nnz, dtype=cp.int32)
@@ -430,15 +467,3 @@ def gemm_acc(a, b):
     16-bit dtype would add an avoidable rounding step.
     """
     return gemm(a, b, np.float64 if a.dtype == np.float64 else np.float32)
-
-
-def nonfinite_counts(a):
-    """(number of NaN, number of Inf) in ``a`` (any float dtype), on bits for 16-bit data."""
-    cp = _cp()
-    if a.dtype.itemsize != 2:
-        return int(cp.isnan(a).sum()), int(cp.isinf(a).sum())
-    exp_mask, man_mask = (0x7C00, 0x03FF) if a.dtype == np.float16 else (0x7F80, 0x007F)
-    u = bits(a)
-    special = (u & exp_mask) == exp_mask
-    nan = int((special & ((u & man_mask) != 0)).sum())
-    return nan, int(special.sum()) - nan
