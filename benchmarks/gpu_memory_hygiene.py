@@ -49,3 +49,16 @@ def pytest_runtest_teardown(item, nextitem):
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         with open(os.path.join(log_dir, f"pool_{worker}.csv"), "a") as f:
             f.write(f"{item.nodeid},{held},{used}\n")
+
+
+def pytest_runtest_logreport(report):
+    """With ``TWELLPY_MEMORY_LOG=DIR``, append every failure to ``DIR/failures_<worker>.txt`` at
+    once, so a suite that the call's time limit cuts off still says which tests failed and why."""
+    log_dir = os.environ.get("TWELLPY_MEMORY_LOG")
+    if not log_dir or not report.failed:
+        return
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    text = str(report.longrepr) if report.longrepr is not None else ""
+    tail = "\n".join(text.splitlines()[-25:])  # the assertion and its location are at the end
+    with open(os.path.join(log_dir, f"failures_{worker}.txt"), "a") as f:
+        f.write(f"==== FAILED ({report.when}) {report.nodeid} [{report.duration:.1f} s]\n{tail}\n")
