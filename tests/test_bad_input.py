@@ -799,6 +799,29 @@ def test_all_on_gpu_matches_cpu_for_every_entry():
         assert rel_err(got, want) <= 1e-5, name
 
 
+def _gpu_twin_exists(entry):
+    # as in test_all_on_gpu_matches_cpu_for_every_entry: ctx/save/with_values have no GPU twin here
+    e = ENTRIES[entry]
+    return not (any(x.kind == "ctx" for x in e.args.values()) or entry == "save" or "with_values" in entry)
+
+
+NONFINITE_GPU_CASES = [c for c in CASES if c[2] in ("NaN", "Inf") and _gpu_twin_exists(c[0])]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("entry,arg,kind,make,exc", NONFINITE_GPU_CASES,
+                         ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in NONFINITE_GPU_CASES])
+def test_nonfinite_battery_on_gpu(entry, arg, kind, make, exc):
+    """NaN/Inf with every argument on the GPU: the device-side checks (some read their count
+    only at a later synchronisation) raise the same error, naming the argument."""
+    e = ENTRIES[entry]
+    a = {k: _to_gpu_value(v) for k, v in _good_args(e).items()}
+    a[arg] = _to_gpu_value(make())
+    with pytest.raises(exc, match=r"contains \d+ NaN and \d+ Inf values") as info:
+        e.call(a)
+    assert re.search(rf"(?<![A-Za-z_]){re.escape(arg)}(?![A-Za-z_])", str(info.value))
+
+
 def test_counts():
     """Coverage is visible: the battery is at least as large as its design says."""
     n_contradiction = 8 + 2 * 5 + 1 + 9  # test_twell_full_check, test_ell_full_check, hybrid, backup args

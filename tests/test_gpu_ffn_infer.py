@@ -195,6 +195,36 @@ def test_nan_propagates_with_check_finite_false():
         assert rel_err(y[ok], ref[ok]) <= 2e-5
 
 
+@pytest.mark.parametrize("chunk_rows", [None, 300], ids=["one-chunk", "two-streams"])
+@pytest.mark.parametrize("heavy_limit", ["default", None], ids=["heavy-rows", "no-heavy"])
+@pytest.mark.parametrize("mode", ["auto", "sparse", "dense"])
+@pytest.mark.parametrize("m", [1, 700], ids=["M1", "M700"])
+def test_deferred_finite_check_on_every_path(m, mode, heavy_limit, chunk_rows):
+    # the NaN/Inf count of x is queued before the gate GEMM and read at the call's first
+    # host synchronisation (probe, heavy-row stats or the end): every path must still raise,
+    # name x and count right, and leave the object working
+    gated = chunk_rows is None
+    w = make_ffn(m, 128, 512, 12, sigma=0.3, gated=gated, dtype=np.float32, xp=cp, seed=40 + m)
+    ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"]) if gated else ReluFFN(w["w_up"], w["w_down"])
+    if heavy_limit is None:
+        ffn.heavy_limit = None
+    ffn._plan.chunk_rows = chunk_rows
+    bad = w["x"].copy()
+    bad[m // 2, 5] = np.nan
+    bad[m - 1, 7] = np.inf
+    for _ in range(2):  # twice: the counter is zeroed per call
+        poison()
+        with pytest.raises(ValueError, match="x contains 1 NaN and 1 Inf values"):
+            ffn(bad, mode=mode)
+    poison()
+    y = ffn(w["x"], mode=mode)
+    assert rel_err(y, ref64(w, gated)) <= 1e-5
+    y_nan = ffn(bad, mode=mode, check_finite=False)  # IEEE semantics when asked for
+    assert not bool(cp.isfinite(y_nan[m - 1]).all())  # the Inf row
+    if m > 1:
+        assert bool(cp.isnan(y_nan[m // 2]).all())
+
+
 def test_odd_shapes_and_batch_dims():
     # D, H not multiples of 8 take the dense path on the GPU and stay exact
     w = to_gpu(make_ffn(50, 100, 300, 15, dtype=np.float32, xp=np, seed=1))

@@ -296,10 +296,15 @@ def check_finite(arr, name: str):
     else:
         ok = bool(xp.isfinite(arr).all())
     if not ok:
-        n_nan, n_inf = nan_inf_counts(arr)
-        raise ValueError(f"{name} contains {n_nan} NaN and {n_inf} Inf values; pass "
-                         f"check_finite=False to keep IEEE semantics (NaN propagates)")
+        raise_nonfinite(arr, name)
     return arr
+
+
+def raise_nonfinite(arr, name: str):
+    """Raise the ValueError of :func:`check_finite` for ``arr``, which holds NaN or Inf."""
+    n_nan, n_inf = nan_inf_counts(arr)
+    raise ValueError(f"{name} contains {n_nan} NaN and {n_inf} Inf values; pass "
+                     f"check_finite=False to keep IEEE semantics (NaN propagates)")
 
 
 def contiguous(arr, name: str):

@@ -33,8 +33,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import backends
-from ._array import (as_array, check_finite as _check_finite, check_float, contiguous, count_in_range, device_of, same_device,
-                     to_caller, xp_of)
+from ._array import (as_array, check_finite as _check_finite, check_float, contiguous, count_in_range, device_of,
+                     raise_nonfinite, same_device, to_caller, xp_of)
 
 __all__ = ["gated_forward_train", "gated_backward", "relu_forward_train", "relu_backward",
            "TrainContext", "choose_width"]
@@ -254,6 +254,29 @@ def _check_l1(l1):
     return l1f
 
 
+def _queue_finite_checks(cp, named):
+    """Queue a NaN/Inf count of each (name, cupy array) on the current stream.
+
+    Returns a function that reads the counts (one small copy, at a host
+    synchronisation the caller makes anyway) and raises the ValueError of
+    ``check_finite`` for the first array, in argument order, that has any.
+    One synchronisation per input would stall the queue four times.
+    """
+    from .backends.cuda import launch_count_nonfinite
+
+    stream = cp.cuda.get_current_stream()
+    counts = cp.zeros(len(named), dtype=np.uint64)
+    for i, (_, a) in enumerate(named):
+        launch_count_nonfinite(a, counts[i:i + 1], stream)
+
+    def raise_first():
+        for (nm, a), n_bad in zip(named, counts.get(stream=stream)):
+            if n_bad:
+                raise_nonfinite(a, nm)
+
+    return raise_first
+
+
 def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, gated):
     names = ("x", "w_gate", "w_up", "w_down") if gated else ("x", "w_up", "w_down")
     raw = (x, w_gate, w_up, w_down) if gated else (x, w_up, w_down)
@@ -283,10 +306,14 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
     _check_shape(w_down, "w_down", (D, H), f" (nn.Linear layout (D, H) for w_up of shape {(H, D)})")
     l1 = _check_l1(l1)
     be = backends.get(x, "train")
-    if check_finite:
-        for nm, a in zip(names, arrs):
-            _check_finite(a, nm)
     xp = xp_of(x)
+    raise_if_nonfinite = None
+    if check_finite:
+        if xp is np:
+            for nm, a in zip(names, arrs):
+                _check_finite(a, nm)
+        else:  # counted on the device now, read at the forward's one host synchronisation
+            raise_if_nonfinite = _queue_finite_checks(xp, list(zip(names, arrs)))
 
     # 1) pattern: dense GEMM of the activation that is ReLU'd. When the whole
     # gate output fits the chunk budget, relu(z) is counted now and packed
@@ -331,6 +358,8 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
     _mark("neuron counts + w_down^T", xp)
 
     # 2) Hybrid layout: width from the counts, backup rows for wider rows
+    if raise_if_nonfinite is not None:
+        raise_if_nonfinite()
     counts_host = token_counts.get() if hasattr(token_counts, "get") else token_counts
     _mark("counts to host (sync)", xp)
     n_vals = 2 if gated else 1

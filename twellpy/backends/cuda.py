@@ -170,6 +170,30 @@ def _check_counter(device_id):
     return counter
 
 
+def launch_count_nonfinite(arr, count, stream):
+    """Queue the NaN/Inf count of ``arr`` (contiguous cupy float) onto ``stream``.
+
+    Adds the number of non-finite elements to ``count`` (a zeroed (1,) uint64
+    cupy array, e.g. a slice of a larger counter block) without reading it
+    back: the caller reads it at a synchronisation it makes anyway, so the
+    check does not stall the queue (the fused FFN does this).
+    """
+    n = int(arr.size)
+    if n == 0:
+        return
+    if not (arr.flags.c_contiguous or arr.flags.f_contiguous):
+        raise ValueError("count_nonfinite needs a contiguous array")
+    width = arr.dtype.itemsize
+    words = arr.reshape(-1, order="C" if arr.flags.c_contiguous else "F").view(UINT_OF_WIDTH[width])
+    per_block = _CHECK_BLOCK * (16 // width)
+    grid = min(_blocks(n, per_block), _CHECK_MAX_BLOCKS)
+    exp_mask, _ = float_bit_masks(arr.dtype)
+    with arr.device, stream:  # launch where the data lives (a raw kernel does not check the device)
+        k = reg.get_kernel("check.cu", f"twellpy_count_nonfinite<{_NONFINITE_WORD[width]}>")
+        k((grid,), (_CHECK_BLOCK,), (words, _i64(n), np.uint64(exp_mask),
+                                     _i32(words.data.ptr % 16 == 0), count))
+
+
 def count_nonfinite(arr):
     """Number of NaN and Inf elements of a contiguous cupy float array.
 
@@ -180,22 +204,14 @@ def count_nonfinite(arr):
     cp = _cp()
     if not (arr.flags.c_contiguous or arr.flags.f_contiguous):
         raise ValueError("count_nonfinite needs a contiguous array")
-    n = int(arr.size)
-    if n == 0:
+    if int(arr.size) == 0:
         return 0
-    width = arr.dtype.itemsize
-    words = arr.reshape(-1, order="C" if arr.flags.c_contiguous else "F").view(UINT_OF_WIDTH[width])
-    per_block = _CHECK_BLOCK * (16 // width)
-    grid = min(_blocks(n, per_block), _CHECK_MAX_BLOCKS)
-    exp_mask, _ = float_bit_masks(arr.dtype)
-    with arr.device:  # launch where the data lives (a raw kernel does not check the device)
+    with arr.device:
         count = _check_counter(arr.device.id)
         stream = cp.cuda.get_current_stream()
         # zeroed on the stream the kernel and the read-back use, so no call sees another's count
         cp.cuda.runtime.memsetAsync(count.data.ptr, 0, count.nbytes, stream.ptr)
-        k = reg.get_kernel("check.cu", f"twellpy_count_nonfinite<{_NONFINITE_WORD[width]}>")
-        k((grid,), (_CHECK_BLOCK,), (words, _i64(n), np.uint64(exp_mask),
-                                     _i32(words.data.ptr % 16 == 0), count))
+        launch_count_nonfinite(arr, count, stream)
         return int(count.get(stream=stream)[0])
 
 

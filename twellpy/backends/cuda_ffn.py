@@ -30,8 +30,9 @@ import threading
 
 import numpy as np
 
-from .._array import bfloat16, cupy_module
+from .._array import bfloat16, check_finite, cupy_module, raise_nonfinite
 from . import _registry
+from .cuda import launch_count_nonfinite
 
 _SPARSE_FILE = "ffn_sparse.cu"
 _PACK_FILE = "ffn_pack.cu"
@@ -409,8 +410,9 @@ class FFNPlan:
             self._ws_rows = chunk
         if "counters" not in self._ws:
             # [0] active neurons seen by the sparse kernel, [1] heavy rows,
-            # [2] active neurons of the first chunk (row-pack; "auto" decision)
-            self._ws["counters"] = cp.zeros((3,), np.uint64)
+            # [2] active neurons of the first chunk (row-pack; "auto" decision),
+            # [3] NaN/Inf elements of x (check_x; read with [2] at one synchronisation)
+            self._ws["counters"] = cp.zeros((4,), np.uint64)
         return self._ws
 
     def _heavy_flags(self, M):
@@ -560,8 +562,17 @@ class FFNPlan:
                 "heavy_rows": n_heavy}
 
     # ---- the call -----------------------------------------------------------
-    def forward(self, x, *, mode="auto", return_activations=False, chunk_rows=None):
-        """Run the FFN on ``x`` (M, D) cupy; returns ``(y, h_dense_or_None, info)``."""
+    #: forward(check_x=True) tests x for NaN/Inf on the device and raises at a
+    #: synchronisation the call makes anyway, instead of a separate one up front
+    DEFERRED_FINITE_CHECK = True
+
+    def forward(self, x, *, mode="auto", return_activations=False, chunk_rows=None, check_x=False):
+        """Run the FFN on ``x`` (M, D) cupy; returns ``(y, h_dense_or_None, info)``.
+
+        With ``check_x`` a NaN or Inf in ``x`` raises ValueError (naming ``x``)
+        before anything is returned; the count is queued ahead of the gate GEMM
+        and read at the call's first host synchronisation (or at its end).
+        """
         cp = cupy_module()
         M = x.shape[0]
         y = cp.empty((M, self.D), self.dtype)
@@ -573,6 +584,8 @@ class FFNPlan:
         if x.data.ptr % 16:
             x = x.copy()
         if not self.sparse_ok or mode == "dense":
+            if check_x:
+                check_finite(x, "x")
             self.dense_rows(x, y, h_full)
             return y, h_full, info
 
@@ -587,10 +600,19 @@ class FFNPlan:
         chunks = [(r0, min(M, r0 + chunk)) for r0 in range(0, M, chunk)]
         n = len(chunks)
         use_sparse = True
+        x_checked = not check_x  # True once the NaN/Inf count of x has been read
+
+        def raise_if_nonfinite(n_bad):
+            if n_bad:
+                for s_ in (cur, sA, sB):  # let queued work on x finish before the caller reuses it
+                    s_.synchronize()
+                raise_nonfinite(x, "x")
 
         if n == 1:
             # one chunk: everything on the caller's stream, no extra streams
             cp.cuda.runtime.memsetAsync(counters.data.ptr, 0, counters.nbytes, cur.ptr)
+            if check_x:
+                launch_count_nonfinite(x, counters[3:], cur)
             if self.heavy_limit is not None:
                 heavy.fill(0)
             g = ws["g"][0][:M]
@@ -600,7 +622,9 @@ class FFNPlan:
             if probe:
                 # measured density decides (host waits for the gate GEMM + row lists)
                 cur.record().synchronize()
-                seen = int(counters[2:].get()[0])
+                seen, n_bad = (int(v) for v in counters[2:].get())
+                raise_if_nonfinite(n_bad)
+                x_checked = True
                 info["mean_active"] = seen / M
                 use_sparse = seen / M <= self.auto_threshold
             if use_sparse:
@@ -613,6 +637,8 @@ class FFNPlan:
             sA.wait_event(start)
             sB.wait_event(start)
             cp.cuda.runtime.memsetAsync(counters.data.ptr, 0, counters.nbytes, sB.ptr)
+            if check_x:
+                launch_count_nonfinite(x, counters[3:], sB)
             if self.heavy_limit is not None:
                 with sB:
                     heavy.fill(0)
@@ -652,8 +678,10 @@ class FFNPlan:
             if mode == "auto":
                 # the first chunk's measured density decides every chunk; the
                 # GPU keeps running chunk 1's gate GEMM while the host reads it
-                gate_done[0].synchronize()
-                seen = int(counters[2:].get(stream=sA)[0])
+                gate_done[0].synchronize()  # after `zeroed`, so the count of x is done too
+                seen, n_bad = (int(v) for v in counters[2:].get(stream=sA))
+                raise_if_nonfinite(n_bad)
+                x_checked = True
                 mean0 = seen / (chunks[0][1] - chunks[0][0])
                 info["mean_active"] = mean0
                 use_sparse = mean0 <= self.auto_threshold
@@ -669,9 +697,13 @@ class FFNPlan:
 
         if self.heavy_limit is None:
             # no host synchronisation: statistics stay on the device (activity())
+            if not x_checked:
+                raise_if_nonfinite(int(counters[3:].get(stream=cur)[0]))
             return y, h_full, info
         # exact path for heavy rows (costs one host synchronisation)
-        stats = counters.get()
+        stats = counters.get(stream=cur)
+        if not x_checked:
+            raise_if_nonfinite(int(stats[3]))
         n_heavy = int(stats[1])
         if info["mean_active"] is None and use_sparse:
             info["mean_active"] = float(stats[0]) / M
