@@ -188,16 +188,12 @@ class _FFN:
         if dev != self.device:
             raise ValueError(f"x is on {dev} but the weights are on {self.device}; "
                              f"move x to {self.device}")
-        # the CUDA plan counts NaN/Inf on the device and reads the count at a
-        # synchronisation it makes anyway; elsewhere x is checked up front
-        deferred = chk and getattr(self._plan, "DEFERRED_FINITE_CHECK", False)
-        if chk and not deferred:
-            _check_finite(arr, "x")
         flat = arr.ndim == 2  # the common case skips two reshapes (decode calls are host-bound)
         lead = None if flat else tuple(arr.shape[:-1])
         x2 = arr if flat else arr.reshape(-1, self.D)
-        kw = {"check_x": True} if deferred else {}
-        y, h_dense, info = self._plan.forward(x2, mode=mode, return_activations=return_activations, **kw)
+        # each plan checks x for NaN/Inf itself: the CUDA plan counts them on the
+        # device and reads the count at a synchronisation it makes anyway
+        y, h_dense, info = self._plan.forward(x2, mode=mode, return_activations=return_activations, check_x=chk)
         self.last_info = info
         y = to_caller(y if flat else y.reshape(lead + (self.D,)), kind)
         if not return_activations:

@@ -254,27 +254,37 @@ def _check_l1(l1):
     return l1f
 
 
-def _queue_finite_checks(cp, named):
+def _queue_finite_checks(cp, named, n_tokens):
     """Queue a NaN/Inf count of each (name, cupy array) on the current stream.
 
-    Returns a function that reads the counts (one small copy, at a host
-    synchronisation the caller makes anyway) and raises the ValueError of
-    ``check_finite`` for the first array, in argument order, that has any.
-    One synchronisation per input would stall the queue four times.
+    The counts share one device block with the (n_tokens,) int32 active
+    counts per token that the forward reads next, so both come back in one
+    small copy at the host synchronisation the forward makes anyway (one
+    synchronisation per input would stall the queue four times).
+
+    Returns ``(token_counts, read)``: ``token_counts`` is the int32 view the
+    caller fills; ``read()`` copies the block, raises the ValueError of
+    ``check_finite`` for the first array, in argument order, that has any
+    NaN/Inf, and returns the token counts on the host.
     """
     from .backends.cuda import launch_count_nonfinite
 
     stream = cp.cuda.get_current_stream()
-    counts = cp.zeros(len(named), dtype=np.uint64)
+    head = 8 * len(named)  # uint64 counters, then the int32 token counts
+    block = cp.empty(head + 4 * n_tokens, dtype=np.uint8)
+    cp.cuda.runtime.memsetAsync(block.data.ptr, 0, head, stream.ptr)
+    bad = block[:head].view(np.uint64)
     for i, (_, a) in enumerate(named):
-        launch_count_nonfinite(a, counts[i:i + 1], stream)
+        launch_count_nonfinite(a, bad[i:i + 1], stream)
 
-    def raise_first():
-        for (nm, a), n_bad in zip(named, counts.get(stream=stream)):
+    def read():
+        host = block.get(stream=stream)
+        for (nm, a), n_bad in zip(named, host[:head].view(np.uint64)):
             if n_bad:
                 raise_nonfinite(a, nm)
+        return host[head:].view(np.int32)
 
-    return raise_first
+    return block[head:].view(np.int32), read
 
 
 def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, gated):
@@ -307,13 +317,14 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
     l1 = _check_l1(l1)
     be = backends.get(x, "train")
     xp = xp_of(x)
-    raise_if_nonfinite = None
+    read_checked = None  # reads the NaN/Inf counts and the token counts in one copy
+    counts_out = None
     if check_finite:
         if xp is np:
             for nm, a in zip(names, arrs):
                 _check_finite(a, nm)
         else:  # counted on the device now, read at the forward's one host synchronisation
-            raise_if_nonfinite = _queue_finite_checks(xp, list(zip(names, arrs)))
+            counts_out, read_checked = _queue_finite_checks(xp, list(zip(names, arrs)), M)
 
     # 1) pattern: dense GEMM of the activation that is ReLU'd. When the whole
     # gate output fits the chunk budget, relu(z) is counted now and packed
@@ -326,7 +337,7 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
     one_chunk = _DIRECT_PACK and 0 < M <= chunk
     if one_chunk:
         z = be.gemm(x, w_act.T, dt)
-        token_counts = be.relu_count(z)
+        token_counts = be.relu_count(z, out=counts_out)
     else:
         counts, cols, vals = [], [], []
         for a in range(0, M, chunk):
@@ -338,10 +349,13 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
             vals.append(val)
         if M:
             token_counts = xp.concatenate(counts) if len(counts) > 1 else counts[0]
+            if counts_out is not None:
+                counts_out[...] = token_counts
+                token_counts = counts_out
             col = xp.concatenate(cols) if len(cols) > 1 else cols[0]
             val = be.concat(vals) if len(vals) > 1 else vals[0]
         else:
-            token_counts = xp.zeros(0, dtype=np.int32)
+            token_counts = xp.zeros(0, dtype=np.int32) if counts_out is None else counts_out
             col = xp.zeros(0, dtype=np.int32)
             val = xp.zeros(0, dtype=dt)
         del counts, cols, vals
@@ -358,9 +372,10 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
     _mark("neuron counts + w_down^T", xp)
 
     # 2) Hybrid layout: width from the counts, backup rows for wider rows
-    if raise_if_nonfinite is not None:
-        raise_if_nonfinite()
-    counts_host = token_counts.get() if hasattr(token_counts, "get") else token_counts
+    if read_checked is not None:
+        counts_host = read_checked()
+    else:
+        counts_host = token_counts.get() if hasattr(token_counts, "get") else token_counts
     _mark("counts to host (sync)", xp)
     n_vals = 2 if gated else 1
     W = choose_width(counts_host, width, slot_bytes=n_vals * dt.itemsize + 4,

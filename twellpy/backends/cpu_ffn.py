@@ -15,6 +15,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from .._array import check_finite
+
 #: rows per chunk: one BLAS gate GEMM and one parallel Numba call per chunk
 #: (few switches between BLAS and Numba threads, which compete for the cores);
 #: bounds the (chunk, H) float32 gate block to 8192 * H * 4 bytes
@@ -177,8 +179,13 @@ class FFNPlan:
             hc[...] = h
         np.matmul(h, self.w_downT, out=yc)
 
-    def forward(self, x, *, mode="auto", return_activations=False):
-        """y (M, D) in the input dtype, dense h (M, H) or None, info dict."""
+    def forward(self, x, *, mode="auto", return_activations=False, check_x=False):
+        """y (M, D) in the input dtype, dense h (M, H) or None, info dict.
+
+        With ``check_x`` a NaN or Inf in ``x`` raises ValueError naming ``x``.
+        """
+        if check_x:
+            check_finite(x, "x")
         M = x.shape[0]
         xc_all = np.ascontiguousarray(x, dtype=self.cdt)
         y = np.empty((M, self.D), self.cdt)

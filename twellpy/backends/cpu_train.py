@@ -82,10 +82,10 @@ def relu_csr(z):
     return row_nnz, indptr, col, val.astype(z.dtype, copy=False)
 
 
-def relu_count(z):
-    """Stored entries of relu(z) per row: (rows,) int32."""
+def relu_count(z, out=None):
+    """Stored entries of relu(z) per row: (rows,) int32 (into ``out`` if given)."""
     zc = _up(z)
-    row_nnz = np.empty(zc.shape[0], dtype=np.int32)
+    row_nnz = np.empty(zc.shape[0], dtype=np.int32) if out is None else out
     if zc.shape[0]:
         _relu_count(zc, row_nnz)
     return row_nnz

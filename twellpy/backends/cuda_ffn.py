@@ -562,10 +562,6 @@ class FFNPlan:
                 "heavy_rows": n_heavy}
 
     # ---- the call -----------------------------------------------------------
-    #: forward(check_x=True) tests x for NaN/Inf on the device and raises at a
-    #: synchronisation the call makes anyway, instead of a separate one up front
-    DEFERRED_FINITE_CHECK = True
-
     def forward(self, x, *, mode="auto", return_activations=False, chunk_rows=None, check_x=False):
         """Run the FFN on ``x`` (M, D) cupy; returns ``(y, h_dense_or_None, info)``.
 

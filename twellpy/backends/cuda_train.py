@@ -108,11 +108,14 @@ def relu_csr(z):
     return row_nnz, indptr, col, val
 
 
-def relu_count(z):
-    """Stored entries of relu(z) per row: (rows,) int32 (``z`` (rows, H), C-contiguous)."""
+def relu_count(z, out=None):
+    """Stored entries of relu(z) per row: (rows,) int32 (``z`` (rows, H), C-contiguous).
+
+    ``out``, if given, is a contiguous (rows,) int32 cupy array to write into.
+    """
     cp = _cp()
     rows, H = z.shape
-    row_nnz = cp.empty(rows, dtype=cp.int32)
+    row_nnz = cp.empty(rows, dtype=cp.int32) if out is None else out
     if rows:
         g, b = _rows_grid(rows)
         _k("relu_count", z.dtype)(g, b, (z, _i64(rows), _i32(H), _i32(_vec_ok(H, z)), row_nnz))
