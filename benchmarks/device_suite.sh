@@ -71,9 +71,10 @@ memcheck_resume_pass() {  # memcheck_resume_pass MARK WORKERS TIMEOUT_S TAG [-k 
   grep -v 'Host Frame' "$log" | tail -c 400000 > "$log.tmp" && mv "$log.tmp" "$log"
   if [[ $errors != 0 || $nonzero != 0 ]]; then mv "$ledger" "$ledger.rejected"; status=1
   elif [[ -f $ledger ]]; then
-    # later passes of this call skip what this one passed (the repo copy is refreshed only between calls:
-    # copy $OUT's ledgers into docs/bench_logs/memcheck_ledger/ before the next call)
-    cp "$ledger" "docs/bench_logs/memcheck_ledger/_this_call_$tag.txt"
+    # later passes of this call, and later calls on the same warm machine, skip what this one passed:
+    # _device_* ledgers are git-ignored, so the device's tree keeps them between calls (copy $OUT's
+    # ledgers into docs/bench_logs/memcheck_ledger/ too: a fresh machine starts without them)
+    cp "$ledger" "docs/bench_logs/memcheck_ledger/_device_$(basename "$ledger")"
   fi
   [[ $rc == 0 || $rc == 5 || $rc == 124 ]] || status=1
 }
