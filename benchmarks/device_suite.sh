@@ -45,16 +45,30 @@ if [[ $what == memcheck ]]; then
   grep -E '[0-9]+ (passed|failed)' "$OUT/memcheck_$tag.txt" | tail -1
   [[ $rc == 0 || $rc == 5 ]] || status=1  # 5: this shard selected no test
 fi
+kill_leftovers() {  # kill_leftovers WHEN: pytest workers or sanitizers still alive from a cut pass or call
+  # A pass cut by its time limit can leave xdist workers behind on the warm machine; one of them waiting
+  # for the exclusive GPU lock holds the writer gate, and every later shared-lock test then waits
+  # (suspected in session 13, call 3: two passes, 0 tests in 487 s). List them, then kill them.
+  local pids
+  pids=$(pgrep -f 'python -m pytest|compute-sanitizer|execnet|xdist' | grep -vx -e $$ -e $PPID -e $BASHPID | tr '\n' ' ')
+  echo "[$1] GPU processes: $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ';')"
+  if [[ -n ${pids// } ]]; then
+    echo "[$1] killing leftover processes: $(ps -o pid=,etimes=,args= -p $(echo $pids | tr " " ",") 2>/dev/null | cut -c1-120 | tr '\n' ';')"
+    kill -9 $pids 2>/dev/null; sleep 2
+  fi
+}
 memcheck_resume_pass() {  # memcheck_resume_pass MARK WORKERS TIMEOUT_S TAG [-k EXPRESSION]
   local mark=$1 workers=$2 limit=$3 tag=$4; shift 4
   (( limit >= 30 )) || limit=30  # timeout 0 would mean no limit at all
   local ledger="$OUT/memcheck_ledger_${tag}_$(date +%H%M%S).txt" log="$OUT/memcheck_resume_$tag.txt"
+  kill_leftovers "$tag, before"
   echo "[$tag] -m \"$mark\", $workers workers, ${limit} s, xdist scheduling: ${XDIST_DIST:-load (default)}"
   OUT= TWELLPY_SANITIZE=1 TWELLPY_LEDGER="$ledger" TWELLPY_LEDGER_DONE='docs/bench_logs/memcheck_ledger/*.txt' \
     timeout $limit compute-sanitizer --tool memcheck --print-limit 20 \
     --kernel-name ${MEMCHECK_KERNELS:-kns=twellpy_} \
     python -m pytest -q -m "$mark" "$@" -n $workers $XDIST_DIST ${MEMCHECK_TESTS:-tests} -p no:cacheprovider --durations=25 > "$log" 2>&1
   local rc=$?
+  kill_leftovers "$tag, after"
   # numba's CUDA driver setup (entered by distributed's cupy deserialiser in the Dask tests) probes
   # driver entry points with cuGetProcAddress and handles INVALID_VALUE; memcheck reports each probe
   # as an API error. Those probes are counted apart; every other report rejects the ledger.
