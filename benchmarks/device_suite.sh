@@ -49,6 +49,8 @@ kill_leftovers() {  # kill_leftovers WHEN: pytest workers or sanitizers still al
   # A pass cut by its time limit can leave xdist workers behind on the warm machine; one of them waiting
   # for the exclusive GPU lock holds the writer gate, and every later shared-lock test then waits
   # (suspected in session 13, call 3: two passes, 0 tests in 487 s). List them, then kill them.
+  # (So never put the words of the pgrep pattern below in the device command line itself:
+  # MEMCHECK_TESTS="$(cat FILE)" is fine, a literal "python -m pytest" there would be killed.)
   local pids
   pids=$(pgrep -f 'python -m pytest|compute-sanitizer|execnet|xdist' | grep -vx -e $$ -e $PPID -e $BASHPID | tr '\n' ' ')
   echo "[$1] GPU processes: $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ';')"
