@@ -8,8 +8,9 @@ set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_device_env.sh"
 R=$(mktemp -d); OUT=${OUT:-./device_out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$R/gpu.txt"
-step() {  # step NAME LIMIT_S COMMAND...: run under a limit, log to $R/NAME.log, say how long it took
+step() {  # step NAME LIMIT_S COMMAND...: run under a limit, log to $R/NAME.log, say how long it took (LIMIT_S 0: skip)
   local name=$1 limit=$2; shift 2; local t0=$SECONDS
+  [[ $limit -gt 0 ]] || return 0
   OUT=$R timeout "$limit" "$@" > "$R/$name.log" 2>&1; local rc=$?
   echo "[$name] exit $rc in $((SECONDS - t0)) s" | tee -a "$R/steps.txt"
 }
@@ -20,6 +21,9 @@ kill $watcher 2>/dev/null
 step kernels ${KERNELS_LIMIT:-150} python benchmarks/kernels.py
 [[ ${PROFILE_LIMIT:-120} -gt 0 ]] && step profile ${PROFILE_LIMIT:-120} python benchmarks/profile_kernels.py
 step ffn ${FFN_LIMIT:-90} python benchmarks/ffn.py --quick
+# every FFN workload of issue 4 and the nnz/token crossover plot (docs/ffn_crossover.png, also
+# in results.tgz), only with FFN_FULL_LIMIT > 0: alone it needs most of a call
+[[ ${FFN_FULL_LIMIT:-0} -gt 0 ]] && step ffn_full $FFN_FULL_LIMIT python benchmarks/ffn.py --reps ${FFN_FULL_REPS:-20}
 # training step (issue 5): phases with the host clock beside them (only with TRAIN_LIMIT > 0)
 [[ ${TRAIN_LIMIT:-0} -gt 0 ]] && step train $TRAIN_LIMIT python benchmarks/train.py --workloads ${TRAIN_WORKLOADS:-W1-16k} --reps 20
 # per-kernel GPU timeline of the training step and the inference call (torch.profiler / CUPTI)
@@ -35,6 +39,8 @@ if [[ ${DASK_VARIANTS_LIMIT:-0} -gt 0 ]] && python -c "import dask_cuda" 2>/dev/
   step dask_variants $DASK_VARIANTS_LIMIT bash benchmarks/dask_variants.sh
 fi
 tar czf "$OUT/results.tgz" -C "$R" .
-echo "== GPU suite"; grep -E "passed|failed" "$R/gpu_tests.log" | tail -2; grep -E "^(FAILED|ERROR) " "$R/gpu_tests.log" | head -10
-for s in kernels profile ffn train timeline overlap dask dask_variants; do [[ -f "$R/$s.log" ]] || continue; echo "== $s"; tail -${TAIL_LINES:-24} "$R/$s.log"; done
+if [[ -f "$R/gpu_tests.log" ]]; then
+  echo "== GPU suite"; grep -E "passed|failed" "$R/gpu_tests.log" | tail -2; grep -E "^(FAILED|ERROR) " "$R/gpu_tests.log" | head -10
+fi
+for s in kernels profile ffn ffn_full train timeline overlap dask dask_variants; do [[ -f "$R/$s.log" ]] || continue; echo "== $s"; tail -${TAIL_LINES:-24} "$R/$s.log"; done
 cat "$R/steps.txt"
