@@ -13,6 +13,11 @@ step() {  # step NAME LIMIT_S COMMAND...: run under a limit, log to $R/NAME.log,
   [[ $limit -gt 0 ]] || return 0
   OUT=$R timeout "$limit" "$@" > "$R/$name.log" 2>&1; local rc=$?
   echo "[$name] exit $rc in $((SECONDS - t0)) s" | tee -a "$R/steps.txt"
+  # pack after every step: a call cut short by the device's time limit still returns what ran
+  tar czf "$OUT/results.tgz" -C "$R" . 2>/dev/null
+  [[ $name == gpu_tests ]] && { grep -E "passed|failed" "$R/$name.log" | tail -1; grep -E "^(FAILED|ERROR) " "$R/$name.log" | head -10; }
+  [[ $name != gpu_tests ]] && tail -${TAIL_LINES:-24} "$R/$name.log"
+  return 0
 }
 gpu_memory_log "$R/gpu_memory.csv"; watcher=$!
 mkdir -p "$R/pools"  # per-worker CuPy pool sizes after each test (benchmarks/gpu_memory_hygiene.py)
