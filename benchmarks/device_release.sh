@@ -2,7 +2,8 @@
 # One device call that checks a release tree: the whole GPU suite (Dask's GPU tests too when
 # .whl/ is carried), benchmarks/kernels.py, benchmarks/ffn.py --quick and Nsight Compute counters,
 # each under its own time limit so the call fits the 600 s cap. All logs and JSON go into
-# $OUT/results.tgz (the device returns at most 8 files); the short tables print last.
+# $OUT/results.tgz (the device returns at most 8 files), packed again after every step; each
+# step's summary prints as it ends, and the steps' exit codes and times print last.
 # Usage on the H200 (repo root, carry=[".whl"] for Dask):  bash benchmarks/device_release.sh
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_device_env.sh"
@@ -15,9 +16,12 @@ step() {  # step NAME LIMIT_S COMMAND...: run under a limit, log to $R/NAME.log,
   echo "[$name] exit $rc in $((SECONDS - t0)) s" | tee -a "$R/steps.txt"
   # pack after every step: a call cut short by the device's time limit still returns what ran
   tar czf "$OUT/results.tgz" -C "$R" . 2>/dev/null
-  [[ $name == gpu_tests ]] && { grep -E "passed|failed" "$R/$name.log" | tail -1; grep -E "^(FAILED|ERROR) " "$R/$name.log" | head -10; }
-  [[ $name != gpu_tests ]] && tail -${TAIL_LINES:-24} "$R/$name.log"
-  return 0
+  echo "== $name"
+  if [[ $name == gpu_tests ]]; then
+    grep -E "passed|failed" "$R/$name.log" | tail -2; grep -E "^(FAILED|ERROR) " "$R/$name.log" | head -10
+  else
+    tail -${TAIL_LINES:-24} "$R/$name.log"
+  fi
 }
 gpu_memory_log "$R/gpu_memory.csv"; watcher=$!
 mkdir -p "$R/pools"  # per-worker CuPy pool sizes after each test (benchmarks/gpu_memory_hygiene.py)
@@ -43,9 +47,5 @@ fi
 if [[ ${DASK_VARIANTS_LIMIT:-0} -gt 0 ]] && python -c "import dask_cuda" 2>/dev/null; then
   step dask_variants $DASK_VARIANTS_LIMIT bash benchmarks/dask_variants.sh
 fi
-tar czf "$OUT/results.tgz" -C "$R" .
-if [[ -f "$R/gpu_tests.log" ]]; then
-  echo "== GPU suite"; grep -E "passed|failed" "$R/gpu_tests.log" | tail -2; grep -E "^(FAILED|ERROR) " "$R/gpu_tests.log" | head -10
-fi
-for s in kernels profile ffn ffn_full train timeline overlap dask dask_variants; do [[ -f "$R/$s.log" ]] || continue; echo "== $s"; tail -${TAIL_LINES:-24} "$R/$s.log"; done
+tar czf "$OUT/results.tgz" -C "$R" .  # once more: the memory watcher was still writing at the first step's pack
 cat "$R/steps.txt"
