@@ -835,3 +835,142 @@ twellpy_train_cast(const TI* __restrict__ in, TO* __restrict__ out, long long n)
          i += (long long)gridDim.x * blockDim.x)
         out[i] = from_acc<TO, A>(to_acc<A, TI>(in[i]));
 }
+
+// ---------------------------------------------------------------------------
+// Dense backup rows: the few rows wider than the ELL width. Their products with
+// the weights are cuBLAS GEMMs over the R rows; the kernels below do the
+// element-wise work around those GEMMs in one pass each (it used to be about a
+// dozen CuPy calls per direction, whose launch cost outweighed the work).
+
+namespace twellpy_train {
+// Sum of v over the block, the same bits on every run: each thread's strided
+// partial sum, a fixed shuffle tree per warp, then warp 0 adds the warp sums
+// in order. Every thread of the block must call it; thread 0 gets the sum.
+template <typename A>
+__device__ __forceinline__ A block_sum_fixed(A v, A* scratch /* [32] */) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    A s = A(0);
+    if (threadIdx.x == 0)
+        for (int w = 0; w < (int)(blockDim.x >> 5); ++w) s += scratch[w];
+    __syncthreads();  // scratch may be reused by the caller's next row
+    return s;
+}
+}  // namespace twellpy_train
+
+// twellpy_train_backup_fwd<T, GATED>: u and h of the backup rows, and |h| sums.
+//   g      (R, H) T    ReLU values of the backup rows (non-zero bits = entry)
+//   u_acc  (R, H) A    x[rows] @ w_up^T in the accumulator type (gated only)
+//   u      (R, H) T    out (gated): u on the pattern, 0 elsewhere
+//   h      (R, H) T    out (gated): h = g * u rounded to T (the down GEMM's input)
+//   rows   (R,)   int  row number of each backup row
+//   habs   (M,)   A    out: habs[rows[r]] = sum over the row of |h|
+// One block per backup row (grid-stride over rows); for the non-gated FFN
+// h is g itself and only habs is written (u_acc, u and h are not read).
+template <typename T, int GATED>
+__global__ void __launch_bounds__(256)
+twellpy_train_backup_fwd(const T* __restrict__ g, const typename accum<T>::type* __restrict__ u_acc,
+                         T* __restrict__ u, T* __restrict__ h, const int* __restrict__ rows, int R, int H,
+                         typename accum<T>::type* __restrict__ habs) {
+    typedef typename accum<T>::type A;
+    __shared__ A scratch[32];
+    for (int r = blockIdx.x; r < R; r += gridDim.x) {
+        const long long base = (long long)r * H;
+        A part = A(0);
+        for (int c = threadIdx.x; c < H; c += blockDim.x) {
+            const T gv = g[base + c];
+            const bool on = nonzero(gv);
+            if (GATED) {
+                const T uv = on ? from_acc<T, A>(u_acc[base + c]) : zero_value<T>();
+                const A hv = h_value<T, A, 1>(gv, uv);
+                u[base + c] = uv;
+                h[base + c] = on ? from_acc<T, A>(hv) : zero_value<T>();
+                if (on) part += abs_acc(hv);
+            } else if (on) {
+                part += abs_acc(to_acc<A, T>(gv));
+            }
+        }
+        const A total = block_sum_fixed<A>(part, scratch);
+        if (threadIdx.x == 0) habs[rows[r]] = total;
+    }
+}
+
+// twellpy_train_backup_bwd<T, GATED>: dh on the backup rows' pattern, then
+// du and dg (gated) or dh itself (non-gated), each rounded once to T.
+//   dh_acc (R, H) A    dy[rows] @ w_down in the accumulator type
+//   g, u   (R, H) T    forward values (u gated only; 0 off the pattern)
+//   l1s    double      l1 / M, added as l1s * sign(h) on the pattern when non-zero
+//   da     (R, H) T    out: du (gated) or dh (non-gated); 0 off the pattern
+//   db     (R, H) T    out (gated): dg; 0 off the pattern
+template <typename T, int GATED>
+__global__ void __launch_bounds__(256)
+twellpy_train_backup_bwd(const typename accum<T>::type* __restrict__ dh_acc, const T* __restrict__ g,
+                         const T* __restrict__ u, double l1s, T* __restrict__ da, T* __restrict__ db,
+                         long long n) {
+    typedef typename accum<T>::type A;
+    const A l1 = (A)l1s;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const T gv = g[i];
+        if (!nonzero(gv)) {
+            da[i] = zero_value<T>();
+            if (GATED) db[i] = zero_value<T>();
+            continue;
+        }
+        A d = dh_acc[i];
+        const T uv = GATED ? u[i] : gv;
+        if (l1s != 0.0) d += l1 * sign_of<A>(h_value<T, A, GATED>(gv, uv));
+        if (GATED) {
+            da[i] = from_acc<T, A>(d * to_acc<A, T>(gv));
+            db[i] = from_acc<T, A>(d * to_acc<A, T>(uv));
+        } else {
+            da[i] = from_acc<T, A>(d);
+        }
+    }
+}
+
+// twellpy_train_scatter_rows<T>: dst[rows[r], :] = src[r, :] rounded once to T.
+//   src (R, D) A (accumulator type); rows (R,) int; dst (M, D) T
+template <typename T>
+__global__ void __launch_bounds__(256)
+twellpy_train_scatter_rows(const typename accum<T>::type* __restrict__ src, const int* __restrict__ rows,
+                           T* __restrict__ dst, int R, int D) {
+    typedef typename accum<T>::type A;
+    const long long n = (long long)R * D;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / D, c = i - r * D;
+        dst[(long long)rows[r] * D + c] = from_acc<T, A>(src[i]);
+    }
+}
+
+// twellpy_train_transpose_dense<U>: out (cols, rows) = in (rows, cols)^T on raw
+// bits (U is an unsigned type of the element's width), through a 32 x 33
+// shared tile so that both the loads and the stores are coalesced.
+// Block (32, 8); the grid strides over the tiles in both directions.
+template <typename U>
+__global__ void __launch_bounds__(256)
+twellpy_train_transpose_dense(const U* __restrict__ in, U* __restrict__ out, long long rows, long long cols) {
+    __shared__ U tile[32][33];
+    const long long tiles_r = (rows + 31) / 32, tiles_c = (cols + 31) / 32;
+    for (long long tr = blockIdx.y; tr < tiles_r; tr += gridDim.y) {
+        for (long long tc = blockIdx.x; tc < tiles_c; tc += gridDim.x) {
+            const long long r0 = tr * 32, c0 = tc * 32;
+            const long long c = c0 + threadIdx.x;
+            for (int j = threadIdx.y; j < 32; j += 8) {
+                const long long r = r0 + j;
+                if (r < rows && c < cols) tile[j][threadIdx.x] = in[r * cols + c];
+            }
+            __syncthreads();
+            const long long oc = r0 + threadIdx.x;  // column of out = row of in
+            for (int j = threadIdx.y; j < 32; j += 8) {
+                const long long orow = c0 + j;
+                if (orow < cols && oc < rows) out[orow * rows + oc] = tile[threadIdx.x][j];
+            }
+            __syncthreads();
+        }
+    }
+}

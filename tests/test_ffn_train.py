@@ -246,3 +246,53 @@ def test_direct_pack_matches_the_csr_path(monkeypatch, case, gated):
     grad_names = ("dx", "dw_gate", "dw_up", "dw_down") if gated else ("dx", "dw_up", "dw_down")
     for i, name in enumerate(grad_names):
         assert rel(chunked[f"grad{i}"], ref[name]) <= TOL[bfloat16], name
+
+
+# ---------------------------------------------------------------------------
+# the CPU twins of the backup-row kernels, against the formulas in float64
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
+@pytest.mark.parametrize("l1s", [0.0, 0.02])
+def test_backup_row_helpers_follow_the_formulas(gated, l1s):
+    from twellpy.backends import cpu_train as CPU
+
+    rng = np.random.default_rng(21)
+    R, H, M = 4, 37, 11
+    g = np.maximum(rng.standard_normal((R, H)), 0).astype(np.float32)
+    g[0, 0] = np.float32(1e-40)  # a denormal is an entry
+    u_acc = rng.standard_normal((R, H)).astype(np.float32)
+    dh_acc = rng.standard_normal((R, H)).astype(np.float32)
+    rows = np.array([1, 4, 5, 10], dtype=np.int32)
+    habs = np.full(M, -3.0, dtype=np.float32)
+    u = np.full((R, H), np.nan, dtype=np.float32)
+    h = CPU.backup_rows_forward(g, u_acc, u if gated else None, rows, habs, gated)
+    on = g != 0
+    u_ref = np.where(on, u_acc, 0)
+    h_ref = g * u_ref if gated else g
+    if gated:
+        np.testing.assert_array_equal(u, u_ref)
+    np.testing.assert_array_equal(h, h_ref)
+    np.testing.assert_allclose(habs[rows], np.abs(h_ref.astype(np.float64)).sum(axis=1), rtol=1e-6)
+    np.testing.assert_array_equal(np.delete(habs, rows), -3.0)
+    da = np.full((R, H), np.nan, dtype=np.float32)
+    db = np.full((R, H), np.nan, dtype=np.float32) if gated else None
+    CPU.backup_rows_backward(dh_acc, g, u if gated else None, l1s, gated, da, db)
+    d = np.where(on, dh_acc + l1s * np.sign(h_ref), 0)
+    np.testing.assert_allclose(da, d * g if gated else d, rtol=1e-6, atol=0)
+    if gated:
+        np.testing.assert_allclose(db, d * u_ref, rtol=1e-6, atol=0)
+    assert np.isfinite(da).all()
+
+
+def test_cpu_gemm_acc_accumulates_into_out():
+    from twellpy.backends import cpu_train as CPU
+
+    rng = np.random.default_rng(4)
+    a, b = rng.standard_normal((3, 8)), rng.standard_normal((8, 5))
+    c = rng.standard_normal((3, 5))
+    want = c + a @ b
+    assert CPU.gemm_acc(a, b, out=c) is c
+    np.testing.assert_allclose(c, want, rtol=1e-12)
+    dst = np.zeros((4, 5), dtype=np.float16)
+    CPU.put_rows_from_acc(dst, np.array([2], dtype=np.int32), want[:1].astype(np.float32))
+    np.testing.assert_array_equal(dst[2], want[0].astype(np.float32).astype(np.float16))
+    np.testing.assert_array_equal(dst[[0, 1, 3]], 0)

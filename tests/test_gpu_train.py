@@ -16,10 +16,11 @@ TOL = {np.dtype(np.float32): 1e-5, bfloat16: 1e-2, np.dtype(np.float64): 1e-10}
 
 
 def poison():
-    """Fill free pool memory with NaN so unwritten outputs cannot pass."""
+    """Fill free pool memory with 0xFF bytes (NaN for every float dtype, -1 for
+    the integers) so that unwritten outputs cannot pass."""
     import cupy as cp
 
-    a = cp.full((1 << 27,), cp.nan, dtype=cp.float32)  # 512 MiB, returned to the pool
+    a = cp.full((1 << 29,), 0xFF, dtype=cp.uint8)  # 512 MiB, returned to the pool
     del a
 
 
@@ -292,3 +293,160 @@ def test_transpose_pattern_matches_cpu_bitwise(M, N, K, R):
         assert a.dtype == np.int32 and a.shape == b.shape, name
         np.testing.assert_array_equal(a.get(), b, err_msg=name)
     assert int(want[0][-1]) == int((idx >= 0).sum() + (backup != 0).sum())
+
+
+# ---------------------------------------------------------------------------
+# the one-pass kernels around the dense backup rows' GEMMs, and the tiled
+# transpose of the weights: each against its numpy twin in cpu_train
+_BITS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+ALL_DTYPES = [np.dtype(np.float16), bfloat16, np.dtype(np.float32), np.dtype(np.float64)]
+
+
+def _host(a):
+    """numpy copy of a cupy array of any value dtype (16-bit floats moved as bits)."""
+    return a.view(np.uint16).get().view(a.dtype) if a.dtype.itemsize == 2 else a.get()
+
+
+def _bits_of(a):
+    a = np.ascontiguousarray(a)
+    return a.view(_BITS[a.dtype.itemsize])
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1), (1, 70001), (33, 65), (70001, 3), (2048, 5632)])
+def test_transpose_copy_is_bit_exact(dtype, shape):
+    from twellpy.backends import cuda_train as CT
+
+    rng = np.random.default_rng(shape[0] * 7 + shape[1])
+    a = rng.standard_normal(shape).astype(dtype)
+    a.reshape(-1)[::97] = np.nan  # NaN payloads must survive: the copy moves bits
+    poison()
+    got = CT.transpose_copy(to_gpu(a))
+    assert got.dtype == dtype and got.shape == shape[::-1] and got.flags.c_contiguous
+    np.testing.assert_array_equal(_bits_of(_host(got)), _bits_of(a.T))
+
+
+def test_transpose_copy_of_a_strided_view():
+    from twellpy.backends import cuda_train as CT
+
+    a = np.random.default_rng(3).standard_normal((300, 257)).astype(bfloat16)
+    dev = to_gpu(a)[:, ::2]
+    poison()
+    got = CT.transpose_copy(dev)
+    np.testing.assert_array_equal(_bits_of(_host(got)), _bits_of(a[:, ::2].T))
+    with pytest.raises(ValueError, match="2-D"):
+        CT.transpose_copy(to_gpu(a)[0])
+
+
+def _backup_problem(dtype, R, H, seed):
+    from twellpy.backends import cpu_train as CPU
+
+    rng = np.random.default_rng(seed)
+    acc = CPU.compute_dtype(dtype)
+    g = np.maximum(rng.standard_normal((R, H)), 0).astype(dtype)
+    if g.size > 3:
+        g.reshape(-1)[1] = np.nan  # NaN is an entry, and must stay NaN
+    u_acc = rng.standard_normal((R, H)).astype(acc)
+    dh_acc = rng.standard_normal((R, H)).astype(acc)
+    M = R + 9
+    rows = np.sort(rng.choice(M, R, replace=False)).astype(np.int32)
+    return g, u_acc, dh_acc, rows, M, acc
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("R,H", [(1, 1), (3, 5632), (17, 301), (300, 64)])
+def test_backup_row_kernels_match_cpu(dtype, gated, R, H):
+    import cupy as cp
+    from twellpy.backends import cpu_train as CPU
+    from twellpy.backends import cuda_train as CT
+
+    g, u_acc, dh_acc, rows, M, acc = _backup_problem(dtype, R, H, seed=R * 31 + H)
+    l1s = 0.013
+    # CPU twin
+    habs_c = np.full(M, 7.0, dtype=acc)
+    u_c = np.empty((R, H), dtype=dtype)
+    h_c = CPU.backup_rows_forward(g, u_acc, u_c, rows, habs_c, gated)
+    da_c, db_c = np.empty((R, H), dtype=dtype), np.empty((R, H), dtype=dtype)
+    CPU.backup_rows_backward(dh_acc, g, u_c if gated else None, l1s, gated, da_c, db_c if gated else None)
+    # GPU, outputs poisoned first
+    g_d, rows_d = to_gpu(g), cp.asarray(rows)
+    habs_d = cp.asarray(np.full(M, 7.0, dtype=acc))
+    poison()
+    u_d = cp.empty((R, H), dtype=dtype) if gated else None
+    h_d = CT.backup_rows_forward(g_d, cp.asarray(u_acc) if gated else None, u_d, rows_d, habs_d, gated)
+    poison()
+    da_d = cp.empty((R, H), dtype=dtype)
+    db_d = cp.empty((R, H), dtype=dtype) if gated else None
+    CT.backup_rows_backward(cp.asarray(dh_acc), g_d, u_d, l1s, gated, da_d, db_d)
+    cp.cuda.get_current_stream().synchronize()
+    # element-wise results: the same bits (same fp32/fp64 operations, one rounding)
+    outs = [("h", h_d, h_c), ("da", da_d, da_c)]
+    if gated:
+        outs += [("u", u_d, u_c), ("db", db_d, db_c)]
+    for name, got, want in outs:
+        np.testing.assert_array_equal(_bits_of(_host(got)), _bits_of(want), err_msg=name)
+    # |h| sums: only the backup rows are written; the order of the sum differs
+    got = habs_d.get()
+    others = np.setdiff1d(np.arange(M), rows)
+    np.testing.assert_array_equal(got[others], 7.0)
+    np.testing.assert_allclose(got[rows], habs_c[rows], rtol=1e-5 if acc == np.float32 else 1e-12)
+    if g.size > 3:
+        assert np.isnan(got[rows[0]]), "a NaN in h must reach the L1 statistic"
+
+
+def test_backup_rows_count_a_denormal_as_an_entry():
+    import cupy as cp
+    from twellpy.backends import cpu_train as CPU
+    from twellpy.backends import cuda_train as CT
+
+    tiny = np.float32(1e-40)  # float32 denormal; the GPU kernels run with -ftz
+    g = np.array([[tiny, 0.0, 2.0]], dtype=np.float32)
+    u_acc = np.array([[3.0, 5.0, 7.0]], dtype=np.float32)
+    rows = np.array([0], dtype=np.int32)
+    for be, xp in ((CPU, np), (CT, cp)):
+        g_x = xp.asarray(g)
+        u = xp.empty((1, 3), dtype=np.float32)
+        habs = xp.zeros(1, dtype=np.float32)
+        be.backup_rows_forward(g_x, xp.asarray(u_acc), u, rows if xp is np else cp.asarray(rows), habs, True)
+        u = u.get() if xp is cp else u
+        np.testing.assert_array_equal(u, [[3.0, 0.0, 7.0]], err_msg=be.__name__)
+
+
+def test_put_rows_from_acc_and_accumulating_gemm():
+    import cupy as cp
+    from twellpy.backends import cuda_train as CT
+
+    rng = np.random.default_rng(8)
+    dst = rng.standard_normal((50, 70)).astype(bfloat16)
+    rows = np.array([0, 7, 49], dtype=np.int32)
+    src = rng.standard_normal((3, 70)).astype(np.float32)
+    d = to_gpu(dst)
+    CT.put_rows_from_acc(d, cp.asarray(rows), cp.asarray(src))
+    want = dst.copy()
+    want[rows] = src.astype(bfloat16)
+    np.testing.assert_array_equal(_bits_of(_host(d)), _bits_of(want))
+    a = rng.standard_normal((5, 64)).astype(bfloat16)
+    b = rng.standard_normal((64, 33)).astype(bfloat16)
+    c0 = rng.standard_normal((5, 33)).astype(np.float32)
+    c = cp.asarray(c0)
+    out = CT.gemm_acc(to_gpu(a), to_gpu(b), out=c)
+    assert out is c
+    ref = c0.astype(np.float64) + f64(a) @ f64(b)
+    np.testing.assert_allclose(c.get(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_backup_row_launchers_check_their_operands():
+    import cupy as cp
+    from twellpy.backends import cuda_train as CT
+
+    g = cp.zeros((4, 8), dtype=cp.float32)
+    habs = cp.zeros(10, dtype=cp.float32)
+    with pytest.raises(ValueError, match="backup_rows"):
+        CT.backup_rows_forward(g, g, g, cp.zeros(4, dtype=cp.int64), habs, True)
+    with pytest.raises(ValueError, match="u_acc"):
+        CT.backup_rows_forward(g, g[:, :4], g, cp.zeros(4, dtype=cp.int32), habs, True)
+    with pytest.raises(ValueError, match="db_bk"):
+        CT.backup_rows_backward(g, g, g, 0.0, True, g, g.T)
+    with pytest.raises(ValueError, match="src"):
+        CT.put_rows_from_acc(cp.zeros((10, 8), cp.float32), cp.zeros(4, cp.int32), g.astype(cp.float64))

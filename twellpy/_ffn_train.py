@@ -404,22 +404,17 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
     y, h_abs_rows = be.ffn_forward_ell(x, w_up, w_downT, idx, ell_nnz, g_ell, u_ell, gated)
     _mark("fused fwd kernel", xp)
     if R:
-        xb = be.take_rows(x, backup_rows)
-        gb = be.to_acc(g_bk)
-        if gated:
-            ub = be.gemm_acc(xb, w_up.T)
-            ub = be.from_acc(xp.where(gb != 0, ub, 0), dt)
-            be.bits(u_bk)[...] = be.bits(ub)
-            hb = be.from_acc(gb * be.to_acc(ub), dt)
-        else:
-            hb = g_bk
-        be.put_rows(y, backup_rows, be.from_acc(be.gemm_acc(hb, w_down.T), dt))
+        # two GEMMs over the R rows; one pass each side does the element-wise
+        # work (u on the pattern, h, the rows' |h| sums into h_abs_rows)
+        u_acc = be.gemm_acc(be.take_rows(x, backup_rows), w_up.T) if gated else None
+        hb = be.backup_rows_forward(g_bk, u_acc, u_bk, backup_rows, h_abs_rows, gated)
+        del u_acc
+        be.put_rows_from_acc(y, backup_rows, be.gemm_acc(hb, w_down.T))
+        del hb
 
     _mark("backup rows fwd", xp)
     # 4) statistics (the L1 value stays on the device until read)
     h_abs = h_abs_rows.sum() if M else 0.0
-    if R:
-        h_abs = h_abs + xp.abs(be.to_acc(hb)).sum()
     stats = _Stats({
         "l0": float(counts_host.sum()) / M if M else 0.0,
         "l1": (lambda: l1 * float(h_abs) / M) if M else 0.0,
@@ -472,26 +467,14 @@ def _backward(ctx, dy, gated):
     # 2) backup rows: dense products restricted to those rows
     if R:
         br = ctx.backup_rows
-        dyb = be.take_rows(dy, br)
-        dhb = be.gemm_acc(dyb, ctx.w_down)
-        gb = be.to_acc(g_bk)
-        mask = gb != 0
+        dh_acc = be.gemm_acc(be.take_rows(dy, br), ctx.w_down)
+        be.backup_rows_backward(dh_acc, g_bk, u_bk, l1s, gated, da_bk, db_bk)
+        del dh_acc
+        dxb = be.gemm_acc(da_bk, ctx.w_up)
         if gated:
-            ub = be.to_acc(u_bk)
-            hb = be.to_acc(be.from_acc(gb * ub, dt))
-        else:
-            hb = gb
-        if l1s:
-            dhb = dhb + hb.dtype.type(l1s) * xp.sign(hb)
-        dhb = xp.where(mask, dhb, 0)
-        if gated:
-            be.bits(da_bk)[...] = be.bits(be.from_acc(dhb * gb, dt))
-            be.bits(db_bk)[...] = be.bits(be.from_acc(dhb * ub, dt))
-            dxb = be.gemm_acc(da_bk, ctx.w_up) + be.gemm_acc(db_bk, ctx.w_gate)
-        else:
-            be.bits(da_bk)[...] = be.bits(be.from_acc(dhb, dt))
-            dxb = be.gemm_acc(da_bk, ctx.w_up)
-        be.put_rows(dx, br, be.from_acc(dxb, dt))
+            be.gemm_acc(db_bk, ctx.w_gate, out=dxb)
+        be.put_rows_from_acc(dx, br, dxb)
+        del dxb
 
     _mark("backup rows bwd", xp)
     # 3) weight gradients from the deterministic transpose of the pattern

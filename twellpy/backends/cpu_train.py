@@ -462,7 +462,65 @@ def gemm(a, b, out_dtype):
     return out.astype(out_dtype, copy=False)
 
 
-def gemm_acc(a, b):
-    """Dense ``a @ b`` with a float32 result (float64 for float64 inputs)."""
+def gemm_acc(a, b, out=None):
+    """Dense ``a @ b`` with a float32 result (float64 for float64 inputs).
+
+    With ``out`` (C-contiguous, (m, n), that dtype) the product is added to it
+    and ``out`` returned.
+    """
     cd = compute_dtype(a.dtype)
-    return np.matmul(a.astype(cd, copy=False), b.astype(cd, copy=False))
+    prod = np.matmul(a.astype(cd, copy=False), b.astype(cd, copy=False))
+    if out is None:
+        return prod
+    out += prod
+    return out
+
+
+# ---------------------------------------------------------------------------
+# dense backup rows: the element-wise work around their GEMMs (twins of the
+# one-pass kernels of cuda_train)
+def backup_rows_forward(g_bk, u_acc, u_bk, backup_rows, habs, gated):
+    """u, h and the |h| sums of the dense backup rows.
+
+    Fills ``u_bk`` with u on the pattern (non-zero g, NaN included) and 0
+    elsewhere (gated), sets ``habs[backup_rows]`` to each row's sum of |h| and
+    returns h (rounded to the value dtype; ``g_bk`` itself when not gated).
+    """
+    dt = g_bk.dtype
+    g = _up(g_bk)
+    on = g_bk != 0
+    if not gated:
+        habs[backup_rows] = np.abs(g).sum(axis=1, dtype=g.dtype)
+        return g_bk
+    u = round_to(np.where(on, u_acc, 0).astype(g.dtype, copy=False), dt)
+    u_bk[...] = u
+    h = np.where(on, round_to(g * u, dt), 0).astype(g.dtype, copy=False)
+    habs[backup_rows] = np.abs(h).sum(axis=1, dtype=h.dtype)
+    return h.astype(dt, copy=False)
+
+
+def backup_rows_backward(dh_acc, g_bk, u_bk, l1_scale, gated, da_bk, db_bk):
+    """Fill ``da_bk`` (du, or dh when not gated) and ``db_bk`` (dg) of the backup rows.
+
+    dh is ``dh_acc`` (= dy[backup_rows] @ w_down) on the pattern plus
+    ``l1_scale * sign(h)`` when ``l1_scale`` is non-zero, 0 elsewhere.
+    """
+    dt = g_bk.dtype
+    g = _up(g_bk)
+    on = g_bk != 0
+    u = _up(u_bk) if gated else None
+    h = round_to(g * u, dt) if gated else g
+    d = dh_acc.astype(g.dtype, copy=False)
+    if l1_scale:
+        d = d + g.dtype.type(l1_scale) * np.sign(h)
+    d = np.where(on, d, 0).astype(g.dtype, copy=False)
+    if gated:
+        da_bk[...] = (d * g).astype(dt, copy=False)
+        db_bk[...] = (d * u).astype(dt, copy=False)
+    else:
+        da_bk[...] = d.astype(dt, copy=False)
+
+
+def put_rows_from_acc(dst, rows, src):
+    """``dst[rows] = src`` with ``src`` in the compute dtype, rounded once."""
+    dst[rows] = src.astype(dst.dtype, copy=False)

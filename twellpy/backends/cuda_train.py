@@ -18,6 +18,8 @@ WARPS = 8            # keep in sync with TW_WARPS in train_ffn.cu
 GATHER_THREADS = 128  # keep in sync with TW_GATHER_THREADS
 
 _INT32_MAX = 2**31 - 1
+# unsigned C type of each element width, for kernels that move raw bits
+_BIT_CTYPES = {2: "unsigned short", 4: "unsigned int", 8: "unsigned long long"}
 
 
 def _names():
@@ -25,14 +27,16 @@ def _names():
     for dt in FLOAT_DTYPES:
         t = _registry.ctype(dt)
         for base in ("relu_count", "relu_pack", "relu_to_hybrid", "csr_to_hybrid", "tr_count", "tr_place",
-                     "gather_t", "slots_spmm", "slots_sddmm"):
+                     "gather_t", "slots_spmm", "slots_sddmm", "scatter_rows"):
             names.append(f"twellpy_train_{base}<{t}>")
         for dt2 in FLOAT_DTYPES:
             if dt2 != dt and 2 in (dt.itemsize, dt2.itemsize):
                 names.append(f"twellpy_train_cast<{t},{_registry.ctype(dt2)}>")
-        for base in ("fwd", "bwd", "wgrad"):
+        for base in ("fwd", "bwd", "wgrad", "backup_fwd", "backup_bwd"):
             for gated in (0, 1):
                 names.append(f"twellpy_train_{base}<{t},{gated}>")
+    for u in _BIT_CTYPES.values():
+        names.append(f"twellpy_train_transpose_dense<{u}>")
     return names
 
 
@@ -371,9 +375,111 @@ def concat(arrays):
 
 
 def transpose_copy(a):
-    """C-contiguous copy of ``a.T`` for any value dtype."""
+    """C-contiguous copy of ``a.T`` (``a`` 2-D) for any value dtype.
+
+    A tiled shared-memory transpose on the raw bits; CuPy's strided copy of
+    ``a.T`` was several times slower on the (D, H) weights.
+    """
     cp = _cp()
-    return _unbits(cp.ascontiguousarray(bits(a).T), a.dtype)
+    if a.ndim != 2:
+        raise ValueError(f"transpose_copy needs a 2-D array, got {a.ndim}-D of shape {tuple(a.shape)}")
+    if a.dtype.itemsize not in _BIT_CTYPES:
+        raise TypeError(f"transpose_copy: unsupported dtype {a.dtype}")
+    if not a.flags.c_contiguous:
+        a = _unbits(cp.ascontiguousarray(bits(a)), a.dtype)
+    rows, cols = a.shape
+    out = cp.empty((cols, rows), dtype=a.dtype)
+    if a.size:
+        k = _registry.get_kernel(SOURCE, f"twellpy_train_transpose_dense<{_BIT_CTYPES[a.dtype.itemsize]}>")
+        grid = (min(-(-cols // 32), 1 << 20), min(-(-rows // 32), 65535))
+        k(grid, (32, 8), (a, out, _i64(rows), _i64(cols)))
+    return out
+
+
+def _acc_dtype(dtype):
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def _check_operand(name, a, dtype, shape):
+    """Launch guard of the internal backup-row kernels: a buffer of the wrong
+    dtype, shape or layout would be read or written out of bounds."""
+    dtype = np.dtype(dtype)
+    if a.dtype != dtype or tuple(a.shape) != tuple(shape) or not a.flags.c_contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous {dtype} array of shape {tuple(shape)}, got "
+                         f"{a.dtype} of shape {tuple(a.shape)} (C-contiguous: {a.flags.c_contiguous})")
+
+
+def _elementwise_grid(n):
+    return (max(1, min(-(-int(n) // 256), 65535 * 16)),), (256,)
+
+
+def backup_rows_forward(g_bk, u_acc, u_bk, backup_rows, habs, gated):
+    """u, h and the |h| sums of the dense backup rows, in one pass.
+
+    Parameters
+    ----------
+    g_bk : (R, H) ReLU values of the backup rows (a view of the combined buffer).
+    u_acc : (R, H) accumulator dtype, ``x[backup_rows] @ w_up.T`` (gated; else None).
+    u_bk : (R, H) view to fill with u on the pattern, 0 elsewhere (gated; else None).
+    backup_rows : (R,) int32 row numbers.
+    habs : (M,) accumulator dtype; ``habs[backup_rows]`` is set to each row's sum of |h|.
+    gated : bool
+
+    Returns
+    -------
+    h : (R, H), ``g * u`` rounded to the value dtype (gated), or ``g_bk`` itself.
+    """
+    cp = _cp()
+    R, H = g_bk.shape
+    dt, acc = g_bk.dtype, _acc_dtype(g_bk.dtype)
+    _check_operand("g_bk", g_bk, dt, (R, H))
+    _check_operand("backup_rows", backup_rows, np.int32, (R,))
+    _check_operand("habs", habs, acc, habs.shape[:1])
+    if gated:
+        _check_operand("u_acc", u_acc, acc, (R, H))
+        _check_operand("u_bk", u_bk, dt, (R, H))
+        h = cp.empty((R, H), dtype=dt)
+    else:
+        u_acc = u_bk = h = g_bk  # placeholders, not read by the non-gated kernel
+    if R:
+        k = _k("backup_fwd", dt, gated)
+        k((min(R, 1 << 20),), (256,), (g_bk, u_acc, u_bk, h, backup_rows, _i32(R), _i32(H), habs))
+    return h if gated else g_bk
+
+
+def backup_rows_backward(dh_acc, g_bk, u_bk, l1_scale, gated, da_bk, db_bk):
+    """Fill ``da_bk`` (du, or dh when not gated) and ``db_bk`` (dg) of the backup rows.
+
+    ``dh_acc`` (R, H) in the accumulator dtype is ``dy[backup_rows] @ w_down``;
+    dh is that on the pattern (non-zero g) plus ``l1_scale * sign(h)`` when
+    ``l1_scale`` is non-zero, and 0 elsewhere; every output is rounded once.
+    """
+    R, H = g_bk.shape
+    dt, acc = g_bk.dtype, _acc_dtype(g_bk.dtype)
+    _check_operand("dh_acc", dh_acc, acc, (R, H))
+    _check_operand("g_bk", g_bk, dt, (R, H))
+    _check_operand("da_bk", da_bk, dt, (R, H))
+    if gated:
+        _check_operand("u_bk", u_bk, dt, (R, H))
+        _check_operand("db_bk", db_bk, dt, (R, H))
+    else:
+        u_bk = db_bk = g_bk  # placeholders, not read or written by the non-gated kernel
+    n = R * H
+    if n:
+        g, b = _elementwise_grid(n)
+        _k("backup_bwd", dt, gated)(g, b, (dh_acc, g_bk, u_bk, np.float64(l1_scale), da_bk, db_bk, _i64(n)))
+
+
+def put_rows_from_acc(dst, rows, src):
+    """``dst[rows] = src`` with ``src`` (R, D) in the accumulator dtype, rounded once."""
+    M, D = dst.shape
+    R = rows.shape[0]
+    _check_operand("dst", dst, dst.dtype, (M, D))
+    _check_operand("rows", rows, np.int32, (R,))
+    _check_operand("src", src, _acc_dtype(dst.dtype), (R, D))
+    if R and D:
+        g, b = _elementwise_grid(R * D)
+        _k("scatter_rows", dst.dtype)(g, b, (src, rows, dst, _i32(R), _i32(D)))
 
 
 def _cast(a, dtype):
@@ -416,13 +522,14 @@ def _gemm_operand(a):
     return _CUBLAS_OP_N, max(1, a.shape[1]), a
 
 
-def gemm(a, b, out_dtype):
+def gemm(a, b, out_dtype, out=None):
     """Dense ``a @ b`` through cublasGemmEx with fp32 (fp64) accumulation.
 
     ``a`` (m, k) and ``b`` (k, n) may be C-contiguous or transposed views of
     C-contiguous arrays (no copy then). Inputs share one dtype; the result is
     (m, n) in ``out_dtype`` (any supported float dtype, e.g. float32 from
-    bfloat16 inputs).
+    bfloat16 inputs). With ``out`` (a C-contiguous (m, n) ``out_dtype``
+    array) the product is added to it (cuBLAS beta = 1) and ``out`` returned.
     """
     cp = _cp()
     from cupy_backends.cuda.libs import cublas
@@ -434,18 +541,23 @@ def gemm(a, b, out_dtype):
     k2, n = b.shape
     if k != k2:
         raise ValueError(f"gemm shapes {tuple(a.shape)} and {tuple(b.shape)} do not chain")
-    c = cp.empty((m, n), dtype=out_dtype)
+    if out is not None:
+        _check_operand("out", out, out_dtype, (m, n))
+        c, beta = out, 1
+    else:
+        c, beta = cp.empty((m, n), dtype=out_dtype), 0
     if m == 0 or n == 0:
         return c
     if k == 0:
-        c.view(np.uint8)[...] = 0
+        if out is None:
+            c.view(np.uint8)[...] = 0
         return c
     # row-major C = A B  <=>  column-major C^T = B^T A^T
     op_b, ld_b, b = _gemm_operand(b)
     op_a, ld_a, a = _gemm_operand(a)
     f64 = a.dtype == np.float64
     scal = np.float64 if f64 else np.float32
-    one, zero = np.array(1, dtype=scal), np.array(0, dtype=scal)
+    one, beta = np.array(1, dtype=scal), np.array(beta, dtype=scal)
     handle = cp.cuda.device.get_cublas_handle()
     cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
     mode = cublas.getPointerMode(handle)
@@ -454,7 +566,7 @@ def gemm(a, b, out_dtype):
     cublas.setMathMode(handle, _CUBLAS_DEFAULT_MATH)  # never TF32 for float32 data
     try:
         cublas.gemmEx(handle, op_b, op_a, n, m, k, one.ctypes.data, b.data.ptr, _CUDA_DTYPE[b.dtype], ld_b,
-                      a.data.ptr, _CUDA_DTYPE[a.dtype], ld_a, zero.ctypes.data, c.data.ptr,
+                      a.data.ptr, _CUDA_DTYPE[a.dtype], ld_a, beta.ctypes.data, c.data.ptr,
                       _CUDA_DTYPE[out_dtype], n, _CUBLAS_COMPUTE_64F if f64 else _CUBLAS_COMPUTE_32F,
                       _CUBLAS_GEMM_DEFAULT)
     finally:
@@ -463,10 +575,11 @@ def gemm(a, b, out_dtype):
     return c
 
 
-def gemm_acc(a, b):
+def gemm_acc(a, b, out=None):
     """Dense ``a @ b`` with a float32 result (float64 for float64 inputs).
 
     Used for the few backup rows, where rounding an intermediate product to a
-    16-bit dtype would add an avoidable rounding step.
+    16-bit dtype would add an avoidable rounding step. With ``out`` the
+    product is added to it (see :func:`gemm`).
     """
-    return gemm(a, b, np.float64 if a.dtype == np.float64 else np.float32)
+    return gemm(a, b, np.float64 if a.dtype == np.float64 else np.float32, out=out)
