@@ -269,3 +269,14 @@ def test_pack_activation_layout():
     assert rows.tolist() == [1] and backup.shape == (1, 10) and (backup[0] == h[1]).all()
     assert (indices[1] == -1).all() and (values[1] == 0).all()
     assert indices[2, 1, 0] == 7 and np.isnan(values[2, 1, 0])
+
+
+def test_auto_probe_is_a_cuda_setting():
+    from benchmarks.workloads import make_ffn
+    from twellpy._ffn_infer import GatedFFN
+
+    w = make_ffn(64, 32, 128, 8, seed=3)
+    ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"])
+    assert ffn.auto_probe is None
+    with pytest.raises(AttributeError, match="CUDA backend only"):
+        ffn.auto_probe = "always"

@@ -314,3 +314,84 @@ def test_default_bf16_call_loads_a_declared_module():
     used = {(name, defs) for (_, f, defs, name) in list(reg._CACHE) if f == "ffn_sparse.cu"}
     assert used, "the sparse FFN kernel was not fetched through the registry"
     assert used & declared, f"run time loaded {sorted(used)}, none of them declared"
+
+
+# ---------------------------------------------------------------------------
+# mode="auto" after the first call: decided from an earlier call's density,
+# copied to pinned host memory without a mid-call synchronisation
+@pytest.mark.parametrize("chunk_rows", [None, 1000], ids=["one-chunk", "two-streams"])
+@pytest.mark.parametrize("gated", [True, False])
+def test_auto_decides_from_an_earlier_call(chunk_rows, gated):
+    sparse_w = make_ffn(4500, 256, 1024, 12, sigma=0.3, gated=gated, dtype=bfloat16, xp=cp, seed=31)
+    ffn = (GatedFFN(sparse_w["w_gate"], sparse_w["w_up"], sparse_w["w_down"]) if gated
+           else ReluFFN(sparse_w["w_up"], sparse_w["w_down"]))
+    ffn._plan.chunk_rows = chunk_rows
+    assert ffn.auto_probe == "first"
+    ffn.auto_threshold = 100.0
+
+    def call(x):
+        poison()
+        y = ffn(x)
+        cp.cuda.Device().synchronize()  # the count copied by this call has arrived
+        return y
+
+    y = call(sparse_w["x"])
+    assert ffn.last_info["decided_by"] == "probe" and ffn.last_info["mode"] == "sparse"
+    mean0 = ffn.last_info["mean_active"]
+    assert 6 < mean0 < 24
+    assert rel_err(y, ref64(sparse_w, gated)) <= 1e-2
+    y = call(sparse_w["x"])
+    assert ffn.last_info["decided_by"] == "earlier call" and ffn.last_info["mode"] == "sparse"
+    assert ffn.last_info["mean_active"] == pytest.approx(mean0)
+    assert rel_err(y, ref64(sparse_w, gated)) <= 1e-2
+    # the same weights on inputs that fire about half the neurons (x[:, 0] carries the
+    # threshold): this call still decides from the sparse call before it (exact
+    # either way), the next one switches to dense
+    x_dense = sparse_w["x"].copy()
+    x_dense[:, 0] = 0
+    w_dense_inputs = dict(sparse_w, x=x_dense)
+    y = call(x_dense)
+    assert ffn.last_info["mode"] == "sparse" and ffn.last_info["decided_by"] == "earlier call"
+    assert rel_err(y, ref64(w_dense_inputs, gated)) <= 1e-2
+    y = call(x_dense)
+    assert ffn.last_info["mode"] == "dense", ffn.last_info
+    assert ffn.last_info["mean_active"] > 100.0
+    assert rel_err(y, ref64(w_dense_inputs, gated)) <= 1e-2
+    # "always": every call measures its own density again
+    ffn.auto_probe = "always"
+    y = call(sparse_w["x"])
+    assert ffn.last_info["decided_by"] == "probe" and ffn.last_info["mode"] == "sparse"
+    assert rel_err(y, ref64(sparse_w, gated)) <= 1e-2
+    with pytest.raises(ValueError, match="auto_probe"):
+        ffn.auto_probe = "sometimes"
+
+
+def test_auto_without_probe_still_checks_x():
+    w = make_ffn(2000, 128, 512, 10, dtype=np.float32, xp=cp, seed=33)
+    ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"])
+    ffn(w["x"])
+    cp.cuda.Device().synchronize()
+    ffn(w["x"])
+    assert ffn.last_info["decided_by"] == "earlier call"  # so the next call does not probe either
+    x = w["x"].copy()
+    x[1234, 5] = cp.inf
+    with pytest.raises(ValueError, match="x contains 0 NaN and 1 Inf"):
+        ffn(x)
+    y = ffn(w["x"])  # the FFN is still usable and exact
+    assert rel_err(y, ref64(w)) <= 2e-5
+
+
+def test_auto_decision_while_the_copy_is_in_flight():
+    # many calls queued back to back without a host wait: whichever earlier
+    # count has arrived decides; every result is exact
+    w = make_ffn(3000, 256, 1024, 12, dtype=bfloat16, xp=cp, seed=34)
+    ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"], check_finite=False)
+    ref = ref64(w)
+    ys = [ffn(w["x"]) for _ in range(6)]
+    sources = set()
+    for y in ys:
+        assert rel_err(y, ref) <= 1e-2
+    for _ in range(3):
+        ffn(w["x"])
+        sources.add(ffn.last_info["decided_by"])
+    assert sources <= {"earlier call", "earlier decision"}

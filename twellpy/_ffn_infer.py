@@ -29,8 +29,12 @@ GEMM's ``0 * NaN``; the sparse path only reads active columns.)
 Mode. ``"sparse"`` always uses the sparse step, ``"dense"`` the dense GEMMs.
 ``"auto"`` measures the active neurons per token after the gate GEMM and
 runs dense when the mean exceeds ``auto_threshold``. CUDA: the first row
-chunk (up to 16384 rows) decides the whole call, at the cost of one host
-synchronisation; calls of at most 512 rows skip the probe and run sparse;
+chunk (up to 16384 rows) decides the whole call. Waiting for that count is a
+host synchronisation, so by default (``auto_probe="first"``) only an FFN
+object's first call waits; later calls decide from the count of an earlier
+call, copied to the host asynchronously (``last_info["decided_by"]`` says
+which; ``auto_probe="always"`` waits in every call). Calls of at most 512
+rows skip the probe and run sparse;
 threshold ``~0.0086 * H`` for 16-bit data (48 at H = 5632, from the measured
 H200 gather rate and crossover). CPU: each chunk of 1024 rows decides for itself from
 a 64-row sample; threshold ``0.06 * H``. The decision is reported in
@@ -110,7 +114,9 @@ class _FFN:
         self._plan = self._backend.prepare(arrs.get("w_gate"), wu, wd)
         #: details of the last call: ``mode`` used (``"sparse"``, ``"dense"``, or on
         #: the CPU ``"sparse+dense"`` when auto switched some chunks), ``mean_active`` when measured
-        #: on the host, ``heavy_rows`` handed to the dense sub-FFN
+        #: on the host (CUDA "auto": the density that decided, and ``decided_by``: ``"probe"``
+        #: for this call's own count, ``"earlier call"`` or ``"earlier decision"``),
+        #: ``heavy_rows`` handed to the dense sub-FFN
         self.last_info = {}
 
     # tunables forwarded to the backend plan
@@ -122,6 +128,27 @@ class _FFN:
     @auto_threshold.setter
     def auto_threshold(self, value):
         self._plan.auto_threshold = float(value)
+
+    @property
+    def auto_probe(self):
+        """CUDA: ``"first"`` (default) or ``"always"``: which ``mode="auto"`` calls
+        wait for their own measured density (a host synchronisation mid-call).
+
+        With ``"first"`` only the first call waits; later calls decide from the
+        density of an earlier call (copied to the host without waiting), so an
+        abrupt change of density is followed one call later. Both paths are
+        exact; only the speed differs. None on the CPU, which samples each
+        chunk of every call.
+        """
+        return getattr(self._plan, "auto_probe", None)
+
+    @auto_probe.setter
+    def auto_probe(self, value):
+        if not hasattr(self._plan, "auto_probe"):
+            raise AttributeError("auto_probe applies to the CUDA backend only (the CPU samples every chunk)")
+        if value not in ("first", "always"):
+            raise ValueError(f"auto_probe must be 'first' or 'always', got {value!r}")
+        self._plan.auto_probe = value
 
     @property
     def heavy_limit(self):

@@ -16,11 +16,18 @@ One call (sparse mode):
 
 Calls of more than ``MAX_CHUNK`` rows run as a two-stream pipeline over row
 chunks: stream A does steps 1-2 of chunk ``i+1`` while stream B does step 3
-of chunk ``i`` (ring buffers of two chunks). ``mode="auto"`` reads the active
-count of the first chunk after step 2 (the only host synchronisation; calls of
-at most ``AUTO_MIN_ROWS`` rows skip it and run sparse) and runs the dense
-path (cuBLAS up GEMM, ``twellpy_ffn_gate_mul``, cuBLAS down GEMM) instead when
-the mean active neurons per token exceeds :attr:`FFNPlan.auto_threshold`.
+of chunk ``i`` (ring buffers of two chunks).
+
+``mode="auto"`` runs the dense path (cuBLAS up GEMM, ``twellpy_ffn_gate_mul``,
+cuBLAS down GEMM) instead of step 3 when the mean active neurons per token of
+the first chunk (counted in step 2) exceeds :attr:`FFNPlan.auto_threshold`.
+Reading that count mid-call is a host synchronisation that drains the GPU
+queue, so with ``auto_probe="first"`` (the default) only a plan's first call
+waits for it: every call copies its count to pinned host memory
+asynchronously, and a later call decides from the latest copy that has
+arrived (an event query, no wait). ``auto_probe="always"`` waits in every
+call. Calls of at most ``AUTO_MIN_ROWS`` rows never probe and run sparse.
+Both paths are exact; the decision only affects speed.
 """
 from __future__ import annotations
 
@@ -362,6 +369,11 @@ class FFNPlan:
         self._dims = (np.int32(self.D), np.int32(self.H))
         self._last_rows = 0
         self._last_sparse_rows = 0
+        #: "first": only the plan's first "auto" call waits for its own measured
+        #: density; later calls decide from an earlier call's count, copied to
+        #: pinned host memory without a synchronisation. "always": every call waits.
+        self.auto_probe = "first"
+        self._density = None  # see _remember_density
 
     # ---- configuration ------------------------------------------------------
     def _choose_config(self):
@@ -561,6 +573,44 @@ class FFNPlan:
         return {"mean_active": seen / self._last_sparse_rows if self._last_sparse_rows else None,
                 "heavy_rows": n_heavy}
 
+    # ---- "auto" without a mid-call synchronisation ------------------------------
+    def _earlier_density(self):
+        """``(mean_active, source)`` for this call's "auto" decision without a
+        host synchronisation, or ``(None, "probe")`` when the call must measure.
+
+        The latest count copied by :meth:`_remember_density` is used once its
+        event has completed (a query, no wait); while it is still in flight the
+        mean that decided the previous call decides again.
+        """
+        mem = self._density
+        if self.auto_probe == "always" or mem is None:
+            return None, "probe"
+        if mem["pending"] and mem["event"].done:
+            mem["mean"] = int(mem["host"][0]) / mem["rows"]
+            mem["pending"] = False
+        if mem["mean"] is None:
+            return None, "probe"
+        return mem["mean"], ("earlier call" if not mem["pending"] else "earlier decision")
+
+    def _remember_density(self, counters, rows, stream, probed_mean=None):
+        """Queue a copy of the first chunk's active count (``counters[2]``) to
+        pinned host memory and record an event after it (no synchronisation)."""
+        cp = cupy_module()
+        mem = self._density
+        if mem is None:
+            import cupyx
+
+            mem = self._density = {"host": cupyx.empty_pinned((1,), np.uint64),
+                                   "event": cp.cuda.Event(block=False, disable_timing=True),
+                                   "rows": 1, "mean": None, "pending": False}
+        if probed_mean is not None:  # this call's count is already on the host
+            mem["mean"], mem["pending"] = probed_mean, False
+            return
+        cp.cuda.runtime.memcpyAsync(mem["host"].ctypes.data, counters.data.ptr + 2 * counters.itemsize,
+                                    counters.itemsize, cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+        mem["event"].record(stream)
+        mem["rows"], mem["pending"] = int(rows), True
+
     # ---- the call -----------------------------------------------------------
     def forward(self, x, *, mode="auto", return_activations=False, chunk_rows=None, check_x=False):
         """Run the FFN on ``x`` (M, D) cupy; returns ``(y, h_dense_or_None, info)``.
@@ -613,16 +663,22 @@ class FFNPlan:
                 heavy.fill(0)
             g = ws["g"][0][:M]
             gemm_nt(x, self.gate_w, g, hA, cur, on_current=True)
-            probe = mode == "auto" and M > self.AUTO_MIN_ROWS
-            self._launch_rowpack(g, 0, cur, total=counters[2:] if probe else None, on_current=True)
-            if probe:
-                # measured density decides (host waits for the gate GEMM + row lists)
-                cur.record().synchronize()
-                seen, n_bad = (int(v) for v in counters[2:].get())
-                raise_if_nonfinite(n_bad)
-                x_checked = True
-                info["mean_active"] = seen / M
-                use_sparse = seen / M <= self.auto_threshold
+            measure = mode == "auto" and M > self.AUTO_MIN_ROWS
+            self._launch_rowpack(g, 0, cur, total=counters[2:] if measure else None, on_current=True)
+            if measure:
+                mean, source = self._earlier_density()
+                if mean is None:
+                    # measured density decides (host waits for the gate GEMM + row lists)
+                    cur.record().synchronize()
+                    seen, n_bad = (int(v) for v in counters[2:].get())
+                    raise_if_nonfinite(n_bad)
+                    x_checked = True
+                    mean = seen / M
+                    self._remember_density(counters, M, cur, probed_mean=mean)
+                else:
+                    self._remember_density(counters, M, cur)
+                info["mean_active"], info["decided_by"] = mean, source
+                use_sparse = mean <= self.auto_threshold
             if use_sparse:
                 self._launch_sparse(x, g, y, h_full, heavy, counters, cur, buf=0, on_current=True)
             else:
@@ -671,16 +727,25 @@ class FFNPlan:
 
             launch_gate(0)
             launch_gate(1)
+            rows0 = chunks[0][1] - chunks[0][0]
             if mode == "auto":
-                # the first chunk's measured density decides every chunk; the
-                # GPU keeps running chunk 1's gate GEMM while the host reads it
-                gate_done[0].synchronize()  # after `zeroed`, so the count of x is done too
-                seen, n_bad = (int(v) for v in counters[2:].get(stream=sA))
-                raise_if_nonfinite(n_bad)
-                x_checked = True
-                mean0 = seen / (chunks[0][1] - chunks[0][0])
-                info["mean_active"] = mean0
-                use_sparse = mean0 <= self.auto_threshold
+                # the first chunk's measured density decides every chunk
+                mean, source = self._earlier_density()
+                if mean is None:
+                    # the GPU keeps running chunk 1's gate GEMM while the host reads it
+                    gate_done[0].synchronize()  # after `zeroed`, so the count of x is done too
+                    seen, n_bad = (int(v) for v in counters[2:].get(stream=sA))
+                    raise_if_nonfinite(n_bad)
+                    x_checked = True
+                    mean = seen / rows0
+                    self._remember_density(counters, rows0, sA, probed_mean=mean)
+                else:
+                    # on stream B after chunk 0's row pack: the call's end waits for
+                    # stream B, so the next call's reset of the counters comes later
+                    sB.wait_event(gate_done[0])
+                    self._remember_density(counters, rows0, sB)
+                info["mean_active"], info["decided_by"] = mean, source
+                use_sparse = mean <= self.auto_threshold
             launch_stage2(0, use_sparse)
             for ci in range(1, n):
                 if ci + 1 < n:
