@@ -37,7 +37,7 @@ import threading
 
 import numpy as np
 
-from .._array import bfloat16, check_finite, cupy_module, raise_nonfinite
+from .._array import bfloat16, cupy_module, raise_nonfinite
 from . import _registry
 from .cuda import launch_count_nonfinite
 
@@ -374,6 +374,7 @@ class FFNPlan:
         #: pinned host memory without a synchronisation. "always": every call waits.
         self.auto_probe = "first"
         self._density = None  # see _remember_density
+        self._check_read = None  # see _queue_check_read
 
     # ---- configuration ------------------------------------------------------
     def _choose_config(self):
@@ -611,13 +612,44 @@ class FFNPlan:
         mem["event"].record(stream)
         mem["rows"], mem["pending"] = int(rows), True
 
+    # ---- the NaN/Inf count of x, read without draining the queue -----------------
+    def _queue_check_read(self, counters, stream):
+        """Queue a copy of the NaN/Inf count of x (``counters[3]``) to pinned host
+        memory right after the counting kernel, and record an event after it.
+
+        The call waits on that event before it returns, so a NaN or Inf still
+        raises before anything is returned, but the wait covers only the work
+        queued before the count (earlier calls on the stream, and the count
+        itself), not this call's own GEMM and sparse kernels. Back-to-back
+        calls, and a Dask worker's bookkeeping between tasks, then overlap the
+        GPU work instead of leaving the GPU idle after every call.
+        """
+        cp = cupy_module()
+        rd = self._check_read
+        if rd is None:
+            import cupyx
+
+            rd = self._check_read = {"host": cupyx.empty_pinned((1,), np.uint64),
+                                     "event": cp.cuda.Event(block=False, disable_timing=True)}
+        cp.cuda.runtime.memcpyAsync(rd["host"].ctypes.data, counters.data.ptr + 3 * counters.itemsize,
+                                    counters.itemsize, cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+        rd["event"].record(stream)
+
+    def _read_check(self):
+        """The count queued by :meth:`_queue_check_read` (waits for its event only)."""
+        rd = self._check_read
+        rd["event"].synchronize()
+        return int(rd["host"][0])
+
     # ---- the call -----------------------------------------------------------
     def forward(self, x, *, mode="auto", return_activations=False, chunk_rows=None, check_x=False):
         """Run the FFN on ``x`` (M, D) cupy; returns ``(y, h_dense_or_None, info)``.
 
         With ``check_x`` a NaN or Inf in ``x`` raises ValueError (naming ``x``)
         before anything is returned; the count is queued ahead of the gate GEMM
-        and read at the call's first host synchronisation (or at its end).
+        and read at the call's first host synchronisation, or at its end by
+        waiting for the count's own copy only (:meth:`_queue_check_read`): the
+        call returns while its GEMM and sparse kernels still run.
         """
         cp = cupy_module()
         M = x.shape[0]
@@ -630,9 +662,18 @@ class FFNPlan:
         if x.data.ptr % 16:
             x = x.copy()
         if not self.sparse_ok or mode == "dense":
+            cur = cp.cuda.get_current_stream()
             if check_x:
-                check_finite(x, "x")
+                # count first, read after the GEMMs are queued (as on the sparse path)
+                counters = self._workspace(max(1, min(M, self.MAX_CHUNK)))["counters"]
+                cp.cuda.runtime.memsetAsync(counters.data.ptr + 3 * counters.itemsize, 0,
+                                            counters.itemsize, cur.ptr)
+                launch_count_nonfinite(x, counters[3:], cur)
+                self._queue_check_read(counters, cur)
             self.dense_rows(x, y, h_full)
+            if check_x and self._read_check():
+                cur.synchronize()  # let the queued GEMMs finish with x before the caller reuses it
+                raise_nonfinite(x, "x")
             return y, h_full, info
 
         (sA, sB), (hA, hB) = self._resources()
@@ -659,6 +700,7 @@ class FFNPlan:
             cp.cuda.runtime.memsetAsync(counters.data.ptr, 0, counters.nbytes, cur.ptr)
             if check_x:
                 launch_count_nonfinite(x, counters[3:], cur)
+                self._queue_check_read(counters, cur)
             if self.heavy_limit is not None:
                 heavy.fill(0)
             g = ws["g"][0][:M]
@@ -691,6 +733,7 @@ class FFNPlan:
             cp.cuda.runtime.memsetAsync(counters.data.ptr, 0, counters.nbytes, sB.ptr)
             if check_x:
                 launch_count_nonfinite(x, counters[3:], sB)
+                self._queue_check_read(counters, sB)
             if self.heavy_limit is not None:
                 with sB:
                     heavy.fill(0)
@@ -757,9 +800,11 @@ class FFNPlan:
         self._last_sparse_rows = M if use_sparse else 0
 
         if self.heavy_limit is None:
-            # no host synchronisation: statistics stay on the device (activity())
+            # no host synchronisation with this call's own kernels: statistics stay
+            # on the device (activity()); the NaN/Inf count was copied right after
+            # it was made, so reading it waits for nothing queued after the count
             if not x_checked:
-                raise_if_nonfinite(int(counters[3:].get(stream=cur)[0]))
+                raise_if_nonfinite(self._read_check())
             return y, h_full, info
         # exact path for heavy rows (costs one host synchronisation)
         stats = counters.get(stream=cur)
