@@ -397,16 +397,6 @@ def test_auto_decision_while_the_copy_is_in_flight():
     assert sources <= {"earlier call", "earlier decision"}
 
 
-# A kernel that holds its stream until the host sets a flag in pinned memory
-# (or about four seconds have passed, so a wrong implementation fails instead
-# of hanging). Test-only: it lives here, not in raw_kernels/.
-_HOLD_SRC = r"""
-extern "C" __global__ void twellpy_test_hold(const volatile unsigned int* flag, long long max_cycles) {
-    const long long t0 = clock64();
-    while (*flag == 0u && clock64() - t0 < max_cycles) __nanosleep(1000);
-}
-"""
-
 
 @pytest.mark.parametrize("case", ["sparse-one-chunk", "sparse-two-streams", "auto-after-first-call", "dense"])
 def test_checked_call_does_not_wait_for_its_own_kernels(case, monkeypatch):
@@ -418,7 +408,7 @@ def test_checked_call_does_not_wait_for_its_own_kernels(case, monkeypatch):
     import threading
     import time
 
-    import cupyx
+    from _stream_hold import StreamHold
 
     w = make_ffn(2000, 128, 512, 10, dtype=np.float32, xp=cp, seed=35)
     ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"], check_finite=True)
@@ -429,46 +419,39 @@ def test_checked_call_does_not_wait_for_its_own_kernels(case, monkeypatch):
     ref = ref64(w)
     ffn(w["x"], mode=mode)  # compiles, sizes the workspaces, and gives "auto" an earlier density
     cp.cuda.Device().synchronize()
-
-    hold = cp.RawKernel(_HOLD_SRC, "twellpy_test_hold")
-    flag = cupyx.empty_pinned((1,), np.uint32)
-    flag[0] = 0
-    max_cycles = np.int64(8_000_000_000)  # ~4 s at the H200's clock
-
-    def held(launch):
-        def wrapper(g, buf, stream, *args, **kwargs):  # _launch_rowpack(g, buf, stream, ...)
-            with stream:
-                hold((1,), (1,), (np.uint64(flag.ctypes.data), max_cycles))
-            return launch(g, buf, stream, *args, **kwargs)
-        return wrapper
-
+    hold = StreamHold()
     if mode == "dense":
-        orig = plan.dense_rows
+        dense_rows = plan.dense_rows
 
-        def dense_rows(*args, **kwargs):
-            hold((1,), (1,), (np.uint64(flag.ctypes.data), max_cycles))  # on the current stream
-            return orig(*args, **kwargs)
+        def held_dense_rows(*args, **kwargs):
+            hold.enqueue()  # on the current stream, after the count
+            return dense_rows(*args, **kwargs)
 
-        monkeypatch.setattr(plan, "dense_rows", dense_rows)
+        monkeypatch.setattr(plan, "dense_rows", held_dense_rows)
     else:
-        monkeypatch.setattr(plan, "_launch_rowpack", held(plan._launch_rowpack))
+        launch_rowpack = plan._launch_rowpack
+
+        def held_rowpack(g, buf, stream, *args, **kwargs):  # after the gate GEMM
+            hold.enqueue(stream)
+            return launch_rowpack(g, buf, stream, *args, **kwargs)
+
+        monkeypatch.setattr(plan, "_launch_rowpack", held_rowpack)
     poison()
     t0 = time.perf_counter()
     y = ffn(w["x"], mode=mode)
     returned_after = time.perf_counter() - t0
-    flag[0] = 1  # release the held stream
+    hold.release()
     cp.cuda.Device().synchronize()
     assert returned_after < 2.0, f"the checked call waited {returned_after:.2f} s for its own kernels"
     if mode == "auto":
         assert ffn.last_info["decided_by"] in ("earlier call", "earlier decision")
     assert rel_err(y, ref) <= 2e-5
-    # and a NaN still raises before the call returns, with the hold in place
-    flag[0] = 0
+    # a NaN still raises before the call returns, with the hold in place; the error
+    # path synchronises the streams (x stays in use until then), so a timer releases
+    hold.rearm()
     bad = w["x"].copy()
     bad[1999, 3] = np.nan
-    # the error path synchronises the streams (x stays in use until then), so a
-    # timer releases the hold while the call waits
-    release = threading.Timer(0.2, lambda: flag.__setitem__(0, 1))
+    release = threading.Timer(0.2, hold.release)
     release.start()
     with pytest.raises(ValueError, match="x contains 1 NaN and 0 Inf"):
         ffn(bad, mode=mode)

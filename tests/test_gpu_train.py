@@ -450,3 +450,54 @@ def test_backup_row_launchers_check_their_operands():
         CT.backup_rows_backward(g, g, g, 0.0, True, g, g.T)
     with pytest.raises(ValueError, match="src"):
         CT.put_rows_from_acc(cp.zeros((10, 8), cp.float32), cp.zeros(4, cp.int32), g.astype(cp.float64))
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_backward_check_of_dy_does_not_wait_for_its_own_kernels(monkeypatch, gated):
+    # the NaN/Inf count of dy is queued first and read only after every backward
+    # kernel is queued: the read must not wait for those kernels (a held stream
+    # after the count does not keep the call from returning), and a NaN must
+    # still raise before the call returns
+    import threading
+    import time
+
+    import cupy as cp
+    from _stream_hold import StreamHold
+
+    *inputs, dy = [a.astype(np.float32) for a in make_problem(M=700, D=64, H=512, nnz=12, sigma=0.5,
+                                                                hot=(3, 300), seed=21, gated=gated)]
+    fwd, bwd = (T.gated_forward_train, T.gated_backward) if gated else (T.relu_forward_train, T.relu_backward)
+    y, ctx = fwd(*[to_gpu(a) for a in inputs], l1=0.05, width=16)  # width 16: some rows are backup rows
+    assert ctx.R > 0
+    want = [f64(g) for g in bwd(fwd(*inputs, l1=0.05, width=16)[1], dy)]  # CPU backend
+    dy_gpu = to_gpu(dy)
+    cp.cuda.Device().synchronize()
+    hold = StreamHold()
+    be = ctx._be
+    backward_ell = be.ffn_backward_ell
+
+    def held_backward_ell(*a, **k):
+        hold.enqueue()
+        return backward_ell(*a, **k)
+
+    monkeypatch.setattr(be, "ffn_backward_ell", held_backward_ell)
+    poison()
+    t0 = time.perf_counter()
+    grads = bwd(ctx, dy_gpu)
+    returned_after = time.perf_counter() - t0
+    hold.release()
+    cp.cuda.Device().synchronize()
+    assert returned_after < 2.0, f"the backward waited {returned_after:.2f} s for its own kernels"
+    for g, r in zip(grads, want):
+        assert rel(g, r) <= 1e-5
+    hold.rearm()
+    bad = dy_gpu.copy()
+    bad[5, 7] = cp.nan
+    release = threading.Timer(0.2, hold.release)
+    release.start()
+    with pytest.raises(ValueError, match="dy contains 1 NaN and 0 Inf"):
+        bwd(ctx, bad)
+    release.join()
+    cp.cuda.Device().synchronize()
+    for g, r in zip(bwd(ctx, dy_gpu), want):  # the context is still usable
+        assert rel(g, r) <= 1e-5

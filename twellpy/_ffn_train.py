@@ -447,8 +447,17 @@ def _backward(ctx, dy, gated):
         raise TypeError(f"dy has dtype {dy.dtype}, expected {ctx.dtype} (the dtype of x)")
     same_device([("x", ctx.x), ("dy", dy)])
     be, xp, dt = ctx._be, ctx.xp, ctx.dtype
+    dy_count = None  # NaN/Inf count of dy, read just before returning (GPU)
     if ctx.check_finite:
-        _check_finite(dy, "dy")
+        if xp is np:
+            _check_finite(dy, "dy")
+        else:
+            # counted first, read after every kernel of the backward is queued: the read
+            # waits for the count only, so the device goes straight on from the forward
+            # to the backward instead of idling while the host launches it
+            from .backends.cuda import queue_count_nonfinite
+
+            dy_count = queue_count_nonfinite(dy)
     M, D, H, W, R = ctx.M, ctx.D, ctx.H, ctx.width, ctx.R
     l1s = ctx.l1_coef / M if M else 0.0
 
@@ -486,6 +495,9 @@ def _backward(ctx, dy, gated):
     _mark("weight grads", xp)
     dw_down = be.transpose_copy(dw_downT)
     _mark("dw_down^T", xp)
+    if dy_count is not None and dy_count.read():
+        xp.cuda.get_current_stream().synchronize()  # the queued kernels are done with dy
+        raise_nonfinite(dy, "dy")
     out_kind = kind if kind not in (None, "numpy", "cupy") else ctx.kind
     if gated:
         return tuple(to_caller(a, out_kind) for a in (dx, dw_gate, dw_up, dw_down))

@@ -194,6 +194,66 @@ def launch_count_nonfinite(arr, count, stream):
                                      _i32(words.data.ptr % 16 == 0), count))
 
 
+class PendingCount:
+    """A uint64 device counter on its way to the host, read without draining the stream.
+
+    The constructor queues a copy of ``count`` (a (1,) uint64 cupy array) to
+    pinned host memory on ``stream`` and records an event after it; :meth:`read`
+    waits for that event only, so work queued on the stream after the copy
+    (the caller's own kernels) keeps running. Pass ``host`` (a (1,) uint64
+    pinned numpy array) and ``event`` to reuse them (no allocation); they must
+    not be shared with another count still in flight.
+    """
+
+    __slots__ = ("_count", "_host", "_event", "_value")
+
+    def __init__(self, count, stream, host=None, event=None):
+        cp = _cp()
+        if host is None:
+            import cupyx
+
+            host = cupyx.empty_pinned((1,), np.uint64)
+        if event is None:
+            event = cp.cuda.Event(block=False, disable_timing=True)
+        cp.cuda.runtime.memcpyAsync(host.ctypes.data, count.data.ptr, 8, cp.cuda.runtime.memcpyDeviceToHost,
+                                    stream.ptr)
+        event.record(stream)
+        self._count, self._host, self._event, self._value = count, host, event, None
+
+    def read(self):
+        """The count (waits for the copy, not for work queued after it)."""
+        if self._value is None:
+            self._event.synchronize()
+            self._value = int(self._host[0])
+            self._count = None
+        return self._value
+
+    def __del__(self):
+        # a pending copy must land before its pinned buffer can be reused
+        if self._value is None:
+            try:
+                self._event.synchronize()
+            except Exception:  # noqa: BLE001 - interpreter shutdown or a lost device
+                pass
+
+
+def queue_count_nonfinite(arr):
+    """NaN/Inf count of a contiguous cupy float array, queued on the current stream.
+
+    Returns a :class:`PendingCount`: its ``read()`` waits only for the count
+    and what was queued before it, so a caller can queue its own kernels on
+    ``arr`` first and still raise before it returns (the training backward
+    checks ``dy`` this way).
+    """
+    cp = _cp()
+    with arr.device:
+        stream = cp.cuda.get_current_stream()
+        count = cp.empty((1,), np.uint64)  # per check: two checks in flight never share a counter
+        cp.cuda.runtime.memsetAsync(count.data.ptr, 0, count.nbytes, stream.ptr)
+        launch_count_nonfinite(arr, count, stream)
+        return PendingCount(count, stream)
+
+
 def count_nonfinite(arr):
     """Number of NaN and Inf elements of a contiguous cupy float array.
 

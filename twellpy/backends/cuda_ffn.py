@@ -39,7 +39,7 @@ import numpy as np
 
 from .._array import bfloat16, cupy_module, raise_nonfinite
 from . import _registry
-from .cuda import launch_count_nonfinite
+from .cuda import PendingCount, launch_count_nonfinite
 
 _SPARSE_FILE = "ffn_sparse.cu"
 _PACK_FILE = "ffn_pack.cu"
@@ -374,7 +374,8 @@ class FFNPlan:
         #: pinned host memory without a synchronisation. "always": every call waits.
         self.auto_probe = "first"
         self._density = None  # see _remember_density
-        self._check_read = None  # see _queue_check_read
+        self._check_read = None  # PendingCount of the NaN/Inf count of x (see _queue_check_read)
+        self._check_buffers = None  # (pinned host word, event) reused by every call's check
 
     # ---- configuration ------------------------------------------------------
     def _choose_config(self):
@@ -625,21 +626,20 @@ class FFNPlan:
         GPU work instead of leaving the GPU idle after every call.
         """
         cp = cupy_module()
-        rd = self._check_read
-        if rd is None:
+        if self._check_buffers is None:  # allocated once: a call allocates nothing for its check
             import cupyx
 
-            rd = self._check_read = {"host": cupyx.empty_pinned((1,), np.uint64),
-                                     "event": cp.cuda.Event(block=False, disable_timing=True)}
-        cp.cuda.runtime.memcpyAsync(rd["host"].ctypes.data, counters.data.ptr + 3 * counters.itemsize,
-                                    counters.itemsize, cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
-        rd["event"].record(stream)
+            self._check_buffers = (cupyx.empty_pinned((1,), np.uint64),
+                                   cp.cuda.Event(block=False, disable_timing=True))
+        host, event = self._check_buffers
+        if self._check_read is not None:
+            self._check_read.read()  # an unread copy (a call that raised) must land first
+        self._check_read = PendingCount(counters[3:], stream, host=host, event=event)
 
     def _read_check(self):
-        """The count queued by :meth:`_queue_check_read` (waits for its event only)."""
-        rd = self._check_read
-        rd["event"].synchronize()
-        return int(rd["host"][0])
+        """The count queued by :meth:`_queue_check_read` (waits for its copy only)."""
+        n_bad, self._check_read = self._check_read.read(), None
+        return n_bad
 
     # ---- the call -----------------------------------------------------------
     def forward(self, x, *, mode="auto", return_activations=False, chunk_rows=None, check_x=False):
