@@ -422,12 +422,24 @@ def test_checked_call_does_not_wait_for_its_own_kernels(case, monkeypatch):
     hold = StreamHold()
     if mode == "dense":
         dense_rows = plan.dense_rows
+        seen = {}
 
         def held_dense_rows(*args, **kwargs):
+            seen["stream_still_held"] = int(hold._flag[0]) == 0
             hold.enqueue()  # on the current stream, after the count
             return dense_rows(*args, **kwargs)
 
         monkeypatch.setattr(plan, "dense_rows", held_dense_rows)
+        # held before the call: the GEMMs are queued at once (the old dense path
+        # checked x synchronously first, so it waited for the held stream)
+        hold.enqueue()
+        early = threading.Timer(0.5, hold.release)
+        early.start()
+        ffn(w["x"], mode=mode)
+        early.join()
+        cp.cuda.Device().synchronize()
+        assert seen["stream_still_held"], "the dense path waited for earlier work before queuing its GEMMs"
+        hold.rearm()
     else:
         launch_rowpack = plan._launch_rowpack
 
@@ -457,3 +469,28 @@ def test_checked_call_does_not_wait_for_its_own_kernels(case, monkeypatch):
         ffn(bad, mode=mode)
     release.join()
     cp.cuda.Device().synchronize()
+
+
+def test_calls_on_two_streams_do_not_share_workspaces_too_early():
+    # calls return before their kernels run; a call made right after on another
+    # stream must wait for them before it rewrites the shared workspaces (g, the
+    # row lists, the counters). Stream 1 is held so its kernels cannot have run.
+    from _stream_hold import StreamHold
+
+    w = make_ffn(3000, 256, 1024, 12, dtype=np.float32, xp=cp, seed=36)
+    other = dict(w, x=cp.ascontiguousarray(w["x"][::-1]) * 0.5)
+    ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"], mode="sparse", check_finite=False)
+    ffn(w["x"])
+    cp.cuda.Device().synchronize()
+    s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    hold = StreamHold()
+    poison()
+    with s1:
+        hold.enqueue()
+        y1 = ffn(w["x"])
+    with s2:
+        y2 = ffn(other["x"])
+    hold.release()
+    cp.cuda.Device().synchronize()
+    assert rel_err(y1, ref64(w)) <= 2e-5
+    assert rel_err(y2, ref64(other)) <= 2e-5

@@ -257,6 +257,15 @@ class GatedFFN(_FFN):
     check_finite : bool
         Reject NaN/Inf in the weights (here) and in ``x`` (each call).
 
+    Notes
+    -----
+    On CUDA a call returns before its kernels finish (results are ordered on
+    the caller's stream, as for any CuPy operation); with ``check_finite`` it
+    waits only for the NaN/Inf count of ``x``. Calls from one thread may use
+    different streams: each call's stream waits for the previous call's work,
+    whose workspaces it reuses. One object must not be called from two
+    threads at once; give each thread its own (``twellpy.dask`` does).
+
     Examples
     --------
     >>> ffn = GatedFFN(w_gate, w_up, w_down)      # doctest: +SKIP

@@ -496,7 +496,10 @@ def _backward(ctx, dy, gated):
     dw_down = be.transpose_copy(dw_downT)
     _mark("dw_down^T", xp)
     if dy_count is not None and dy_count.read():
-        xp.cuda.get_current_stream().synchronize()  # the queued kernels are done with dy
+        # the traceback would keep the gradients alive: drop them first
+        del dx, da, db, dw_up, dw_gate, dw_downT, dw_down
+        with dy.device:
+            xp.cuda.get_current_stream().synchronize()  # the queued kernels are done with dy
         raise_nonfinite(dy, "dy")
     out_kind = kind if kind not in (None, "numpy", "cupy") else ctx.kind
     if gated:

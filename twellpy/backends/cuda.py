@@ -230,7 +230,8 @@ class PendingCount:
 
     def __del__(self):
         # a pending copy must land before its pinned buffer can be reused
-        if self._value is None:
+        # (getattr: a constructor that failed never set the slots)
+        if getattr(self, "_value", 0) is None:
             try:
                 self._event.synchronize()
             except Exception:  # noqa: BLE001 - interpreter shutdown or a lost device

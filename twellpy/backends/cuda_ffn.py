@@ -376,6 +376,9 @@ class FFNPlan:
         self._density = None  # see _remember_density
         self._check_read = None  # PendingCount of the NaN/Inf count of x (see _queue_check_read)
         self._check_buffers = None  # (pinned host word, event) reused by every call's check
+        #: event recorded at the end of every call: the next call's stream waits for it,
+        #: since a call returns before its kernels finish and the workspaces are shared
+        self._done = None
 
     # ---- configuration ------------------------------------------------------
     def _choose_config(self):
@@ -602,9 +605,10 @@ class FFNPlan:
         if mem is None:
             import cupyx
 
-            mem = self._density = {"host": cupyx.empty_pinned((1,), np.uint64),
-                                   "event": cp.cuda.Event(block=False, disable_timing=True),
-                                   "rows": 1, "mean": None, "pending": False}
+            with cp.cuda.Device(self.device_id):  # the event must belong to the plan's device
+                mem = self._density = {"host": cupyx.empty_pinned((1,), np.uint64),
+                                       "event": cp.cuda.Event(block=False, disable_timing=True),
+                                       "rows": 1, "mean": None, "pending": False}
         if probed_mean is not None:  # this call's count is already on the host
             mem["mean"], mem["pending"] = probed_mean, False
             return
@@ -629,12 +633,21 @@ class FFNPlan:
         if self._check_buffers is None:  # allocated once: a call allocates nothing for its check
             import cupyx
 
-            self._check_buffers = (cupyx.empty_pinned((1,), np.uint64),
-                                   cp.cuda.Event(block=False, disable_timing=True))
+            with cp.cuda.Device(self.device_id):
+                self._check_buffers = (cupyx.empty_pinned((1,), np.uint64),
+                                       cp.cuda.Event(block=False, disable_timing=True))
         host, event = self._check_buffers
         if self._check_read is not None:
             self._check_read.read()  # an unread copy (a call that raised) must land first
         self._check_read = PendingCount(counters[3:], stream, host=host, event=event)
+
+    def _call_done(self, stream):
+        """Record the end of this call's work on ``stream`` (see ``_done``)."""
+        if self._done is None:
+            cp = cupy_module()
+            with cp.cuda.Device(self.device_id):
+                self._done = cp.cuda.Event(block=False, disable_timing=True)
+        self._done.record(stream)
 
     def _read_check(self):
         """The count queued by :meth:`_queue_check_read` (waits for its copy only)."""
@@ -661,8 +674,12 @@ class FFNPlan:
         x = cp.ascontiguousarray(x)
         if x.data.ptr % 16:
             x = x.copy()
+        cur = cp.cuda.get_current_stream()
+        if self._done is not None:
+            # calls return before their kernels finish: one made on another stream
+            # must not overwrite workspaces the previous call's kernels still read
+            cur.wait_event(self._done)
         if not self.sparse_ok or mode == "dense":
-            cur = cp.cuda.get_current_stream()
             if check_x:
                 # count first, read after the GEMMs are queued (as on the sparse path)
                 counters = self._workspace(max(1, min(M, self.MAX_CHUNK)))["counters"]
@@ -671,6 +688,7 @@ class FFNPlan:
                 launch_count_nonfinite(x, counters[3:], cur)
                 self._queue_check_read(counters, cur)
             self.dense_rows(x, y, h_full)
+            self._call_done(cur)
             if check_x and self._read_check():
                 cur.synchronize()  # let the queued GEMMs finish with x before the caller reuses it
                 raise_nonfinite(x, "x")
@@ -681,7 +699,6 @@ class FFNPlan:
         chunk = int(chunk_rows) if chunk_rows else self.default_chunk(M)
         chunk = max(1, min(chunk, M))
         ws = self._workspace(chunk)
-        cur = cp.cuda.get_current_stream()
         counters = ws["counters"]
         heavy = self._heavy_flags(M)
         chunks = [(r0, min(M, r0 + chunk)) for r0 in range(0, M, chunk)]
@@ -693,6 +710,10 @@ class FFNPlan:
             if n_bad:
                 for s_ in (cur, sA, sB):  # let queued work on x finish before the caller reuses it
                     s_.synchronize()
+                if self._density is not None:
+                    # NaN rows count every neuron as active: this call's density must not
+                    # steer the next "auto" call (the one before it decides again)
+                    self._density["pending"] = False
                 raise_nonfinite(x, "x")
 
         if n == 1:
@@ -796,6 +817,7 @@ class FFNPlan:
                 launch_stage2(ci, use_sparse)
             cur.wait_event(stage2_done[-1])
         info["mode"] = "sparse" if use_sparse else "dense"
+        self._call_done(cur)
         self._last_rows = M
         self._last_sparse_rows = M if use_sparse else 0
 
@@ -823,6 +845,7 @@ class FFNPlan:
             y[rows] = yr
             if h_full is not None:
                 h_full[rows] = hr
+            self._call_done(cur)  # the dense sub-FFN used the workspaces too
         return y, h_full, info
 
 
