@@ -251,7 +251,10 @@ def main(argv=None):
         log(f"  {name:<38s} {ms:8.3f} ms   rel err {err:.2e} {note}")
 
     log("h @ W:")
-    record("twellpy twell_spmm bf16 (defaults)", lambda: tc.twell_spmm(vals, idx, counts, wb))
+    record("twellpy twell_spmm bf16 (defaults)", lambda: tc.twell_spmm(vals, idx, counts, wb),
+           f"(SPMM_RESIDENT={tc.SPMM_RESIDENT!r})")
+    saved_resident = tc.SPMM_RESIDENT
+    tc.SPMM_RESIDENT = False  # the gather kernels' sweeps below
     # row-block kernel (the default): threads x 16-byte loads in flight per
     # thread x resident blocks per SM (register budget). The L1 no-allocate
     # gather variant (SPMM_ROWS_NO_L1) is gone: it doubled the time (0.792 ms).
@@ -273,7 +276,7 @@ def main(argv=None):
         rows_sweep[key] = timer(lambda: tc.twell_spmm(vals, idx, counts, wb))
     best_key = min(rows_sweep, key=rows_sweep.get)
     use_rows_config(*rows_configs[best_key])
-    record("twellpy twell_spmm bf16", lambda: tc.twell_spmm(vals, idx, counts, wb),
+    record("twellpy twell_spmm bf16 row-block", lambda: tc.twell_spmm(vals, idx, counts, wb),
            f"(best {best_key}; sweep {', '.join(f'{k}:{v:.3f}' for k, v in rows_sweep.items())})")
     tc.SPMM_ROWS_THREADS, tc.SPMM_ROWS_INFLIGHT, tc.SPMM_DEFINES = saved
     # the earlier warp-per-row kernel, for the record (strips per warp x loads in flight per lane)
@@ -290,6 +293,30 @@ def main(argv=None):
     record("twellpy warp-per-row twell_spmm bf16", lambda: tc.twell_spmm(vals, idx, counts, wb),
            f"(best strips x loads {warp_key}; sweep {', '.join(f'{k}:{v:.3f}' for k, v in iters_sweep.items())})")
     tc.SPMM_MAX_ITERS, tc.SPMM_DEFINES, tc.SPMM_ROW_BLOCK = default_iters, {}, True
+    # B's column slices resident in shared memory (spmm_resident.cu): threads per
+    # block x entries staged per warp; the compaction of A is timed on its own too
+    tc.SPMM_RESIDENT = True
+    saved_res_cfg = tc.RESIDENT_THREADS, tc.RESIDENT_STAGE
+    res_sweep, res_configs = {}, {}
+    for threads, stage in ((512, 256), (1024, 128), (256, 256), (512, 128), (1024, 64)):
+        key = f"{threads}t/{stage}st"
+        res_configs[key] = (threads, stage)
+        tc.RESIDENT_THREADS, tc.RESIDENT_STAGE = threads, stage
+        res_sweep[key] = timer(lambda: tc.twell_spmm(vals, idx, counts, wb))
+    res_key = min(res_sweep, key=res_sweep.get)
+    tc.RESIDENT_THREADS, tc.RESIDENT_STAGE = res_configs[res_key]
+    n_slots_row = vals.shape[1] * vals.shape[2]
+    res_plan = tc._resident_plan(m, n, wb.shape[1], n_slots_row, wb.dtype, wb, wb)
+    t_compact = timer(lambda: tc._twell_compact(vals, idx, counts, vals.shape[1], vals.shape[2], n))
+    record("twellpy twell_spmm bf16 resident", lambda: tc.twell_spmm(vals, idx, counts, wb),
+           f"(best {res_key}; plan lpr/smem/slices/chunks/rows {res_plan}; compaction {t_compact:.3f} ms; "
+           f"sweep {', '.join(f'{k}:{v:.3f}' for k, v in res_sweep.items())})")
+    tc.RESIDENT_THREADS, tc.RESIDENT_STAGE = saved_res_cfg
+    tc.SPMM_RESIDENT = saved_resident
+    # the better of the two designs is twellpy's number
+    best_design = min(("twellpy twell_spmm bf16 row-block", "twellpy twell_spmm bf16 resident"),
+                      key=lambda k: prod[k]["ms"])
+    prod["twellpy twell_spmm bf16"] = dict(prod[best_design], note=f"= {best_design}")
     v2, i2 = vals.reshape(m, -1), idx.reshape(m, -1)
     record("twellpy slots_spmm bf16 (no counts)", lambda: tc.slots_spmm(v2, i2, wb))
     label, dense_fn = dense_matmul_bf16(cp, hb, wb)
@@ -315,7 +342,8 @@ def main(argv=None):
     except ImportError:
         log("  torch not importable: no torch CSR baseline")
     res["spmm"] = {"row_block_sweep_ms": rows_sweep, "best": best_key, "warp_per_row_sweep_ms": iters_sweep,
-                   "results": prod}
+                   "resident_sweep_ms": res_sweep, "resident_best": res_key, "resident_plan": res_plan,
+                   "resident_compaction_ms": t_compact, "best_design": best_design, "results": prod}
 
     # ---- W @ A direction: h.T @ G -----------------------------------------------------
     log("h.T @ G (W @ A via (A.T @ W.T).T):")
@@ -344,8 +372,13 @@ def main(argv=None):
              f"{100 * con_gbs / copy_gbs:.0f}% (best {100 * best_gbs / copy_gbs:.0f}%)", ">= 70%"),
             ("dense->TwELL GB/s vs copy, rows x4 (738 MB in)", f"{con4_gbs:.0f} / {copy_gbs:.0f}",
              f"{100 * con4_gbs / copy_gbs:.0f}%", ">= 70%")]
-    rows.append((f"TwELL @ W (best {best_key}) vs {dense_key}", f"{twell:.3f} / {prod[dense_key]['ms']:.3f} ms",
+    design = "resident" if best_design.endswith("resident") else f"row-block {best_key}"
+    rows.append((f"TwELL @ W (best: {design}) vs {dense_key}", f"{twell:.3f} / {prod[dense_key]['ms']:.3f} ms",
                  f"{prod[dense_key]['ms'] / twell:.2f}x", "> 1x"))
+    for k in ("twellpy twell_spmm bf16 row-block", "twellpy twell_spmm bf16 resident"):
+        rows.append((f"{k[len('twellpy twell_spmm bf16 '):]} vs {dense_key}",
+                     f"{prod[k]['ms']:.3f} / {prod[dense_key]['ms']:.3f} ms",
+                     f"{prod[dense_key]['ms'] / prod[k]['ms']:.2f}x", "-"))
     t_def = prod["twellpy twell_spmm bf16 (defaults)"]["ms"]
     rows.append((f"TwELL @ W (defaults) vs {dense_key}", f"{t_def:.3f} / {prod[dense_key]['ms']:.3f} ms",
                  f"{prod[dense_key]['ms'] / t_def:.2f}x", "> 1x"))

@@ -534,6 +534,151 @@ def test_twell_spmm_row_block_tunings(threads, inflight, min_blocks, monkeypatch
     assert rel_err(to_cpu(tuned), spmm_ref(a_stored, w)) <= RTOL[bfloat16]
 
 
+# ---------------------------------------------------------------------------
+# resident-slice SpMM (raw_kernels/spmm_resident.cu)
+# ---------------------------------------------------------------------------
+def _twell_spmm_with(resident, vals, idx, counts, b):
+    old = cuda.SPMM_RESIDENT
+    try:
+        cuda.SPMM_RESIDENT = resident
+        return cuda.twell_spmm(vals, idx, counts, b)
+    finally:
+        cuda.SPMM_RESIDENT = old
+
+
+# N = 70000 ("wide"): B is only built for narrow K (its slice never fits, so K <= 64 covers the fallback)
+_RESIDENT_CASES = [(mk, k) for mk in MAKERS for k in (8, 24, 64, 300, 2056) if mk != "wide" or k <= 64]
+
+
+@pytest.mark.parametrize("maker,k_cols", _RESIDENT_CASES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_resident_spmm_same_bits_as_gather(maker, dtype, k_cols):
+    """The resident kernel sums the same entries in the same order with the same
+    fma as the gather kernels: bit-equal outputs, and float64-close. K = 300 in
+    bf16 and 2056 leave a partial last slice; K = 8 is narrower than a slice of
+    two vectors."""
+    x, xg = make(MAKERS[maker], dtype, seed=61)
+    m, n = x.shape
+    rng = np.random.default_rng(63)
+    b = rng.standard_normal((n, k_cols)).astype(dtype)
+    bg = to_gpu(b)
+    vals, idx, counts, _ = cuda.dense_to_twell(xg, 64, 4)   # small tiles: many tiles over capacity
+    if m == 0 or n == 0:   # no kernel runs: the forced resident path must still give the right shape
+        out = _twell_spmm_with(True, vals, idx, counts, bg)
+        assert out.shape == (m, k_cols) and out.dtype == dtype
+        assert not bool(cp.isnan(out).any()) and not bool(out.any())
+        return
+    vec = 16 // np.dtype(dtype).itemsize
+    plan = cuda._resident_plan(m, n, k_cols, vals.shape[1] * vals.shape[2], np.dtype(dtype), bg, bg)
+    acc_bytes = 8 if np.dtype(dtype).itemsize == 8 else 4
+    stage = cuda.RESIDENT_THREADS // 32 * cuda.RESIDENT_STAGE * (4 + acc_bytes)
+    fits = n * 16 + stage <= cuda._device_limits(cp.cuda.Device().id)[1]
+    if k_cols % vec or not fits:   # the "wide" maker's B (70000 rows) does not fit
+        assert plan is None
+        got = _twell_spmm_with(True, vals, idx, counts, bg)   # forced: falls back to the gather kernel
+        assert_same_bits(got, _twell_spmm_with(False, vals, idx, counts, bg), "fallback")
+        return
+    assert plan is not None, "a small B must fit the shared memory"
+    got = _twell_spmm_with(True, vals, idx, counts, bg)
+    want = _twell_spmm_with(False, vals, idx, counts, bg)
+    assert_same_bits(got, want, f"resident vs gather twell_spmm ({maker}, K={k_cols})")
+    a_stored = cpu.slots_to_dense(to_cpu(vals).reshape(m, -1), to_cpu(idx).reshape(m, -1), n)
+    assert rel_err(to_cpu(got), spmm_ref(a_stored, b)) <= RTOL[np.dtype(dtype)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_resident_spmm_long_rows_chunks_and_warps(dtype, monkeypatch):
+    """Rows longer than a warp's stage (several windows, rows crossing window
+    edges), empty rows, M not a multiple of the rows a warp takes, and many row
+    chunks (a chunk boundary inside a warp's group of rows); every tuning gives
+    the same bits as the gather kernel."""
+    rng = np.random.default_rng(zlib.crc32(str(dtype).encode()))
+    m, n = (203, 3000) if SANITIZE else (1237, 5632)
+    x = random_sparse(rng, m, n, 30)
+    x[3] = rng.standard_normal(n)                                     # a full row: 5632 entries
+    x[4, rng.choice(n, 700, replace=False)] = rng.standard_normal(700)
+    x[[0, 17, m - 1]] = 0.0                                           # empty rows, the last one too
+    x = x.astype(dtype)
+    k_cols = 7 * 16 // np.dtype(dtype).itemsize   # 7 vectors: a partial last slice when a slice holds 2 or 4
+    b = (rng.standard_normal((n, k_cols)) / np.sqrt(n)).astype(dtype)
+    bg = to_gpu(b)
+    vals, idx, counts, _ = cuda.dense_to_twell(to_gpu(x), 256, 32)
+    want = _twell_spmm_with(False, vals, idx, counts, bg)
+    a_stored = cpu.slots_to_dense(to_cpu(vals).reshape(m, -1), to_cpu(idx).reshape(m, -1), n)
+    ref = spmm_ref(a_stored, b)
+    monkeypatch.setattr(cuda, "_RESIDENT_MIN_CHUNK_ROWS", 1)   # as many row chunks as SMs allow
+    for threads, stage in ((512, 256), (1024, 128), (64, 32), (256, 64)):
+        monkeypatch.setattr(cuda, "RESIDENT_THREADS", threads)
+        monkeypatch.setattr(cuda, "RESIDENT_STAGE", stage)
+        plan = cuda._resident_plan(m, n, k_cols, vals.shape[1] * vals.shape[2], np.dtype(dtype), bg, bg)
+        assert plan is not None and plan[3] > 1, plan
+        got = _twell_spmm_with(True, vals, idx, counts, bg)
+        assert_same_bits(got, want, f"resident ({threads} threads, stage {stage}) vs gather")
+        out = to_cpu(got).astype(np.float64)
+        assert rel_err(out, ref) <= RTOL[np.dtype(dtype)]
+        assert not np.any(out[[0, 17, m - 1]]), "empty rows must be exact zeros (outputs start poisoned)"
+
+
+def test_resident_spmm_skips_out_of_range_indices_like_gather():
+    """Raw TwELL arrays whose counted slots hold indices outside [0, N): both
+    kernels skip those entries (the containers never build such arrays)."""
+    rng = np.random.default_rng(67)
+    m, n, k_cols = 40, 512, 64
+    x = random_sparse(rng, m, n, 20).astype(np.float32)
+    vals, idx, counts, _ = cuda.dense_to_twell(to_gpu(x), 256, 32)
+    idx[1, 0, 0] = -3
+    idx[2, 1, 0] = n + 5
+    idx[5, 0, 1] = 2**31 - 1
+    bg = to_gpu(rng.standard_normal((n, k_cols)).astype(np.float32))
+    assert_same_bits(_twell_spmm_with(True, vals, idx, counts, bg), _twell_spmm_with(False, vals, idx, counts, bg),
+                     "out-of-range indices")
+
+
+def test_resident_spmm_plan_limits():
+    """Which calls take the resident kernel: "auto" needs RESIDENT_MIN_ROWS rows;
+    a B whose slice does not fit the shared memory (N = 70000), a misaligned B or
+    K not a multiple of the vector width run the gather kernel; the widest slice
+    that fits is chosen."""
+    dt = bfloat16
+    b = cp.zeros((5632, 2048), dt)
+    big = cuda.RESIDENT_MIN_ROWS
+    assert cuda._resident_plan(big - 1, 5632, 2048, 704, dt, b, b) is None      # auto: too few rows
+    plan = cuda._resident_plan(big, 5632, 2048, 704, dt, b, b)
+    assert plan is not None
+    lpr, smem, n_slices, n_chunks, rows = plan
+    limit = cuda._device_limits(cp.cuda.Device().id)[1]
+    stage = smem - 5632 * lpr * 16
+    assert smem <= limit
+    assert lpr == 4 or 5632 * (2 * lpr) * 16 + stage > limit, "the widest slice that fits is used"
+    assert n_slices * lpr * 8 >= 2048 and n_chunks * rows >= big
+    assert cuda._resident_plan(big, 70000, 2048, 704, dt, b, b) is None        # slice too large
+    assert cuda._resident_plan(big, 5632, 2047, 704, dt, b, b) is None         # K % 8
+    assert cuda._resident_plan(big, 5632, 2048, 704, dt, misaligned_copy(b), b) is None
+    old = cuda.SPMM_RESIDENT
+    try:
+        cuda.SPMM_RESIDENT = False
+        assert cuda._resident_plan(big, 5632, 2048, 704, dt, b, b) is None
+        cuda.SPMM_RESIDENT = True
+        assert cuda._resident_plan(1, 5632, 2048, 704, dt, b, b) is not None    # forced: any M
+    finally:
+        cuda.SPMM_RESIDENT = old
+
+
+def test_resident_spmm_w1_shape_bf16():
+    """The benchmark's shape (h @ w_down at W1, 30 non-zeros per row) on enough rows
+    to take the resident kernel by default; bit-equal to the gather kernel."""
+    rng = np.random.default_rng(71)
+    m = cuda.RESIDENT_MIN_ROWS if not SANITIZE else 512
+    x = random_sparse(rng, m, 5632, 30).astype(bfloat16)
+    w = (rng.standard_normal((5632, 2048)) / np.sqrt(5632)).astype(bfloat16)
+    vals, idx, counts, _ = cuda.dense_to_twell(to_gpu(x), 256, 32)
+    wg = to_gpu(w)
+    got = _twell_spmm_with("auto" if not SANITIZE else True, vals, idx, counts, wg)
+    assert_same_bits(got, _twell_spmm_with(False, vals, idx, counts, wg), "W1 shape")
+    ref = sp.csr_array(x.astype(np.float64)) @ w.astype(np.float64)
+    assert rel_err(to_cpu(got), ref) <= RTOL[bfloat16]
+
+
 def test_spmm_empty_shapes():
     z = cp.zeros((0, 1, 32), np.float32)
     zi = cp.full((0, 1, 32), -1, np.int32)

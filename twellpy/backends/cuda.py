@@ -11,7 +11,9 @@ Kernels and where they live:
 ``construct.cu``       dense -> TwELL / ELL (one pass, ballot prefix
                        counts), row non-zero counts, CSR -> TwELL / ELL
 ``convert.cu``         slot lists -> dense / CSR, dtype casts
-``spmm.cu``            TwELL / slot-list / CSR times dense
+``spmm.cu``            TwELL / slot-list / CSR times dense (gathers)
+``spmm_resident.cu``   TwELL times dense with B's column slices resident
+                       in shared memory (and the TwELL compaction it reads)
 ``transpose.cu``       deterministic counting-sort transpose
 ``check.cu``           NaN/Inf count in one pass (``check_finite``)
 =====================  =================================================
@@ -28,6 +30,7 @@ compiles every one of them for sm_90a and sm_80 without a GPU.
 """
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
@@ -89,6 +92,32 @@ SPMM_ROWS_INFLIGHT = 4
 _SPMM_ROWS_NV = (1, 2)
 
 
+#: ``twell_spmm`` with B's column slices resident in shared memory
+#: (``twellpy_spmm_resident``): every block keeps B[:, slice] on chip and
+#: streams A's rows past it, so B is read once per slice instead of once per
+#: entry. "auto": for calls of at least RESIDENT_MIN_ROWS rows when a slice
+#: fits the device's shared memory; True: whenever it fits; False: never.
+SPMM_RESIDENT = "auto"
+RESIDENT_MIN_ROWS = 4096
+#: threads per block of the resident kernel (one block per SM) and entries of
+#: A staged per warp; both are compiled in (-DRES_THREADS, -DRES_STAGE)
+RESIDENT_THREADS = 512
+RESIDENT_STAGE = 256
+#: warps per block of the TwELL compaction kernels (-DCOMPACT_WARPS)
+COMPACT_WARPS = 8
+#: 16-byte column vectors per row of a slice, widest first (the widest that fits is used)
+_RESIDENT_LPR = (4, 2, 1)
+#: rows per block below which more row chunks would reload the slice for little work
+_RESIDENT_MIN_CHUNK_ROWS = 1024
+#: largest temporary compaction of A (bytes); larger inputs use the gather kernel
+_RESIDENT_COMPACT_BUDGET = 1 << 30
+
+
+def _resident_defines():
+    return {"RES_THREADS": int(RESIDENT_THREADS), "RES_STAGE": int(RESIDENT_STAGE),
+            "COMPACT_WARPS": int(COMPACT_WARPS)}
+
+
 def _spmm_rows_defines():
     """``#define``s the row-block SpMM is compiled with: SPMM_DEFINES plus
     SPMM_ROWS_THREADS (from the module constant unless SPMM_DEFINES sets it).
@@ -124,6 +153,10 @@ def _name_spmm_rows(dtype, vec, nv, kb):
     return f"twellpy_twell_spmm_rows<{_ct(dtype)}, {vec}, {nv}, {kb}>"
 
 
+def _name_resident(dtype, lpr):
+    return f"twellpy_spmm_resident<{_ct(dtype)}, {lpr}>"
+
+
 def _name_cast(src, dst):
     return f"twellpy_cast<{_ct(src)}, {_ct(dst)}>"
 
@@ -147,6 +180,11 @@ def _declare_all():
     # with the defines twell_spmm looks them up with, so a warm-up compile is the one run time uses
     reg.declare("spmm.cu", spmm_rows, _spmm_rows_defines())
     reg.declare("transpose.cu", transpose)
+    reg.declare("spmm_resident.cu",
+                ["twellpy_twell_row_totals"]
+                + [_name_t("twell_compact", dt) for dt in FLOAT_DTYPES]
+                + [_name_resident(dt, lpr) for dt in FLOAT_DTYPES for lpr in _RESIDENT_LPR],
+                _resident_defines())
     reg.declare("check.cu", [f"twellpy_count_nonfinite<{c}>" for c in _NONFINITE_WORD.values()])
 
 
@@ -804,6 +842,90 @@ def _spmm_rows_plan(k_cols, dtype, *arrays):
     return vec, nv, kb, threads, n_cb
 
 
+@functools.lru_cache(maxsize=None)
+def _device_limits(device_id):
+    """(multiprocessors, opt-in shared memory per block in bytes) of a device."""
+    rt = _cp().cuda.runtime
+    return (int(rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, device_id)),
+            int(rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id)))
+
+
+def _resident_plan(m, n_rows_b, k_cols, n_slots_per_row, dtype, *arrays):
+    """Launch plan of ``twellpy_spmm_resident`` for an (m, n_rows_b) @ (n_rows_b, k_cols)
+    product, or None when the gather kernel should run instead.
+
+    Returns ``(lpr, smem_bytes, n_slices, n_chunks, rows_per_chunk)``: a slice is
+    ``lpr`` 16-byte vectors (``lpr * 16 / itemsize`` columns) of every row of B,
+    the widest of ``_RESIDENT_LPR`` whose slice plus the warps' staging areas
+    fit the device's opt-in shared memory per block.
+    """
+    if SPMM_RESIDENT is False or (SPMM_RESIDENT == "auto" and m < RESIDENT_MIN_ROWS):
+        return None
+    dt = np.dtype(dtype)
+    vec = _vec_width(dt)
+    if m == 0 or n_rows_b == 0 or k_cols % vec or not _aligned(*arrays):
+        return None
+    if m * n_slots_per_row * (4 + dt.itemsize) > _RESIDENT_COMPACT_BUDGET:
+        return None
+    n_sm, limit = _device_limits(_cp().cuda.Device().id)
+    stage = (int(RESIDENT_THREADS) // 32) * int(RESIDENT_STAGE) * (4 + (8 if dt.itemsize == 8 else 4))
+    for lpr in _RESIDENT_LPR:
+        if lpr > 1 and (lpr // 2) * vec >= k_cols:
+            continue  # half this width already covers every column
+        smem = n_rows_b * lpr * 16 + stage
+        if smem <= limit:
+            break
+    else:
+        return None
+    n_slices = -(-k_cols // (lpr * vec))
+    # enough blocks for every SM, without row chunks so short that reloading the slice dominates
+    n_chunks = max(1, min(-(-n_sm // n_slices), m // _RESIDENT_MIN_CHUNK_ROWS, 65535))
+    rows_per_chunk = -(-m // n_chunks)
+    n_chunks = -(-m // rows_per_chunk)
+    return lpr, smem, n_slices, n_chunks, rows_per_chunk
+
+
+_RESIDENT_SMEM_SET = set()  # (device, kernel id) whose dynamic shared memory limit was raised
+
+
+def _twell_compact(values, indices, counts, n_tiles, slots, n_cols_a):
+    """TwELL -> compacted rows (int64 indptr, int32 cols, values) without a host
+    synchronisation: the entry arrays are sized for every slot (an upper bound)."""
+    cp = _cp()
+    m = counts.shape[0]
+    _check_int32(n_tiles * slots, "the slots of one row")
+    defines = _resident_defines()
+    block = 32 * int(COMPACT_WARPS)
+    totals = _alloc(m + 1, _I64)
+    k = reg.get_kernel("spmm_resident.cu", "twellpy_twell_row_totals", **defines)
+    k((_blocks(m, int(COMPACT_WARPS)),), (block,), (counts, totals, _i32(m), _i32(n_tiles), _i32(slots)))
+    indptr = cp.cumsum(totals)
+    cap = max(1, m * n_tiles * slots)
+    cols = _alloc(cap, _I32)
+    vals = _alloc(cap, values.dtype)
+    k = reg.get_kernel("spmm_resident.cu", _name_t("twell_compact", values.dtype), **defines)
+    k((_blocks(m, int(COMPACT_WARPS)),), (block,),
+      (values, indices, counts, indptr, cols, vals, _i32(m), _i32(n_tiles), _i32(slots), _i32(n_cols_a)))
+    return indptr, cols, vals
+
+
+def _resident_spmm(indptr, cols, vals, B, out, plan):
+    """Launch ``twellpy_spmm_resident`` (see :func:`_resident_plan`)."""
+    lpr, smem, n_slices, n_chunks, rows_per_chunk = plan
+    m = out.shape[0]
+    n_rows_b, k_cols = B.shape
+    k = reg.get_kernel("spmm_resident.cu", _name_resident(out.dtype, lpr), **_resident_defines())
+    key = (_cp().cuda.Device().id, id(k))
+    if key not in _RESIDENT_SMEM_SET:
+        # more than 48 KB of dynamic shared memory needs the kernel's limit raised once
+        k.max_dynamic_shared_size_bytes = _device_limits(key[0])[1]
+        _RESIDENT_SMEM_SET.add(key)
+    k((n_slices, n_chunks), (int(RESIDENT_THREADS),),
+      (indptr, cols, vals, B, out, _i32(m), _i32(n_rows_b), _i32(k_cols), _i32(rows_per_chunk)),
+      shared_mem=smem)
+    return out
+
+
 def _dense_operand(B, name):
     B = _values_array(B, name, ndim=2)
     _check_int32(B.shape[0], f"the number of rows of {name}")
@@ -835,13 +957,16 @@ def twell_spmm(values, indices, counts, B):
 
     Notes
     -----
-    Outputs at least ``SPMM_ROWS_THREADS`` 16-byte vectors wide (K >= 1024
-    in bf16) run ``twellpy_twell_spmm_rows``: a block per (row, column
+    Calls of at least ``RESIDENT_MIN_ROWS`` rows whose B slice fits the
+    device's shared memory (``SPMM_RESIDENT``) compact A (``twellpy_twell_compact``)
+    and run ``twellpy_spmm_resident``: B is read once per column slice instead of
+    once per entry. Otherwise, outputs at least ``SPMM_ROWS_THREADS`` 16-byte
+    vectors wide (K >= 1024 in bf16) run ``twellpy_twell_spmm_rows``: a block per (row, column
     block), the row's entries listed once in shared memory, each thread
     gathering its columns of the B rows with ``SPMM_ROWS_INFLIGHT`` 16-byte
     loads in flight. Narrower outputs (and ``SPMM_ROW_BLOCK = False``) run
-    the warp-per-row ``twellpy_twell_spmm``. Both sum in the same order and
-    give the same bits.
+    the warp-per-row ``twellpy_twell_spmm``. All three sum in the same order
+    with the same operations and give the same bits.
     """
     values = _values_array(values, "values")
     indices = _index_array(indices, "indices")
@@ -864,6 +989,10 @@ def twell_spmm(values, indices, counts, B):
     out = _alloc((m, k_cols), res)
     if m == 0 or k_cols == 0:
         return out
+    resident = _resident_plan(m, n_rows_b, k_cols, n_tiles * slots, res, B, out)
+    if resident is not None:
+        indptr, cols, vals = _twell_compact(values, indices, counts, n_tiles, slots, n_rows_b)
+        return _resident_spmm(indptr, cols, vals, B, out, resident)
     if SPMM_ROW_BLOCK:
         plan = _spmm_rows_plan(k_cols, res, B, out)
         if plan is not None:
