@@ -852,34 +852,43 @@ def _device_limits(device_id):
 
 def _resident_plan(m, n_rows_b, k_cols, n_slots_per_row, dtype, *arrays):
     """Launch plan of ``twellpy_spmm_resident`` for an (m, n_rows_b) @ (n_rows_b, k_cols)
-    product, or None when the gather kernel should run instead.
-
-    Returns ``(lpr, smem_bytes, n_slices, n_chunks, rows_per_chunk)``: a slice is
-    ``lpr`` 16-byte vectors (``lpr * 16 / itemsize`` columns) of every row of B,
-    the widest of ``_RESIDENT_LPR`` whose slice plus the warps' staging areas
-    fit the device's opt-in shared memory per block.
-    """
+    product on the current device, or None when the gather kernel should run
+    instead (see :func:`resident_layout` for the plan's fields)."""
     if SPMM_RESIDENT is False or (SPMM_RESIDENT == "auto" and m < RESIDENT_MIN_ROWS):
         return None
     dt = np.dtype(dtype)
-    vec = _vec_width(dt)
-    if m == 0 or n_rows_b == 0 or k_cols % vec or not _aligned(*arrays):
+    if m == 0 or n_rows_b == 0 or k_cols % _vec_width(dt) or not _aligned(*arrays):
         return None
     if m * n_slots_per_row * (4 + dt.itemsize) > _RESIDENT_COMPACT_BUDGET:
         return None
     n_sm, limit = _device_limits(_cp().cuda.Device().id)
-    stage = (int(RESIDENT_THREADS) // 32) * int(RESIDENT_STAGE) * (4 + (8 if dt.itemsize == 8 else 4))
+    return resident_layout(m, n_rows_b, k_cols, dt.itemsize, n_sm, limit,
+                           int(RESIDENT_THREADS), int(RESIDENT_STAGE), _RESIDENT_MIN_CHUNK_ROWS)
+
+
+def resident_layout(m, n_rows_b, k_cols, itemsize, n_sm, smem_limit, threads, stage, min_chunk_rows):
+    """Grid and shared memory of ``twellpy_spmm_resident`` (no device needed).
+
+    Returns ``(lpr, smem_bytes, n_slices, n_chunks, rows_per_chunk)``, or None
+    when no slice fits ``smem_limit``. A slice is ``lpr`` 16-byte vectors
+    (``lpr * 16 / itemsize`` columns) of every row of B: the widest of
+    ``_RESIDENT_LPR`` whose slice plus the warps' staging areas fit, without
+    being wider than needed for ``k_cols``. Row chunks give every one of the
+    ``n_sm`` multiprocessors a block, as long as a chunk keeps at least
+    ``min_chunk_rows`` rows (each chunk reloads its slice).
+    """
+    vec = 16 // itemsize
+    stage_bytes = (threads // 32) * stage * (4 + (8 if itemsize == 8 else 4))
     for lpr in _RESIDENT_LPR:
         if lpr > 1 and (lpr // 2) * vec >= k_cols:
             continue  # half this width already covers every column
-        smem = n_rows_b * lpr * 16 + stage
-        if smem <= limit:
+        smem = n_rows_b * lpr * 16 + stage_bytes
+        if smem <= smem_limit:
             break
     else:
         return None
     n_slices = -(-k_cols // (lpr * vec))
-    # enough blocks for every SM, without row chunks so short that reloading the slice dominates
-    n_chunks = max(1, min(-(-n_sm // n_slices), m // _RESIDENT_MIN_CHUNK_ROWS, 65535))
+    n_chunks = max(1, min(-(-n_sm // n_slices), m // max(1, min_chunk_rows), 65535))
     rows_per_chunk = -(-m // n_chunks)
     n_chunks = -(-m // rows_per_chunk)
     return lpr, smem, n_slices, n_chunks, rows_per_chunk

@@ -1,0 +1,157 @@
+// emu.h -- run CUDA kernels of raw_kernels/ on the CPU, one OS thread per CUDA thread.
+//
+// For tests only (tests/test_kernel_emulation.py): it executes the real kernel
+// source, so index arithmetic, barriers, warp shuffles and shared-memory use
+// are checked on a machine without a GPU. It is not a performance model.
+//
+// What it emulates:
+//   * blocks run one after another; the threads of a block run concurrently
+//     (std::thread each), so __syncthreads / __syncwarp are real barriers
+//     (std::barrier) and a missing one can show up as a wrong result;
+//   * warp shuffles and ballots exchange values through per-warp slots between
+//     two barrier phases (every lane of the warp must take part, as the
+//     kernels' full-mask calls require);
+//   * static __shared__ arrays become function statics (one block at a time),
+//     extern __shared__ the block's dynamic buffer, poisoned with 0xCD bytes;
+//   * a thread that returns early leaves its barriers (arrive_and_drop).
+// What it does not: -ftz (denormals), memory-model subtleties, timing.
+// The test turns `__shared__` into `static` and `extern __shared__ T x[];`
+// into a pointer to the dynamic buffer before compiling (see the test).
+#pragma once
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+struct dim3 {
+    unsigned x, y, z;
+    dim3(unsigned a = 1, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {}
+};
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+struct alignas(8) uint2 { unsigned x, y; };
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
+
+namespace emu {
+struct Warp {
+    std::barrier<> bar;
+    uint64_t slot[32];
+    explicit Warp(int lanes) : bar(lanes) {}
+};
+struct Block {
+    std::barrier<> bar;
+    std::vector<std::unique_ptr<Warp>> warps;
+    std::vector<unsigned char> dyn;
+    Block(int n, size_t smem) : bar(n), dyn(smem + 16, 0xCD) {
+        for (int w = 0; w * 32 < n; ++w) warps.emplace_back(new Warp(std::min(32, n - 32 * w)));
+    }
+};
+inline thread_local Block* cur = nullptr;
+inline thread_local dim3 tidx, bidx;
+inline dim3 bdim, gdim;
+inline int lane() { return (int)(tidx.x & 31u); }
+inline Warp& warp() { return *cur->warps[tidx.x >> 5]; }
+inline void* dynamic_smem() {   // 16-byte aligned start
+    auto p = reinterpret_cast<uintptr_t>(cur->dyn.data());
+    return reinterpret_cast<void*>((p + 15) & ~uintptr_t(15));
+}
+template <typename T> inline uint64_t to_bits(T v) { uint64_t b = 0; std::memcpy(&b, &v, sizeof(T)); return b; }
+template <typename T> inline T from_bits(uint64_t b) { T v; std::memcpy(&v, &b, sizeof(T)); return v; }
+template <typename T> inline T exchange(T v, int src) {
+    Warp& w = warp();
+    w.slot[lane()] = to_bits(v);
+    w.bar.arrive_and_wait();
+    const T out = from_bits<T>(w.slot[src & 31]);
+    w.bar.arrive_and_wait();
+    return out;
+}
+
+// Launch: blocks in order, the threads of a block together. Only 1-D blocks.
+template <typename F, typename... Args>
+void launch(F kernel, dim3 grid, dim3 block, size_t smem, Args... args) {
+    gdim = grid;
+    bdim = block;
+    const int n = (int)(block.x * block.y * block.z);
+    for (unsigned bz = 0; bz < grid.z; ++bz)
+        for (unsigned by = 0; by < grid.y; ++by)
+            for (unsigned bx = 0; bx < grid.x; ++bx) {
+                Block blk(n, smem);
+                std::vector<std::thread> threads;
+                threads.reserve(n);
+                for (int t = 0; t < n; ++t)
+                    threads.emplace_back([&, t] {
+                        cur = &blk;
+                        bidx = dim3(bx, by, bz);
+                        tidx = dim3((unsigned)t, 0, 0);
+                        kernel(args...);
+                        warp().bar.arrive_and_drop();   // done: later barriers need not wait for it
+                        blk.bar.arrive_and_drop();
+                    });
+                for (auto& th : threads) th.join();
+            }
+}
+}  // namespace emu
+
+#define threadIdx (emu::tidx)
+#define blockIdx (emu::bidx)
+#define blockDim (emu::bdim)
+#define gridDim (emu::gdim)
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+
+inline void __syncthreads() { emu::cur->bar.arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp().bar.arrive_and_wait(); }
+template <typename T> inline T __shfl_sync(unsigned, T v, int src, int = 32) { return emu::exchange(v, src); }
+template <typename T> inline T __shfl_xor_sync(unsigned, T v, int m, int = 32) {
+    return emu::exchange(v, emu::lane() ^ m);
+}
+template <typename T> inline T __shfl_up_sync(unsigned, T v, unsigned d, int = 32) {
+    const int src = emu::lane() - (int)d;
+    const T got = emu::exchange(v, src < 0 ? emu::lane() : src);
+    return src < 0 ? v : got;
+}
+inline unsigned __ballot_sync(unsigned, int pred) {
+    emu::Warp& w = emu::warp();
+    w.slot[emu::lane()] = pred ? 1u : 0u;
+    w.bar.arrive_and_wait();
+    unsigned m = 0;
+    for (int l = 0; l < 32; ++l)
+        if (w.slot[l] == 1u) m |= 1u << l;
+    w.bar.arrive_and_wait();
+    return m;
+}
+inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline int __popcll(unsigned long long v) { return __builtin_popcountll(v); }
+inline int __ffs(int v) { return __builtin_ffs(v); }
+template <typename T> inline T __ldg(const T* p) { return *p; }
+template <typename T> inline T __ldcs(const T* p) { return *p; }
+template <typename T> inline void __stcs(T* p, T v) { *p = v; }
+inline void __nanosleep(unsigned) {}
+template <typename T> inline T atomicAdd(T* p, T v) { return std::atomic_ref<T>(*p).fetch_add(v); }
+inline int atomicMax(int* p, int v) {
+    std::atomic_ref<int> a(*p);
+    int old = a.load();
+    while (old < v && !a.compare_exchange_weak(old, v)) {}
+    return old;
+}
+
+// float and int helpers as CUDA spells them (fma must stay single precision)
+// fma(float, float, float): <cmath> already declares the single-precision overload globally
+using std::fma;
+inline unsigned __float_as_uint(float f) { return emu::from_bits<unsigned>(emu::to_bits(f)); }
+inline float __uint_as_float(unsigned u) { return emu::from_bits<float>(emu::to_bits(u)); }
+inline int __float_as_int(float f) { return emu::from_bits<int>(emu::to_bits(f)); }
+inline long long __double_as_longlong(double d) { return emu::from_bits<long long>(emu::to_bits(d)); }
+using std::max;
+using std::min;
+inline long long min(long long a, int b) { return a < b ? a : (long long)b; }
+inline long long min(int a, long long b) { return a < b ? (long long)a : b; }
+inline long long max(long long a, int b) { return a > b ? a : (long long)b; }
+inline long long max(int a, long long b) { return a > b ? (long long)a : b; }

@@ -1,0 +1,247 @@
+"""CUDA kernels of ``raw_kernels/`` run on the CPU through ``tests/cuda_emu/emu.h``.
+
+The real kernel source is compiled with g++ against a small emulation layer
+(one OS thread per CUDA thread, real barriers, warp shuffles through shared
+slots), so kernels written on a machine without a GPU have run at least once
+before they reach the device: their index arithmetic, barriers, staging and
+launch plans are checked here against numpy. The GPU suite (``pytest -m gpu``)
+still checks them on the device.
+
+Kernels covered: ``spmm_resident.cu`` (row totals, TwELL compaction, the
+resident-slice SpMM), with the launch plan of
+:func:`twellpy.backends.cuda.resident_layout`.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from makers import random_sparse
+from twellpy._array import bfloat16
+from twellpy.backends import _registry as reg
+from twellpy.backends import cpu
+from twellpy.backends.cuda import resident_layout
+
+EMU = Path(__file__).resolve().parent / "cuda_emu"
+GXX = shutil.which("g++")
+
+pytestmark = pytest.mark.skipif(GXX is None, reason="needs g++ (C++20) to build the CPU emulation of the kernels")
+
+# small tunables: few threads per block and short stages, so that several
+# blocks, warps, stage windows and row chunks occur at test sizes
+DEFINES = {"RES_THREADS": 64, "RES_STAGE": 32, "COMPACT_WARPS": 2}
+
+_HARNESS = r"""
+#include "emu.h"
+#include "kernel_source.cuh"
+#include <type_traits>
+static_assert(std::is_same_v<decltype(fma(1.0f, 1.0f, 1.0f)), float>, "fma must stay single precision");
+
+extern "C" {
+void row_totals(const int* counts, long long* totals, int M, int n_tiles, int slots) {
+    emu::launch(twellpy_twell_row_totals, dim3((M + COMPACT_WARPS - 1) / COMPACT_WARPS), dim3(32 * COMPACT_WARPS),
+                0, counts, totals, M, n_tiles, slots);
+}
+void compact_f32(const float* v, const int* i, const int* c, const long long* indptr, int* cols, float* vals,
+                 int M, int n_tiles, int slots, int N) {
+    emu::launch(twellpy_twell_compact<float>, dim3((M + COMPACT_WARPS - 1) / COMPACT_WARPS),
+                dim3(32 * COMPACT_WARPS), 0, v, i, c, indptr, cols, vals, M, n_tiles, slots, N);
+}
+void compact_bf16(const __nv_bfloat16* v, const int* i, const int* c, const long long* indptr, int* cols,
+                  __nv_bfloat16* vals, int M, int n_tiles, int slots, int N) {
+    emu::launch(twellpy_twell_compact<__nv_bfloat16>, dim3((M + COMPACT_WARPS - 1) / COMPACT_WARPS),
+                dim3(32 * COMPACT_WARPS), 0, v, i, c, indptr, cols, vals, M, n_tiles, slots, N);
+}
+#define RESIDENT(NAME, T, LPR)                                                                         \
+void NAME(const long long* indptr, const int* cols, const T* vals, const T* B, T* out, int M, int N, int K, \
+          int rows_per_block, int gx, int gy, long long smem) {                                      \
+    emu::launch(twellpy_spmm_resident<T, LPR>, dim3(gx, gy), dim3(RES_THREADS), (size_t)smem, indptr, cols, \
+                vals, B, out, M, N, K, rows_per_block);                                              \
+}
+RESIDENT(resident_f32_1, float, 1)
+RESIDENT(resident_f32_2, float, 2)
+RESIDENT(resident_f32_4, float, 4)
+RESIDENT(resident_bf16_1, __nv_bfloat16, 1)
+RESIDENT(resident_bf16_2, __nv_bfloat16, 2)
+RESIDENT(resident_bf16_4, __nv_bfloat16, 4)
+}
+"""
+
+
+def _emulation_source(cu_name):
+    """The kernel file with CUDA's shared-memory declarations rewritten for emu.h."""
+    src = reg.read_source(cu_name)
+    src = re.sub(r"extern\s+__shared__\s+(\w+)\s+(\w+)\s*\[\s*\]\s*;",
+                 r"\1* \2 = reinterpret_cast<\1*>(emu::dynamic_smem());", src)
+    return src.replace("__shared__", "static")
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    src = _emulation_source("spmm_resident.cu")
+    common = reg.read_source("common.cuh")
+    key = hashlib.sha256((src + common + _HARNESS + str(sorted(DEFINES.items()))
+                          + (EMU / "emu.h").read_text()).encode()).hexdigest()[:16]
+    d = tmp_path_factory.mktemp(f"emu_{key}")
+    (d / "kernel_source.cuh").write_text(src)
+    (d / "common.cuh").write_text(common)
+    (d / "harness.cpp").write_text(_HARNESS)
+    so = d / "harness.so"
+    cmd = [GXX, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", f"-I{EMU}", f"-I{d}",
+           *(f"-D{k}={v}" for k, v in DEFINES.items()), str(d / "harness.cpp"), "-o", str(so)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, f"emulation build failed:\n{r.stderr[-4000:]}"
+    return ctypes.CDLL(str(so))
+
+
+def _ptr(a):
+    return ctypes.c_void_p(a.ctypes.data)
+
+
+def _twell(x, tile, slots):
+    vals, idx, counts, _ = cpu.dense_to_twell(x, tile, slots)
+    return np.ascontiguousarray(vals), np.ascontiguousarray(idx), np.ascontiguousarray(counts)
+
+
+def _compact(lib, vals, idx, counts, n_cols):
+    """indptr, cols, vals through the emulated kernels (prefix sum in numpy, as cupy does)."""
+    m, n_tiles = counts.shape
+    slots = vals.shape[2] if vals.ndim == 3 else 0
+    totals = np.full(m + 1, -7, np.int64)   # poisoned: the kernel writes every entry
+    lib.row_totals(_ptr(counts), _ptr(totals), m, n_tiles, slots)
+    indptr = np.cumsum(totals)
+    cap = max(1, m * n_tiles * slots)
+    cols = np.full(cap, 0x7B7B7B7B, np.int32)
+    out = np.full(cap, np.nan, np.float32).astype(vals.dtype)
+    fn = lib.compact_f32 if vals.dtype == np.float32 else lib.compact_bf16
+    fn(_ptr(vals), _ptr(idx), _ptr(counts), _ptr(indptr), _ptr(cols), _ptr(out), m, n_tiles, slots, n_cols)
+    return indptr, cols, out
+
+
+def _reference_compact(vals, idx, counts, n_cols):
+    m, n_tiles = counts.shape
+    rows_c, rows_v = [], []
+    for r in range(m):
+        for t in range(n_tiles):
+            k = int(min(max(counts[r, t], 0), vals.shape[2]))
+            c = idx[r, t, :k].astype(np.int64)
+            rows_c.append(np.where((c >= 0) & (c < n_cols), c, -1).astype(np.int32))
+            rows_v.append(vals[r, t, :k])
+    nnz = np.minimum(np.maximum(counts, 0), vals.shape[2]).sum(axis=1)
+    return (np.concatenate([[0], np.cumsum(nnz)]).astype(np.int64),
+            np.concatenate(rows_c) if rows_c else np.zeros(0, np.int32),
+            np.concatenate(rows_v) if rows_v else np.zeros(0, vals.dtype))
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
+@pytest.mark.parametrize("tile,slots", [(64, 4), (32, 32), (256, 8)])
+def test_compaction_matches_numpy(lib, dtype, tile, slots):
+    rng = np.random.default_rng(3)
+    x = random_sparse(rng, 37, 1100, 25)
+    x[5] = rng.standard_normal(1100)              # every tile over capacity
+    x[[0, 36]] = 0.0
+    x = x.astype(dtype)
+    vals, idx, counts = _twell(x, tile, slots)    # 18 or 35 tiles: a warp's 32-tile loop wraps at 35
+    idx[2, 0, 0] = -5                             # out-of-range indices become -1
+    idx[3, 1, 0] = 5000
+    indptr, cols, out = _compact(lib, vals, idx, counts, 1100)
+    want_p, want_c, want_v = _reference_compact(vals, idx, counts, 1100)
+    np.testing.assert_array_equal(indptr, want_p)
+    nnz = int(want_p[-1])
+    np.testing.assert_array_equal(cols[:nnz], want_c)
+    np.testing.assert_array_equal(out[:nnz].view(np.uint8), want_v.view(np.uint8))
+
+
+def _run_resident(lib, x, b, *, tile=256, slots=32, n_sm=6, smem_limit=48 * 1024, min_chunk_rows=8):
+    """A @ B through compaction + the emulated resident kernel, planned by resident_layout."""
+    m, n = x.shape
+    k_cols = b.shape[1]
+    vals, idx, counts = _twell(x, tile, slots)
+    indptr, cols, cvals = _compact(lib, vals, idx, counts, n)
+    plan = resident_layout(m, n, k_cols, b.dtype.itemsize, n_sm, smem_limit,
+                           DEFINES["RES_THREADS"], DEFINES["RES_STAGE"], min_chunk_rows)
+    assert plan is not None
+    lpr, smem, n_slices, n_chunks, rows = plan
+    out = np.full((m, k_cols), np.nan, np.float32).astype(b.dtype)   # poisoned output
+    name = f"resident_{'f32' if b.dtype == np.float32 else 'bf16'}_{lpr}"
+    getattr(lib, name)(_ptr(indptr), _ptr(cols), _ptr(cvals), _ptr(b), _ptr(out), m, n, k_cols, rows,
+                       n_slices, n_chunks, ctypes.c_longlong(smem))
+    a_stored = cpu.slots_to_dense(vals.reshape(m, -1), idx.reshape(m, -1), n)
+    return out, a_stored, plan
+
+
+def _sequential_fma(a_stored_rows, b):
+    """The resident kernel's arithmetic: fp32 fma over the stored entries in column order."""
+    acc = np.zeros((len(a_stored_rows), b.shape[1]), np.float32)
+    bf = b.astype(np.float32)
+    for r, (c, v) in enumerate(a_stored_rows):
+        for cc, vv in zip(c, v):
+            acc[r] = (np.float64(vv) * bf[cc].astype(np.float64) + acc[r]).astype(np.float32)
+    return acc
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
+@pytest.mark.parametrize("k_cols", [8, 24, 40, 72])
+def test_resident_spmm_matches_reference(lib, dtype, k_cols):
+    """Several slices (one partial), row chunks, stage windows, rows longer than a
+    stage, empty rows first and last, M not a multiple of the rows per warp."""
+    if k_cols % (16 // np.dtype(dtype).itemsize):
+        k_cols += 16 // np.dtype(dtype).itemsize - k_cols % (16 // np.dtype(dtype).itemsize)
+    rng = np.random.default_rng(k_cols)
+    m, n = 77, 300
+    x = random_sparse(rng, m, n, 9)
+    x[4] = rng.standard_normal(n)                         # 300 entries: tiles over capacity, 16 kept of 64
+    x[9, rng.choice(n, 70, replace=False)] = rng.standard_normal(70)
+    x[[0, 30, m - 1]] = 0.0
+    x = x.astype(dtype)
+    b = (rng.standard_normal((n, k_cols)) / 4).astype(dtype)
+    out, a_stored, plan = _run_resident(lib, x, b, tile=64, slots=16)
+    assert plan[2] >= 1 and plan[3] > 1, plan             # several row chunks
+    got = out.astype(np.float64)
+    assert not np.isnan(got).any(), "an output element was never written"
+    ref = a_stored.astype(np.float64) @ b.astype(np.float64)
+    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    assert err <= (1e-6 if dtype == np.float32 else 8e-3), err
+    assert not got[[0, 30, m - 1]].any()
+    if dtype == np.float32:
+        rows = []
+        for r in range(m):
+            c = np.flatnonzero(a_stored[r] != 0)
+            rows.append((c, a_stored[r, c]))
+        np.testing.assert_allclose(got, _sequential_fma(rows, b), rtol=1e-6, atol=1e-7)
+
+
+def test_resident_spmm_every_slice_width_and_tiny_shapes(lib):
+    """LPR 4, 2 and 1 (the plan picks the widest that fits), M = 1, N = 1."""
+    rng = np.random.default_rng(11)
+    stage = DEFINES["RES_THREADS"] // 32 * DEFINES["RES_STAGE"] * 8
+    for n, limit in ((20, 48 * 1024), (300, 300 * 32 + stage + 100), (600, 600 * 16 + stage + 100)):
+        x = random_sparse(rng, 21, n, 5).astype(np.float32)
+        b = rng.standard_normal((n, 64)).astype(np.float32)
+        out, a_stored, plan = _run_resident(lib, x, b, smem_limit=limit)
+        assert plan[0] == {20: 4, 300: 2, 600: 1}[n], plan
+        ref = a_stored.astype(np.float64) @ b.astype(np.float64)
+        assert np.abs(out - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max())
+    for m, n in ((1, 50), (9, 1)):
+        x = np.ones((m, n), np.float32)
+        b = rng.standard_normal((n, 16)).astype(np.float32)
+        out, a_stored, _ = _run_resident(lib, x, b)
+        np.testing.assert_allclose(out, a_stored @ b, rtol=1e-6)
+
+
+def test_resident_layout_limits():
+    """The plan's arithmetic without a device."""
+    assert resident_layout(16384, 5632, 2048, 2, 132, 232448, 512, 256, 1024) == (2, 212992, 128, 2, 8192)
+    assert resident_layout(16384, 5632, 2048, 2, 108, 166912, 512, 256, 1024)[0] == 1   # A100: narrower
+    assert resident_layout(100, 70000, 2048, 2, 132, 232448, 512, 256, 1024) is None     # N > 65535 never fits
+    lpr, smem, n_slices, n_chunks, rows = resident_layout(100, 64, 8, 2, 132, 232448, 512, 256, 8)
+    assert (lpr, n_slices) == (1, 1) and n_chunks * rows >= 100 and (n_chunks - 1) * rows < 100
+    # fp64 stages take 12 bytes an entry
+    assert resident_layout(10, 10, 8, 8, 1, 10**6, 512, 256, 1)[1] == 10 * 4 * 16 + 16 * 256 * 12
