@@ -83,22 +83,28 @@ def _emulation_source(cu_name):
     return src.replace("__shared__", "static")
 
 
-@pytest.fixture(scope="module")
-def lib(tmp_path_factory):
-    src = _emulation_source("spmm_resident.cu")
+def _build(tmp_path_factory, cu_name, harness, defines):
+    """Compile ``harness`` (C++ that includes "kernel_source.cuh") against the
+    emulated ``raw_kernels/cu_name``; returns the loaded shared library."""
+    src = _emulation_source(cu_name)
     common = reg.read_source("common.cuh")
-    key = hashlib.sha256((src + common + _HARNESS + str(sorted(DEFINES.items()))
+    key = hashlib.sha256((src + common + harness + str(sorted(defines.items()))
                           + (EMU / "emu.h").read_text()).encode()).hexdigest()[:16]
-    d = tmp_path_factory.mktemp(f"emu_{key}")
+    d = tmp_path_factory.mktemp(f"emu_{Path(cu_name).stem}_{key}")
     (d / "kernel_source.cuh").write_text(src)
     (d / "common.cuh").write_text(common)
-    (d / "harness.cpp").write_text(_HARNESS)
+    (d / "harness.cpp").write_text(harness)
     so = d / "harness.so"
     cmd = [GXX, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", f"-I{EMU}", f"-I{d}",
-           *(f"-D{k}={v}" for k, v in DEFINES.items()), str(d / "harness.cpp"), "-o", str(so)]
+           *(f"-D{k}={v}" for k, v in defines.items()), str(d / "harness.cpp"), "-o", str(so)]
     r = subprocess.run(cmd, capture_output=True, text=True)
-    assert r.returncode == 0, f"emulation build failed:\n{r.stderr[-4000:]}"
+    assert r.returncode == 0, f"emulation build of {cu_name} failed:\n{r.stderr[-4000:]}"
     return ctypes.CDLL(str(so))
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    return _build(tmp_path_factory, "spmm_resident.cu", _HARNESS, DEFINES)
 
 
 def _ptr(a):
@@ -245,3 +251,138 @@ def test_resident_layout_limits():
     assert (lpr, n_slices) == (1, 1) and n_chunks * rows >= 100 and (n_chunks - 1) * rows < 100
     # fp64 stages take 12 bytes an entry
     assert resident_layout(10, 10, 8, 8, 1, 10**6, 512, 256, 1)[1] == 10 * 4 * 16 + 16 * 256 * 12
+
+
+# ---------------------------------------------------------------------------
+# train_ffn.cu: the kernels around the dense backup rows' GEMMs and the tiled
+# weight transpose, against their numpy twins in twellpy.backends.cpu_train
+# ---------------------------------------------------------------------------
+_TRAIN_HARNESS = r"""
+#include "emu.h"
+#include "kernel_source.cuh"
+
+extern "C" {
+#define BACKUP(SUFFIX, T, G)                                                                           \
+void backup_fwd_##SUFFIX(const T* g, const typename accum<T>::type* u_acc, T* u, T* h, const int* rows,      \
+                         int R, int H, typename accum<T>::type* habs, int grid) {                        \
+    emu::launch(twellpy_train_backup_fwd<T, G>, dim3(grid), dim3(256), 0, g, u_acc, u, h, rows, R, H, habs);  \
+}                                                                                                      \
+void backup_bwd_##SUFFIX(const typename accum<T>::type* dh, const T* g, const T* u, double l1s, T* da,     \
+                         T* db, long long n, int grid) {                                               \
+    emu::launch(twellpy_train_backup_bwd<T, G>, dim3(grid), dim3(256), 0, dh, g, u, l1s, da, db, n);    \
+}
+using twellpy::accum;
+BACKUP(f32_0, float, 0)
+BACKUP(f32_1, float, 1)
+BACKUP(bf16_0, __nv_bfloat16, 0)
+BACKUP(bf16_1, __nv_bfloat16, 1)
+void scatter_f32(const float* src, const int* rows, float* dst, int R, int D, int grid) {
+    emu::launch(twellpy_train_scatter_rows<float>, dim3(grid), dim3(256), 0, src, rows, dst, R, D);
+}
+void scatter_bf16(const float* src, const int* rows, __nv_bfloat16* dst, int R, int D, int grid) {
+    emu::launch(twellpy_train_scatter_rows<__nv_bfloat16>, dim3(grid), dim3(256), 0, src, rows, dst, R, D);
+}
+#define TRANSPOSE(SUFFIX, U)                                                                           \
+void transpose_##SUFFIX(const U* in, U* out, long long rows, long long cols, int gx, int gy) {          \
+    emu::launch(twellpy_train_transpose_dense<U>, dim3(gx, gy), dim3(32, 8), 0, in, out, rows, cols);   \
+}
+TRANSPOSE(u16, unsigned short)
+TRANSPOSE(u32, unsigned int)
+TRANSPOSE(u64, unsigned long long)
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def train_lib(tmp_path_factory):
+    return _build(tmp_path_factory, "train_ffn.cu", _TRAIN_HARNESS, {})
+
+
+def _suffix(dtype, gated=None):
+    s = "f32" if np.dtype(dtype) == np.float32 else "bf16"
+    return s if gated is None else f"{s}_{int(gated)}"
+
+
+def _backup_inputs(dtype, R, H, seed):
+    rng = np.random.default_rng(seed)
+    g = np.maximum(rng.standard_normal((R, H)), 0).astype(np.float32)   # ReLU values: half zero
+    g[0, :7] = [np.nan, -0.0, 0.0, 3.0, 0.5, np.nan, 1e-3]
+    g = g.astype(dtype)
+    u_acc = rng.standard_normal((R, H)).astype(np.float32)
+    dh = rng.standard_normal((R, H)).astype(np.float32)
+    return g, u_acc, dh
+
+
+def _bits(a):
+    return np.ascontiguousarray(a).view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("R,H,grid", [(5, 300, 5), (7, 1000, 2), (1, 31, 1)])
+def test_backup_row_kernels_match_numpy_twins(train_lib, dtype, gated, R, H, grid):
+    from twellpy.backends import cpu_train
+
+    g, u_acc, dh = _backup_inputs(dtype, R, H, seed=R * H)
+    M = R + 6
+    rows = np.sort(np.random.default_rng(R).choice(M, R, replace=False)).astype(np.int32)
+    # forward: u and h on the pattern, |h| sums per backup row
+    u = np.full((R, H), np.nan, np.float32).astype(dtype)
+    h = np.full((R, H), np.nan, np.float32).astype(dtype)
+    habs = np.full(M, -1.0, np.float32)
+    getattr(train_lib, f"backup_fwd_{_suffix(dtype, gated)}")(
+        _ptr(g), _ptr(u_acc), _ptr(u), _ptr(h), _ptr(rows), R, H, _ptr(habs), grid)
+    u_want = np.full((R, H), np.nan, np.float32).astype(dtype)
+    habs_want = np.full(M, -1.0, np.float32)
+    h_want = cpu_train.backup_rows_forward(g, u_acc if gated else None, u_want if gated else None, rows,
+                                           habs_want, gated)
+    if gated:
+        np.testing.assert_array_equal(_bits(u), _bits(u_want))
+        np.testing.assert_array_equal(_bits(h), _bits(np.asarray(h_want, dtype=dtype)))
+    others = np.setdiff1d(np.arange(M), rows)
+    assert (habs[others] == -1.0).all(), "only the backup rows' |h| sums are written"
+    np.testing.assert_allclose(habs[rows], habs_want[rows], rtol=2e-6, equal_nan=True)
+    # backward: du / dg (or dh), with and without the L1 term
+    for l1s in (0.0, 0.01):
+        da = np.full((R, H), np.nan, np.float32).astype(dtype)
+        db = np.full((R, H), np.nan, np.float32).astype(dtype)
+        uu = u if gated else g
+        getattr(train_lib, f"backup_bwd_{_suffix(dtype, gated)}")(
+            _ptr(dh), _ptr(g), _ptr(uu), ctypes.c_double(l1s), _ptr(da), _ptr(db), ctypes.c_longlong(R * H), grid)
+        da_w = np.full((R, H), np.nan, np.float32).astype(dtype)
+        db_w = np.full((R, H), np.nan, np.float32).astype(dtype)
+        cpu_train.backup_rows_backward(dh, g, u if gated else None, l1s, gated, da_w, db_w if gated else None)
+        np.testing.assert_array_equal(_bits(da), _bits(da_w))
+        if gated:
+            np.testing.assert_array_equal(_bits(db), _bits(db_w))
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
+def test_scatter_rows_matches_numpy_twin(train_lib, dtype):
+    from twellpy.backends import cpu_train
+
+    rng = np.random.default_rng(5)
+    M, R, D = 40, 6, 77
+    rows = np.sort(rng.choice(M, R, replace=False)).astype(np.int32)
+    src = rng.standard_normal((R, D)).astype(np.float32)
+    for grid in (1, 3):
+        dst = np.full((M, D), np.nan, np.float32).astype(dtype)
+        want = dst.copy()
+        getattr(train_lib, f"scatter_{_suffix(dtype)}")(_ptr(src), _ptr(rows), _ptr(dst), R, D, grid)
+        cpu_train.put_rows_from_acc(want, rows, src)
+        np.testing.assert_array_equal(_bits(dst), _bits(want))
+
+
+@pytest.mark.parametrize("width,name", [(2, "u16"), (4, "u32"), (8, "u64")])
+@pytest.mark.parametrize("shape", [(70, 100), (1, 33), (33, 1), (64, 64), (5, 200)])
+def test_tiled_transpose_is_exact(train_lib, width, name, shape):
+    rng = np.random.default_rng(sum(shape) + width)
+    utype = {2: np.uint16, 4: np.uint32, 8: np.uint64}[width]
+    a = rng.integers(0, np.iinfo(utype).max, size=shape, dtype=utype)
+    rows, cols = shape
+    full = (-(-cols // 32), -(-rows // 32))
+    for grid in (full, (1, 1), (2, 1)):   # fewer blocks than tiles: the grid-stride loops
+        out = np.zeros((cols, rows), utype) + utype(0x5A5A5A5A5A5A5A5A & np.iinfo(utype).max)
+        getattr(train_lib, f"transpose_{name}")(_ptr(a), _ptr(out), ctypes.c_longlong(rows),
+                                                 ctypes.c_longlong(cols), grid[0], grid[1])
+        np.testing.assert_array_equal(out, a.T)

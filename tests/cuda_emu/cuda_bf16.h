@@ -17,3 +17,4 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {   // round to nearest even, 
     return __nv_bfloat16{(unsigned short)(u >> 16)};
 }
 inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 b) { return b.x; }
+inline __nv_bfloat16 __double2bfloat16(double v) { return __float2bfloat16_rn((float)v); }  // via float

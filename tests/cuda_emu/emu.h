@@ -52,9 +52,10 @@ struct Block {
 };
 inline thread_local Block* cur = nullptr;
 inline thread_local dim3 tidx, bidx;
+inline thread_local int linear = 0;   // x + y * blockDim.x + ...: warps are runs of 32 of these
 inline dim3 bdim, gdim;
-inline int lane() { return (int)(tidx.x & 31u); }
-inline Warp& warp() { return *cur->warps[tidx.x >> 5]; }
+inline int lane() { return linear & 31; }
+inline Warp& warp() { return *cur->warps[linear >> 5]; }
 inline void* dynamic_smem() {   // 16-byte aligned start
     auto p = reinterpret_cast<uintptr_t>(cur->dyn.data());
     return reinterpret_cast<void*>((p + 15) & ~uintptr_t(15));
@@ -70,7 +71,7 @@ template <typename T> inline T exchange(T v, int src) {
     return out;
 }
 
-// Launch: blocks in order, the threads of a block together. Only 1-D blocks.
+// Launch: blocks in order, the threads of a block together.
 template <typename F, typename... Args>
 void launch(F kernel, dim3 grid, dim3 block, size_t smem, Args... args) {
     gdim = grid;
@@ -86,7 +87,9 @@ void launch(F kernel, dim3 grid, dim3 block, size_t smem, Args... args) {
                     threads.emplace_back([&, t] {
                         cur = &blk;
                         bidx = dim3(bx, by, bz);
-                        tidx = dim3((unsigned)t, 0, 0);
+                        linear = t;
+                        tidx = dim3((unsigned)t % block.x, ((unsigned)t / block.x) % block.y,
+                                    (unsigned)t / (block.x * block.y));
                         kernel(args...);
                         warp().bar.arrive_and_drop();   // done: later barriers need not wait for it
                         blk.bar.arrive_and_drop();
@@ -127,7 +130,21 @@ inline unsigned __ballot_sync(unsigned, int pred) {
     w.bar.arrive_and_wait();
     return m;
 }
+inline int __any_sync(unsigned mask, int pred) { return __ballot_sync(mask, pred) != 0u; }
+inline int __all_sync(unsigned mask, int pred) { return __ballot_sync(mask, pred) == 0xffffffffu; }
+// lanes holding the same value (every lane of the warp takes part)
+template <typename T> inline unsigned __match_any_sync(unsigned, T v) {
+    emu::Warp& w = emu::warp();
+    w.slot[emu::lane()] = emu::to_bits(v);
+    w.bar.arrive_and_wait();
+    unsigned m = 0;
+    for (int l = 0; l < 32; ++l)
+        if (w.slot[l] == w.slot[emu::lane()]) m |= 1u << l;
+    w.bar.arrive_and_wait();
+    return m;
+}
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline int __clz(int v) { return v == 0 ? 32 : __builtin_clz((unsigned)v); }
 inline int __popcll(unsigned long long v) { return __builtin_popcountll(v); }
 inline int __ffs(int v) { return __builtin_ffs(v); }
 template <typename T> inline T __ldg(const T* p) { return *p; }
@@ -135,6 +152,8 @@ template <typename T> inline T __ldcs(const T* p) { return *p; }
 template <typename T> inline void __stcs(T* p, T v) { *p = v; }
 inline void __nanosleep(unsigned) {}
 template <typename T> inline T atomicAdd(T* p, T v) { return std::atomic_ref<T>(*p).fetch_add(v); }
+inline int atomicOr(int* p, int v) { return std::atomic_ref<int>(*p).fetch_or(v); }
+inline unsigned atomicOr(unsigned* p, unsigned v) { return std::atomic_ref<unsigned>(*p).fetch_or(v); }
 inline int atomicMax(int* p, int v) {
     std::atomic_ref<int> a(*p);
     int old = a.load();
@@ -150,6 +169,9 @@ inline float __uint_as_float(unsigned u) { return emu::from_bits<float>(emu::to_
 inline int __float_as_int(float f) { return emu::from_bits<int>(emu::to_bits(f)); }
 inline long long __double_as_longlong(double d) { return emu::from_bits<long long>(emu::to_bits(d)); }
 using std::max;
+using std::signbit;
+using std::isnan;
+using std::isinf;
 using std::min;
 inline long long min(long long a, int b) { return a < b ? a : (long long)b; }
 inline long long min(int a, long long b) { return a < b ? (long long)a : b; }

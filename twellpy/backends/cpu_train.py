@@ -515,8 +515,9 @@ def backup_rows_backward(dh_acc, g_bk, u_bk, l1_scale, gated, da_bk, db_bk):
         d = d + g.dtype.type(l1_scale) * np.sign(h)
     d = np.where(on, d, 0).astype(g.dtype, copy=False)
     if gated:
-        da_bk[...] = (d * g).astype(dt, copy=False)
-        db_bk[...] = (d * u).astype(dt, copy=False)
+        # +0.0 off the pattern, as the CUDA kernel writes (d * g would give -0.0 where g is -0.0)
+        da_bk[...] = np.where(on, d * g, 0).astype(dt, copy=False)
+        db_bk[...] = np.where(on, d * u, 0).astype(dt, copy=False)
     else:
         da_bk[...] = d.astype(dt, copy=False)
 
