@@ -22,9 +22,10 @@
 //     gather kernels, so the result has the same bits.
 //
 // A is given compacted (CSR order): indptr (M+1) int64, cols (nnz) int32,
-// vals (nnz) T. twellpy_twell_row_totals + a prefix sum + twellpy_twell_compact
-// build that from TwELL without a host synchronisation. Entries whose column
-// is outside [0, N) are skipped (the gather kernels skip them too).
+// vals (nnz) V. twellpy_twell_row_totals + a prefix sum + twellpy_twell_compact
+// build that from TwELL without a host synchronisation; the fused FFN's split
+// mode (ffn_sparse.cu, SPLIT) writes its h that way (V = float). Entries whose
+// column is outside [0, N) are skipped (the gather kernels skip them too).
 #include "common.cuh"
 
 #ifndef RES_THREADS
@@ -65,6 +66,53 @@ twellpy_twell_row_totals(const int* __restrict__ counts, long long* __restrict__
 }
 
 // ---------------------------------------------------------------------------
+// twellpy_list_indptr: row starts of the compacted h of the fused FFN's split mode.
+//   row_count (M,)    int32  active neurons per row (twellpy_ffn_rowpack)
+//   indptr    (M+1,)  int64  out: indptr[0] = 0, indptr[r + 1] = indptr[r] + (row_count[r] <= cap ?
+//                            row_count[r] : 0) (rows over cap are computed whole by the fused kernel)
+// One block of 32 * COMPACT_WARPS threads; chunks of LIST_ITEMS consecutive rows
+// per thread, a block prefix sum per chunk, carried in order (deterministic).
+// ---------------------------------------------------------------------------
+#ifndef LIST_ITEMS
+#define LIST_ITEMS 8
+#endif
+__global__ void __launch_bounds__(COMPACT_WARPS * 32)
+twellpy_list_indptr(const int* __restrict__ row_count, long long* __restrict__ indptr, int M, int cap) {
+    __shared__ int s_warp[COMPACT_WARPS];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    constexpr int CHUNK = COMPACT_WARPS * 32 * LIST_ITEMS;
+    long long carry = 0;
+    if (tid == 0) indptr[0] = 0;
+    for (long long r0 = 0; r0 < M; r0 += CHUNK) {
+        const long long first = r0 + (long long)tid * LIST_ITEMS;
+        int v[LIST_ITEMS];
+        int mine = 0;
+#pragma unroll
+        for (int i = 0; i < LIST_ITEMS; ++i) {
+            const int c = (first + i < M) ? row_count[first + i] : 0;
+            v[i] = (c >= 0 && c <= cap) ? c : 0;
+            mine += v[i];   // <= LIST_ITEMS * cap: an int
+        }
+        const int incl = warp_inclusive_sum(mine, lane);
+        if (lane == 31) s_warp[warp] = incl;
+        __syncthreads();
+        long long before = 0, total = 0;
+        for (int w = 0; w < COMPACT_WARPS; ++w) {
+            before += (w < warp) ? s_warp[w] : 0;
+            total += s_warp[w];
+        }
+        long long pos = carry + before + (incl - mine);
+#pragma unroll
+        for (int i = 0; i < LIST_ITEMS; ++i) {
+            pos += v[i];
+            if (first + i < M) indptr[first + i + 1] = pos;
+        }
+        carry += total;
+        __syncthreads();  // s_warp is rewritten by the next chunk
+    }
+}
+
+// ---------------------------------------------------------------------------
 // twellpy_twell_compact<T>: TwELL -> compacted rows (CSR order: tile order, then slot order).
 //   values   (M, n_tiles, S)   T      TwELL values
 //   indices  (M, n_tiles, S)   int32  global columns
@@ -101,21 +149,23 @@ twellpy_twell_compact(const T* __restrict__ values, const int* __restrict__ indi
 }
 
 // ---------------------------------------------------------------------------
-// twellpy_spmm_resident<T, LPR>: out = A @ B, B[:, slice] resident in shared memory.
-//   indptr   (M+1,)   int64  row starts of the compacted A
-//   cols     (nnz,)   int32  column of A = row of B; entries outside [0, N) are skipped
-//   vals     (nnz,)   T      values of A
-//   B        (N, K)   T      dense, C order, 16-byte aligned, K % VEC == 0 (VEC = 16 / sizeof(T))
-//   out      (M, K)   T      out: rows [chunk * rows_per_block, ...) x the slice's columns
+// twellpy_spmm_resident<T, V, LPR>: out = A @ B, B[:, slice] resident in shared memory.
+//   indptr    (M+1,)   int64  row starts of the compacted A
+//   cols      (nnz,)   int32  column of A = row of B; entries outside [0, N) are skipped
+//   vals      (nnz,)   V      values of A (T, or the accumulator type)
+//   row_count (M,)     int32  optional (null: every row): rows with row_count > row_cap are
+//                             not stored (the fused FFN computed them whole)
+//   B         (N, K)   T      dense, C order, 16-byte aligned, K % VEC == 0 (VEC = 16 / sizeof(T))
+//   out       (M, K)   T      out: rows [chunk * rows_per_block, ...) x the slice's columns
 // grid = (ceil(K / (LPR * VEC)), ceil(M / rows_per_block)), block = RES_THREADS.
 // Dynamic shared memory (bytes): N * LPR * 16 + (RES_THREADS / 32) * RES_STAGE * (4 + sizeof(acc)),
 // acc = double for double data, float otherwise; the launcher raises the block's limit to it.
 // ---------------------------------------------------------------------------
-template <typename T, int LPR>
+template <typename T, typename V, int LPR>
 __global__ void __launch_bounds__(RES_THREADS, 1)
 twellpy_spmm_resident(const long long* __restrict__ indptr, const int* __restrict__ cols,
-                      const T* __restrict__ vals, const T* __restrict__ B, T* __restrict__ out,
-                      int M, int N, int K, int rows_per_block) {
+                      const V* __restrict__ vals, const int* __restrict__ row_count, int row_cap,
+                      const T* __restrict__ B, T* __restrict__ out, int M, int N, int K, int rows_per_block) {
     typedef typename accum<T>::type A;
     constexpr int VEC = 16 / (int)sizeof(T);
     constexpr int RPW = 32 / LPR;               // rows per warp pass
@@ -165,7 +215,7 @@ twellpy_spmm_resident(const long long* __restrict__ indptr, const int* __restric
                 if (i < n_in) {
                     const int c = cols[w0 + i];
                     w_col[i] = (c >= 0 && c < N) ? c : -1;
-                    w_val[i] = to_acc<A, T>(vals[w0 + i]);
+                    w_val[i] = to_acc<A, V>(vals[w0 + i]);
                 }
             }
             __syncwarp();  // the stage is visible to the whole warp
@@ -183,7 +233,8 @@ twellpy_spmm_resident(const long long* __restrict__ indptr, const int* __restric
             __syncwarp();  // every lane is done with the stage before it is refilled
         }
         const long long c = col0 + part * VEC;
-        if (has_row && c < K) {   // K % VEC == 0: the whole vector is inside the row
+        // K % VEC == 0: the whole vector is inside the row
+        if (has_row && c < K && (row_count == nullptr || row_count[row] <= row_cap)) {
             vec_t<T, VEC> o;
 #pragma unroll
             for (int k = 0; k < VEC; ++k) o.v[k] = from_acc<T, A>(acc[k]);

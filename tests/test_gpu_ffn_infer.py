@@ -494,3 +494,56 @@ def test_calls_on_two_streams_do_not_share_workspaces_too_early():
     cp.cuda.Device().synchronize()
     assert rel_err(y1, ref64(w)) <= 2e-5
     assert rel_err(y2, ref64(other)) <= 2e-5
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("chunk_rows,heavy_limit", [(None, None), (700, None), (None, 256)],
+                         ids=["one-chunk", "two-streams", "hand-off"])
+def test_split_sparse_step_gives_the_fused_bits(dtype, gated, chunk_rows, heavy_limit):
+    """The split sparse step (up projection of the list rows, then the down
+    projection by twellpy_spmm_resident) against the fused kernel: the same y and
+    h bits on uneven data (sigma 0.3), with a token firing 2000 neurons (longer
+    than its row list: computed whole by the fused kernel in both modes), empty
+    tokens, the two-stream pipeline and the heavy-row hand-off."""
+    M = 1500 if os.environ.get("TWELLPY_SANITIZE") == "1" else 2600
+    w = make_ffn(M, 256, 2304, 12, sigma=0.3, gated=gated, dtype=dtype, xp=cp, seed=91)
+    x = w["x"].copy()
+    x[5, 1:] = 0.0
+    x[5, 0] = -50.0                              # token 5 fires every neuron whose threshold column allows
+    x[9] = 0.0                                   # token 9 fires none
+    ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"]) if gated else ReluFFN(w["w_up"], w["w_down"])
+    ffn.heavy_limit = heavy_limit
+    ffn._plan.chunk_rows = chunk_rows
+    outs = {}
+    for split in (False, True):
+        ffn._plan.split_down = split
+        poison()
+        y, h = ffn(x, mode="sparse", return_activations=True)
+        outs[split] = (y, h.toarray())
+        assert ffn.last_info["mode"] == "sparse"
+    (y0, h0), (y1, h1) = outs[False], outs[True]
+    u = {2: np.uint16, 4: np.uint32, 8: np.uint64}[np.dtype(dtype).itemsize]
+    assert bool((y1.view(u) == y0.view(u)).all()), "split and fused y differ"
+    assert bool((h1.view(u) == h0.view(u)).all()), "split and fused h differ"
+    ref = ref64(dict(w, x=x), gated)
+    assert rel_err(y1, ref) <= TOL[np.dtype(dtype)] * (5 if np.dtype(dtype).itemsize == 2 else 1)
+    assert int(cp.count_nonzero(h1[5])) > 512    # the long token really was longer than its list
+
+
+def test_split_mode_choice():
+    """"auto" splits from cuda.RESIDENT_MIN_ROWS rows when a slice of w_downT fits;
+    False never; True always (a slice fits here)."""
+    from twellpy.backends import cuda
+
+    w = make_ffn(8, 256, 1024, 10, dtype=bfloat16, xp=cp, seed=92)
+    plan = GatedFFN(w["w_gate"], w["w_up"], w["w_down"])._plan
+    y = cp.empty((cuda.RESIDENT_MIN_ROWS, 256), bfloat16)
+    plan.split_down = "auto"
+    assert plan._split_plan(cuda.RESIDENT_MIN_ROWS, y, 0) is not None
+    assert plan._split_plan(cuda.RESIDENT_MIN_ROWS - 1, y[:-1], 0) is None
+    plan.split_down = False
+    assert plan._split_plan(cuda.RESIDENT_MIN_ROWS, y, 0) is None
+    plan.split_down = True
+    assert plan._split_plan(3, y[:3], 0) is not None
+    assert plan._split_plan(3, y[:3], None) is None        # no row lists: nothing to split

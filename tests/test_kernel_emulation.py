@@ -59,18 +59,20 @@ void compact_bf16(const __nv_bfloat16* v, const int* i, const int* c, const long
     emu::launch(twellpy_twell_compact<__nv_bfloat16>, dim3((M + COMPACT_WARPS - 1) / COMPACT_WARPS),
                 dim3(32 * COMPACT_WARPS), 0, v, i, c, indptr, cols, vals, M, n_tiles, slots, N);
 }
-#define RESIDENT(NAME, T, LPR)                                                                         \
-void NAME(const long long* indptr, const int* cols, const T* vals, const T* B, T* out, int M, int N, int K, \
-          int rows_per_block, int gx, int gy, long long smem) {                                      \
-    emu::launch(twellpy_spmm_resident<T, LPR>, dim3(gx, gy), dim3(RES_THREADS), (size_t)smem, indptr, cols, \
-                vals, B, out, M, N, K, rows_per_block);                                              \
+#define RESIDENT(NAME, T, V, LPR)                                                                      \
+void NAME(const long long* indptr, const int* cols, const V* vals, const int* row_count, int row_cap,     \
+          const T* B, T* out, int M, int N, int K, int rows_per_block, int gx, int gy, long long smem) {  \
+    emu::launch(twellpy_spmm_resident<T, V, LPR>, dim3(gx, gy), dim3(RES_THREADS), (size_t)smem, indptr,  \
+                cols, vals, row_count, row_cap, B, out, M, N, K, rows_per_block);                        \
 }
-RESIDENT(resident_f32_1, float, 1)
-RESIDENT(resident_f32_2, float, 2)
-RESIDENT(resident_f32_4, float, 4)
-RESIDENT(resident_bf16_1, __nv_bfloat16, 1)
-RESIDENT(resident_bf16_2, __nv_bfloat16, 2)
-RESIDENT(resident_bf16_4, __nv_bfloat16, 4)
+RESIDENT(resident_f32_1, float, float, 1)
+RESIDENT(resident_f32_2, float, float, 2)
+RESIDENT(resident_f32_4, float, float, 4)
+RESIDENT(resident_bf16_1, __nv_bfloat16, __nv_bfloat16, 1)
+RESIDENT(resident_bf16_2, __nv_bfloat16, __nv_bfloat16, 2)
+RESIDENT(resident_bf16_4, __nv_bfloat16, __nv_bfloat16, 4)
+RESIDENT(resident_bf16f_1, __nv_bfloat16, float, 1)
+RESIDENT(resident_bf16f_2, __nv_bfloat16, float, 2)
 }
 """
 
@@ -177,7 +179,7 @@ def _run_resident(lib, x, b, *, tile=256, slots=32, n_sm=6, smem_limit=48 * 1024
     lpr, smem, n_slices, n_chunks, rows = plan
     out = np.full((m, k_cols), np.nan, np.float32).astype(b.dtype)   # poisoned output
     name = f"resident_{'f32' if b.dtype == np.float32 else 'bf16'}_{lpr}"
-    getattr(lib, name)(_ptr(indptr), _ptr(cols), _ptr(cvals), _ptr(b), _ptr(out), m, n, k_cols, rows,
+    getattr(lib, name)(_ptr(indptr), _ptr(cols), _ptr(cvals), None, 0, _ptr(b), _ptr(out), m, n, k_cols, rows,
                        n_slices, n_chunks, ctypes.c_longlong(smem))
     a_stored = cpu.slots_to_dense(vals.reshape(m, -1), idx.reshape(m, -1), n)
     return out, a_stored, plan
@@ -386,3 +388,135 @@ def test_tiled_transpose_is_exact(train_lib, width, name, shape):
         getattr(train_lib, f"transpose_{name}")(_ptr(a), _ptr(out), ctypes.c_longlong(rows),
                                                  ctypes.c_longlong(cols), grid[0], grid[1])
         np.testing.assert_array_equal(out, a.T)
+
+
+# ---------------------------------------------------------------------------
+# the fused FFN's split mode: ffn_sparse.cu (SPLIT) + spmm_resident.cu
+# ---------------------------------------------------------------------------
+_FFN_HARNESS = r"""
+#include "emu.h"
+#include "kernel_source.cuh"
+#include "resident_source.cuh"
+
+extern "C" {
+typedef __nv_bfloat16 bf16;
+void ffn_bf16(int split, const bf16* x, const bf16* g, const bf16* w_up, const bf16* w_downT, bf16* y,
+              const int* list_idx, const float* list_val, const int* row_count, int capr, int* heavy,
+              unsigned long long* counters, int M, int D, int H, int heavy_limit, const long long* h_indptr,
+              int* h_cols, float* h_vals, int grid, int threads) {
+    if (split)
+        emu::launch(twellpy_ffn_sparse<bf16, 1, 8, true, false, true>, dim3(grid), dim3(threads), 0, x,
+                    (long long)D, g, (long long)H, w_up, w_downT, y, (long long)D, (bf16*)nullptr, 0LL, list_idx,
+                    list_val, row_count, capr, heavy, counters, M, D, H, heavy_limit, h_indptr, h_cols, h_vals);
+    else
+        emu::launch(twellpy_ffn_sparse<bf16, 1, 8, true, false, false>, dim3(grid), dim3(threads), 0, x,
+                    (long long)D, g, (long long)H, w_up, w_downT, y, (long long)D, (bf16*)nullptr, 0LL, list_idx,
+                    list_val, row_count, capr, heavy, counters, M, D, H, heavy_limit, (const long long*)nullptr,
+                    (int*)nullptr, (float*)nullptr);
+}
+void list_indptr(const int* row_count, long long* indptr, int M, int cap) {
+    emu::launch(twellpy_list_indptr, dim3(1), dim3(32 * COMPACT_WARPS), 0, row_count, indptr, M, cap);
+}
+void resident_bf16f(int lpr, const long long* indptr, const int* cols, const float* vals, const int* row_count,
+                    int row_cap, const bf16* B, bf16* out, int M, int N, int K, int rows_per_block, int gx, int gy,
+                    long long smem) {
+    if (lpr == 1)
+        emu::launch(twellpy_spmm_resident<bf16, float, 1>, dim3(gx, gy), dim3(RES_THREADS), (size_t)smem, indptr,
+                    cols, vals, row_count, row_cap, B, out, M, N, K, rows_per_block);
+    else if (lpr == 2)
+        emu::launch(twellpy_spmm_resident<bf16, float, 2>, dim3(gx, gy), dim3(RES_THREADS), (size_t)smem, indptr,
+                    cols, vals, row_count, row_cap, B, out, M, N, K, rows_per_block);
+    else
+        emu::launch(twellpy_spmm_resident<bf16, float, 4>, dim3(gx, gy), dim3(RES_THREADS), (size_t)smem, indptr,
+                    cols, vals, row_count, row_cap, B, out, M, N, K, rows_per_block);
+}
+}
+"""
+_FFN_DEFINES = {"RES_THREADS": 64, "RES_STAGE": 32, "COMPACT_WARPS": 2, "LIST_ITEMS": 2}
+
+
+@pytest.fixture(scope="module")
+def ffn_lib(tmp_path_factory):
+    harness = _FFN_HARNESS.replace('#include "resident_source.cuh"',
+                                   _emulation_source("spmm_resident.cu").replace('#include "common.cuh"', ""))
+    return _build(tmp_path_factory, "ffn_sparse.cu", harness, _FFN_DEFINES)
+
+
+def _row_lists(g, capr):
+    """What twellpy_ffn_rowpack writes: the active neurons (> 0 or NaN) of each
+    row in column order with their gate values, for rows of at most capr."""
+    M, H = g.shape
+    gf = g.astype(np.float32)
+    active = ~(gf <= 0)
+    count = active.sum(axis=1).astype(np.int32)
+    idx = np.full((M, capr), -77, np.int32)                  # poison beyond the count
+    val = np.full((M, capr), np.nan, np.float32)
+    for r in range(M):
+        if count[r] <= capr:
+            cols = np.flatnonzero(active[r])
+            idx[r, :cols.size], val[r, :cols.size] = cols, gf[r, cols]
+    return idx, val, count
+
+
+@pytest.mark.parametrize("heavy_limit", [0x7FFFFFFF, 20], ids=["every-row-here", "hand-off-over-20"])
+def test_ffn_split_mode_gives_the_fused_bits(ffn_lib, heavy_limit):
+    """Split mode (up projection of the list rows, then the resident down
+    projection) writes the same y bits as the fused kernel, for list rows, rows
+    too long for their list (scanned and computed whole), empty rows and, with
+    the hand-off, rows left to the host (untouched by both)."""
+    rng = np.random.default_rng(19)
+    M, D, H, capr = 300, 64, 600, 16
+    x = rng.standard_normal((M, D)).astype(bfloat16)
+    w_gate = (rng.standard_normal((H, D)) / 8).astype(np.float32)
+    w_gate[:, 0] -= 2.1                                      # ~10 active neurons per row
+    x[:, 0] = 1
+    x[7, 1:] = 0
+    x[7, 0] = 0                                              # row 7: no active neuron
+    g = (x.astype(np.float32) @ w_gate.T).astype(bfloat16)
+    g[11, :300] = np.abs(g[11, :300].astype(np.float32)) + 0.25   # row 11: 300+ active, over capr
+    g[12, :18] = 1.0                                         # row 12: just over capr
+    w_up = (rng.standard_normal((H, D)) / 8).astype(bfloat16)
+    w_downT = (rng.standard_normal((H, D)) / 8).astype(bfloat16)
+    idx, val, count = _row_lists(g, capr)
+    assert count[7] == 0 and count[11] > capr and count[12] > capr and 5 < np.median(count) <= capr
+
+    def run(split):
+        y = np.full((M, D), np.nan, np.float32).astype(bfloat16)
+        heavy = np.full(M, -1, np.int32)
+        counters = np.zeros(2, np.uint64)
+        lim = min(capr, heavy_limit)
+        h_indptr = np.full(M + 1, -9, np.int64)
+        h_cols = np.full(M * capr, -5, np.int32)
+        h_vals = np.full(M * capr, np.nan, np.float32)
+        if split:
+            ffn_lib.list_indptr(_ptr(count), _ptr(h_indptr), M, lim)
+            want = np.concatenate([[0], np.cumsum(np.where(count <= lim, count, 0))])
+            np.testing.assert_array_equal(h_indptr, want)
+        ffn_lib.ffn_bf16(int(split), _ptr(x), _ptr(g), _ptr(w_up), _ptr(w_downT), _ptr(y), _ptr(idx), _ptr(val),
+                         _ptr(count), capr, _ptr(heavy), _ptr(counters), M, D, H, heavy_limit, _ptr(h_indptr),
+                         _ptr(h_cols), _ptr(h_vals), 13, 128)
+        if split:
+            plan = resident_layout(M, H, D, 2, 5, 64 * 1024, _FFN_DEFINES["RES_THREADS"],
+                                   _FFN_DEFINES["RES_STAGE"], 16)
+            lpr, smem, n_slices, n_chunks, rows = plan
+            assert n_chunks > 1
+            ffn_lib.resident_bf16f(lpr, _ptr(h_indptr), _ptr(h_cols), _ptr(h_vals), _ptr(count), lim, _ptr(w_downT),
+                                   _ptr(y), M, H, D, rows, n_slices, n_chunks, ctypes.c_longlong(smem))
+        return y, heavy, counters
+
+    y_fused, heavy_f, counters_f = run(False)
+    y_split, heavy_s, counters_s = run(True)
+    np.testing.assert_array_equal(heavy_s, heavy_f)
+    np.testing.assert_array_equal(counters_s, counters_f)
+    np.testing.assert_array_equal(y_split.view(np.uint16), y_fused.view(np.uint16))
+    handed = heavy_f == 1
+    assert handed.sum() == (count > heavy_limit).sum()
+    assert np.isnan(y_split[handed].astype(np.float32)).all(), "rows handed to the host stay untouched"
+    ok = ~handed
+    assert not np.isnan(y_split[ok].astype(np.float32)).any()
+    gf = g.astype(np.float64)
+    h = np.where(gf > 0, gf, 0) * (x.astype(np.float64) @ w_up.astype(np.float64).T)
+    ref = h @ w_downT.astype(np.float64)
+    err = np.linalg.norm(y_split[ok].astype(np.float64) - ref[ok]) / np.linalg.norm(ref[ok])
+    assert err < 1e-2, err
+    assert not y_split[7].astype(np.float32).any()

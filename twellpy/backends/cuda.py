@@ -153,8 +153,9 @@ def _name_spmm_rows(dtype, vec, nv, kb):
     return f"twellpy_twell_spmm_rows<{_ct(dtype)}, {vec}, {nv}, {kb}>"
 
 
-def _name_resident(dtype, lpr):
-    return f"twellpy_spmm_resident<{_ct(dtype)}, {lpr}>"
+def _name_resident(dtype, lpr, value_dtype=None):
+    """``twellpy_spmm_resident<T, V, LPR>``: V (the entries' value type) defaults to T."""
+    return f"twellpy_spmm_resident<{_ct(dtype)}, {_ct(value_dtype or dtype)}, {lpr}>"
 
 
 def _name_cast(src, dst):
@@ -181,9 +182,12 @@ def _declare_all():
     reg.declare("spmm.cu", spmm_rows, _spmm_rows_defines())
     reg.declare("transpose.cu", transpose)
     reg.declare("spmm_resident.cu",
-                ["twellpy_twell_row_totals"]
+                ["twellpy_twell_row_totals", "twellpy_list_indptr"]
                 + [_name_t("twell_compact", dt) for dt in FLOAT_DTYPES]
-                + [_name_resident(dt, lpr) for dt in FLOAT_DTYPES for lpr in _RESIDENT_LPR],
+                + [_name_resident(dt, lpr) for dt in FLOAT_DTYPES for lpr in _RESIDENT_LPR]
+                # the fused FFN's split mode hands over h in the accumulator type
+                + [_name_resident(dt, lpr, np.float32) for dt in FLOAT_DTYPES if dt.itemsize == 2
+                   for lpr in _RESIDENT_LPR],
                 _resident_defines())
     reg.declare("check.cu", [f"twellpy_count_nonfinite<{c}>" for c in _NONFINITE_WORD.values()])
 
@@ -850,11 +854,13 @@ def _device_limits(device_id):
             int(rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id)))
 
 
-def _resident_plan(m, n_rows_b, k_cols, n_slots_per_row, dtype, *arrays):
+def _resident_plan(m, n_rows_b, k_cols, n_slots_per_row, dtype, *arrays, mode=None):
     """Launch plan of ``twellpy_spmm_resident`` for an (m, n_rows_b) @ (n_rows_b, k_cols)
     product on the current device, or None when the gather kernel should run
-    instead (see :func:`resident_layout` for the plan's fields)."""
-    if SPMM_RESIDENT is False or (SPMM_RESIDENT == "auto" and m < RESIDENT_MIN_ROWS):
+    instead (see :func:`resident_layout` for the plan's fields). ``mode``
+    ("auto", True or False) overrides ``SPMM_RESIDENT``."""
+    mode = SPMM_RESIDENT if mode is None else mode
+    if mode is False or (mode == "auto" and m < RESIDENT_MIN_ROWS):
         return None
     dt = np.dtype(dtype)
     if m == 0 or n_rows_b == 0 or k_cols % _vec_width(dt) or not _aligned(*arrays):
@@ -894,7 +900,8 @@ def resident_layout(m, n_rows_b, k_cols, itemsize, n_sm, smem_limit, threads, st
     return lpr, smem, n_slices, n_chunks, rows_per_chunk
 
 
-_RESIDENT_SMEM_SET = set()  # (device, kernel id) whose dynamic shared memory limit was raised
+_RESIDENT_SMEM_SET = set()
+_NULL_PTR = np.uint64(0)  # (device, kernel id) whose dynamic shared memory limit was raised
 
 
 def _twell_compact(values, indices, counts, n_tiles, slots, n_cols_a):
@@ -918,19 +925,33 @@ def _twell_compact(values, indices, counts, n_tiles, slots, n_cols_a):
     return indptr, cols, vals
 
 
-def _resident_spmm(indptr, cols, vals, B, out, plan):
-    """Launch ``twellpy_spmm_resident`` (see :func:`_resident_plan`)."""
+def list_indptr(row_count, cap, out):
+    """``out`` (M+1,) int64 = row starts of the rows with ``row_count <= cap``
+    (other rows count 0), on the current stream (``twellpy_list_indptr``)."""
+    m = row_count.shape[0]
+    k = reg.get_kernel("spmm_resident.cu", "twellpy_list_indptr", **_resident_defines())
+    k((1,), (32 * int(COMPACT_WARPS),), (row_count, out, _i32(m), _i32(cap)))
+    return out
+
+
+def _resident_spmm(indptr, cols, vals, B, out, plan, row_count=None, row_cap=0):
+    """Launch ``twellpy_spmm_resident`` (see :func:`_resident_plan`) on the current
+    stream: ``out`` (C-contiguous, B's dtype) gets A @ B, A the compacted rows
+    (``indptr`` int64, ``cols`` int32, ``vals`` of B's dtype or float32). Rows whose
+    ``row_count`` exceeds ``row_cap`` are left untouched."""
     lpr, smem, n_slices, n_chunks, rows_per_chunk = plan
     m = out.shape[0]
     n_rows_b, k_cols = B.shape
-    k = reg.get_kernel("spmm_resident.cu", _name_resident(out.dtype, lpr), **_resident_defines())
+    vdt = None if vals.dtype == out.dtype else vals.dtype
+    k = reg.get_kernel("spmm_resident.cu", _name_resident(out.dtype, lpr, vdt), **_resident_defines())
     key = (_cp().cuda.Device().id, id(k))
     if key not in _RESIDENT_SMEM_SET:
         # more than 48 KB of dynamic shared memory needs the kernel's limit raised once
         k.max_dynamic_shared_size_bytes = _device_limits(key[0])[1]
         _RESIDENT_SMEM_SET.add(key)
     k((n_slices, n_chunks), (int(RESIDENT_THREADS),),
-      (indptr, cols, vals, B, out, _i32(m), _i32(n_rows_b), _i32(k_cols), _i32(rows_per_chunk)),
+      (indptr, cols, vals, _NULL_PTR if row_count is None else row_count, _i32(row_cap), B, out,
+       _i32(m), _i32(n_rows_b), _i32(k_cols), _i32(rows_per_chunk)),
       shared_mem=smem)
     return out
 

@@ -13,6 +13,12 @@ One call (sparse mode):
    neurons scans ``g`` itself and processes its neurons in as many rounds as
    needed, so any sparsity pattern is exact. Optionally (``heavy_limit``) such
    rows are handed to an exact dense sub-FFN instead.
+   Split mode (``FFNPlan.split_down``): for the rows its lists serve, the kernel
+   does only the up projection and writes h compacted
+   (``twellpy_list_indptr`` gives the row starts); ``twellpy_spmm_resident``
+   (``raw_kernels/spmm_resident.cu``) then adds the down projection with a
+   column slice of ``w_down`` in each block's shared memory, so ``w_down`` is
+   read once per slice instead of once per active neuron. Same bits.
 
 Calls of more than ``MAX_CHUNK`` rows run as a two-stream pipeline over row
 chunks: stream A does steps 1-2 of chunk ``i+1`` while stream B does step 3
@@ -34,6 +40,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+from contextlib import nullcontext as _nullcontext
 
 import numpy as np
 
@@ -54,9 +61,9 @@ DEFAULT_KB = "narrow"
 _LIST_CAP = 2048
 
 
-def _sparse_name(dtype, nv, kb, gated, write_h):
-    return (f"twellpy_ffn_sparse<{_registry.ctype(dtype)}, {nv}, {kb}, "
-            f"{'true' if gated else 'false'}, {'true' if write_h else 'false'}>")
+def _sparse_name(dtype, nv, kb, gated, write_h, split=False):
+    b = lambda v: "true" if v else "false"  # noqa: E731
+    return f"twellpy_ffn_sparse<{_registry.ctype(dtype)}, {nv}, {kb}, {b(gated)}, {b(write_h)}, {b(split)}>"
 
 
 #: resident blocks per SM of the sparse kernel's register budget. Every compile
@@ -84,7 +91,7 @@ def _sparse_defines(l2_hint=False, min_blocks=DEFAULT_MIN_BLOCKS):
 
 def _ci_instantiations():
     """A covering set of sparse-kernel instantiations for tools/check_kernels.py,
-    as ``(dtype, nv, kb, gated, write_h)`` tuples.
+    as ``(dtype, nv, kb, gated, write_h[, split])`` tuples.
 
     Every dtype, both FFN kinds, both h-writing modes, every NV and both batch
     variants appear at least once; compiling all 256 combinations in CI would
@@ -101,6 +108,12 @@ def _ci_instantiations():
     for nv in (1, 4, 8):
         out.append((bf16, nv, _KB_FOR_NV[DEFAULT_KB][nv], True, False))
     out.append((bf16, 2, _KB_FOR_NV["wide"][2], True, False))
+    # split mode (list rows: up projection only; spmm_resident.cu adds the down projection)
+    for dt in _DTYPES:
+        nv = 2 if dt.itemsize == 2 else 1
+        out.append((dt, nv, _KB_FOR_NV[DEFAULT_KB][nv], True, False, True))
+    out.append((bf16, 2, _KB_FOR_NV[DEFAULT_KB][2], False, False, True))
+    out.append((bf16, 2, _KB_FOR_NV[DEFAULT_KB][2], True, True, True))
     return out
 
 
@@ -361,6 +374,16 @@ class FFNPlan:
         self.heavy_limit = None
         #: rows per pipeline chunk (None: default_chunk(M))
         self.chunk_rows = None
+        #: split the sparse step (TWELLPY_FFN_SPLIT=auto|1|0): the fused kernel does
+        #: only the up projection of the rows its row lists serve and writes their h
+        #: compacted; twellpy_spmm_resident adds the down projection with a column
+        #: slice of w_downT in each block's shared memory (w_downT read once per
+        #: slice instead of once per active neuron). "auto": calls of at least
+        #: cuda.RESIDENT_MIN_ROWS rows whose slice fits. Same bits either way.
+        env_split = os.environ.get("TWELLPY_FFN_SPLIT", "auto")
+        if env_split not in ("auto", "0", "1"):
+            raise ValueError(f"TWELLPY_FFN_SPLIT must be auto, 0 or 1, got {env_split!r}")
+        self.split_down = {"auto": "auto", "0": False, "1": True}[env_split]
         #: mean active neurons per token above which "auto" runs the dense path
         self.auto_threshold = self._default_threshold()
         self._ws_rows = 0
@@ -472,7 +495,8 @@ class FFNPlan:
         device and tuning, memoised per plan: the registry lookup builds names
         and define sets, which decode-sized calls cannot afford each time."""
         dev = cupy_module().cuda.Device().id
-        write_h = kind == "sparse_h"
+        write_h = kind.startswith("sparse_h")
+        split = kind.endswith("_split")
         key = (dev, kind, self.config, self.kb_variant, self.l2_hint, self.min_blocks)
         hit = self._kernels.get(key)
         if hit is not None:
@@ -482,7 +506,7 @@ class FFNPlan:
         else:
             _, nv = self.config
             kb = _KB_FOR_NV[self.kb_variant][nv]
-            k = _registry.get_kernel(_SPARSE_FILE, _sparse_name(self.dtype, nv, kb, self.gated, write_h),
+            k = _registry.get_kernel(_SPARSE_FILE, _sparse_name(self.dtype, nv, kb, self.gated, write_h, split),
                                      **_sparse_defines(self.l2_hint, self.min_blocks))
         hit = self._kernels[key] = (k, _sm_count(dev) * 16)
         return hit
@@ -502,12 +526,34 @@ class FFNPlan:
             with stream:
                 k(((m + 7) // 8,), (256,), args)
 
+    def _split_plan(self, m, y, buf):
+        """Resident-kernel plan of the split sparse step for ``m`` rows, or None
+        (the fused kernel does the whole row): see ``split_down``."""
+        if self.split_down is False or buf is None or not self.sparse_ok:
+            return None
+        from . import cuda
+
+        return cuda._resident_plan(m, self.H, self.D, LIST_ROW_CAP, self.dtype, self.w_downT, y,
+                                   mode=self.split_down)
+
+    def _split_buffers(self, buf, rows):
+        """Grow-only compacted-h buffers of ring slot ``buf``: indptr, columns, values."""
+        cp = cupy_module()
+        have = self._ws.get("split")
+        if have is None or have[0][0].shape[0] < rows + 1:
+            acc = np.float64 if self.dtype == np.float64 else np.float32
+            have = self._ws["split"] = [(cp.empty((rows + 1,), np.int64), cp.empty((rows * LIST_ROW_CAP,), np.int32),
+                                         cp.empty((rows * LIST_ROW_CAP,), acc)) for _ in range(2)]
+        return have[buf]
+
     def _launch_sparse(self, x, g, y, h_out, heavy, counters, stream, buf=None, on_current=False):
         warps, nv = self.config
         m = x.shape[0]
         if m == 0:
             return
-        k, grid_cap = self._kernel("sparse" if h_out is None else "sparse_h")
+        split = self._split_plan(m, y, buf)
+        kind = "sparse" if h_out is None else "sparse_h"
+        k, grid_cap = self._kernel(kind + ("_split" if split is not None else ""))
         isz = self.dtype.itemsize
         if h_out is None:
             h_ptr, ldh = _NULL, _I64_ZERO
@@ -518,16 +564,27 @@ class FFNPlan:
         else:
             ws = self._ws
             lists = (ws["list_idx"][buf], ws["list_val"][buf], ws["row_count"][buf], _I32_LIST_ROW_CAP)
+        heavy_arg = self._heavy_arg()
+        if split is None:
+            compacted = (_NULL, _NULL, _NULL)
+        else:
+            h_indptr, h_cols, h_vals = compacted = self._split_buffers(buf, m)
+            row_count = self._ws["row_count"][buf]
+            row_cap = min(LIST_ROW_CAP, heavy_arg)  # rows over it are computed whole by the fused kernel
         args = (x, np.int64(x.strides[0] // isz), g, np.int64(g.strides[0] // isz),
                 self.w_up, self.w_downT, y, np.int64(y.strides[0] // isz),
                 h_ptr, ldh) + lists + (heavy, counters,
-                np.int32(m)) + self._dims + (np.int32(self._heavy_arg()),)
+                np.int32(m)) + self._dims + (np.int32(heavy_arg),) + compacted
         grid = (min(m, grid_cap),)
-        if on_current:
+        with (_nullcontext() if on_current else stream):
+            if split is not None:
+                from . import cuda
+
+                cuda.list_indptr(row_count[:m], row_cap, h_indptr[: m + 1])
             k(grid, (warps * 32,), args)
-        else:
-            with stream:
-                k(grid, (warps * 32,), args)
+            if split is not None:
+                cuda._resident_spmm(h_indptr[: m + 1], h_cols, h_vals, self.w_downT, y, split,
+                                    row_count=row_count[:m], row_cap=row_cap)
 
     def _heavy_arg(self):
         if self.heavy_limit is None:
