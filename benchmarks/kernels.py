@@ -298,7 +298,7 @@ def main(argv=None):
     tc.SPMM_RESIDENT = True
     saved_res_cfg = tc.RESIDENT_THREADS, tc.RESIDENT_STAGE
     res_sweep, res_configs = {}, {}
-    for threads, stage in ((512, 256), (1024, 128), (256, 256), (512, 128), (1024, 64)):
+    for threads, stage in ((512, 256), (1024, 96), (256, 256), (512, 128), (768, 128)):
         key = f"{threads}t/{stage}st"
         res_configs[key] = (threads, stage)
         tc.RESIDENT_THREADS, tc.RESIDENT_STAGE = threads, stage

@@ -97,8 +97,8 @@ __device__ __forceinline__ uint4 load_weight(const uint4* ptr, unsigned long lon
 // Up dot products and down axpys for the n listed neurons of one row.
 // Every thread of the block calls it with the same n; ends with a barrier so
 // the caller may rewrite the list. DOWN = false (split mode, list rows) skips
-// the down projection: the row's h values go to hc_cols / hc_vals (entries
-// [0, n) of the row's compacted range) for twellpy_spmm_resident instead.
+// the down projection: the row's h values go to hc_vals (the row's list
+// values, whose gate values were already read) for twellpy_spmm_resident.
 template <typename T, int NV, int KB, bool GATED, bool WRITE_H, bool DOWN = true>
 __device__ __forceinline__ void process_list(
         int n, const int* s_idx, const typename twellpy::accum<T>::type* s_gval,
@@ -106,7 +106,7 @@ __device__ __forceinline__ void process_list(
         const uint4 (&xr)[NV], typename twellpy::accum<T>::type (&acc)[NV][vec_of<T>::n],
         const T* __restrict__ w_up, const T* __restrict__ w_downT, T* __restrict__ h_row,
         int D, int DV, int tid, int lane, int warp, int nwarps,
-        int* __restrict__ hc_cols = nullptr, typename twellpy::accum<T>::type* __restrict__ hc_vals = nullptr) {
+        typename twellpy::accum<T>::type* __restrict__ hc_vals = nullptr) {
     typedef typename twellpy::accum<T>::type A;
     constexpr int VEC = vec_of<T>::n;
     const unsigned long long policy = weight_policy();
@@ -183,10 +183,7 @@ __device__ __forceinline__ void process_list(
             // thread k stores entry b + k (h unrounded, as the down axpy would use it)
 #pragma unroll
             for (int k = 0; k < KB; ++k)
-                if (tid == k && jk[k] >= 0) {
-                    hc_cols[b + k] = jk[k];
-                    hc_vals[b + k] = hk[k];
-                }
+                if (tid == k && jk[k] >= 0) hc_vals[b + k] = hk[k];
             continue;
         }
 #pragma unroll
@@ -197,7 +194,7 @@ __device__ __forceinline__ void process_list(
                 A wa[VEC];
                 unpack16<T, A>(dv[k][q], wa);
 #pragma unroll
-                for (int i = 0; i < VEC; ++i) acc[q][i] += hk[k] * wa[i];
+                for (int i = 0; i < VEC; ++i) acc[q][i] = fma(hk[k], wa[i], acc[q][i]);  // explicit: split mode's bits
             }
         }
     }
@@ -219,17 +216,14 @@ __device__ __forceinline__ void process_list(
 //                                      other rows scan g themselves
 //   heavy    (M,)     int32            1 for rows with more than heavy_limit active neurons, else 0
 //   counters (2,)     uint64           [0] += active neurons seen, [1] += heavy rows
-//   h_indptr (M+1,)  int64            SPLIT only: row starts of the compacted h of the list rows
-//   h_cols, h_vals   int32, accum type SPLIT only: out, the listed neurons and their h values
 // heavy_limit: a value <= FFN_LIST_CAP enables the heavy-row hand-off to the
 // host; 0x7fffffff disables it (every row is computed here, the list being
 // processed and refilled as often as needed).
 // SPLIT = true: rows served by a row list (row_count <= capr and <= heavy_limit)
-// get their up projection only: h goes to the compacted arrays and their y rows
-// are left to twellpy_spmm_resident (spmm_resident.cu), which adds the down
-// projection from a shared-memory slice of w_downT. Other rows are computed
-// whole here, as without SPLIT. The caller sizes row r's compacted range as
-// row_count[r] when the row is served by its list, else 0.
+// get their up projection only: h overwrites the gate values in list_val and
+// their y rows are left to twellpy_spmm_resident (spmm_resident.cu, LISTS),
+// which adds the down projection from a shared-memory slice of w_downT. Other
+// rows are computed whole here, as without SPLIT.
 // Requirements (checked on the host): D % (16/sizeof(T)) == 0, H % (16/sizeof(T)) == 0,
 // 16-byte aligned rows, NV * blockDim.x * (16/sizeof(T)) >= D, blockDim.x a multiple of 32
 // and <= 32 * FFN_MAX_WARPS.
@@ -242,12 +236,10 @@ twellpy_ffn_sparse(const T* __restrict__ x, long long ldx,
                    T* __restrict__ y, long long ldy,
                    T* __restrict__ h_out, long long ldh,
                    const int* __restrict__ list_idx,
-                   const typename twellpy::accum<T>::type* __restrict__ list_val,
+                   typename twellpy::accum<T>::type* __restrict__ list_val,  // h written back (SPLIT)
                    const int* __restrict__ row_count, int capr,
                    int* __restrict__ heavy, unsigned long long* __restrict__ counters,
-                   int M, int D, int H, int heavy_limit,
-                   const long long* __restrict__ h_indptr, int* __restrict__ h_cols,
-                   typename twellpy::accum<T>::type* __restrict__ h_vals) {
+                   int M, int D, int H, int heavy_limit) {
     using namespace twellpy_ffn;
     typedef typename twellpy::accum<T>::type A;
     constexpr int VEC = vec_of<T>::n;
@@ -305,10 +297,9 @@ twellpy_ffn_sparse(const T* __restrict__ x, long long ldx,
             seen_total += (unsigned long long)listed;
             if (tid == 0) heavy[row] = 0;
             if (SPLIT) {
-                const long long hb = h_indptr[row];
                 process_list<T, NV, KB, GATED, WRITE_H, false>(listed, s_idx, s_gval, s_red, parity, xr, acc,
                                                                w_up, w_downT, h_row, D, DV, tid, lane, warp,
-                                                               nwarps, h_cols + hb, h_vals + hb);
+                                                               nwarps, list_val + base);
                 continue;  // uniform: y of this row comes from twellpy_spmm_resident
             }
             process_list<T, NV, KB, GATED, WRITE_H>(listed, s_idx, s_gval, s_red, parity, xr, acc, w_up,

@@ -13,29 +13,29 @@
 //     chunk c, columns of slice s];
 //   * a warp owns RPW = 32 / LPR consecutive rows at a time; lane l works on
 //     row l / LPR and on the 16-byte column vector l % LPR of the slice;
-//   * the warp's rows are consecutive, so their entries are one contiguous
-//     range of the compacted A: the warp copies it (coalesced) into its own
-//     shared-memory stage, RES_STAGE entries at a time, and every lane then
-//     runs over its row's entries in the stage;
+//   * the warp copies the next entries of each of its rows into its own
+//     shared-memory stage (each row its own slots), and every lane then runs
+//     over its row's slots; rounds repeat until the warp's longest row is done;
 //   * accumulation in fp32 (fp64 for fp64) registers, entries summed in their
 //     stored order with fma: the same operations in the same order as the
 //     gather kernels, so the result has the same bits.
 //
-// A is given compacted (CSR order): indptr (M+1) int64, cols (nnz) int32,
-// vals (nnz) V. twellpy_twell_row_totals + a prefix sum + twellpy_twell_compact
-// build that from TwELL without a host synchronisation; the fused FFN's split
-// mode (ffn_sparse.cu, SPLIT) writes its h that way (V = float). Entries whose
-// column is outside [0, N) are skipped (the gather kernels skip them too).
+// A is given as rows of (column, value) entries: compacted in CSR order
+// (indptr (M+1) int64; twellpy_twell_row_totals + a prefix sum +
+// twellpy_twell_compact build that from TwELL without a host synchronisation),
+// or as per-row lists of fixed capacity (the fused FFN's split mode, whose h
+// overwrites the gate values of its row lists: V = float). Entries whose column
+// is outside [0, N) are skipped (the gather kernels skip them too).
 #include "common.cuh"
 
 #ifndef RES_THREADS
 #define RES_THREADS 512          // threads per block, exactly (one block per SM: shared memory bound)
 #endif
 #ifndef RES_STAGE
-#define RES_STAGE 256            // entries of A staged per warp at a time
+#define RES_STAGE 256            // entries of A staged per warp and round (a multiple of 32)
 #endif
 #ifndef COMPACT_WARPS
-#define COMPACT_WARPS 8          // warps per block of the compaction kernels
+#define COMPACT_WARPS 8          // warps per block of the TwELL compaction kernels
 #endif
 
 static_assert(RES_THREADS % 32 == 0 && RES_THREADS >= 32 && RES_THREADS <= 1024,
@@ -63,53 +63,6 @@ twellpy_twell_row_totals(const int* __restrict__ counts, long long* __restrict__
     for (int t = lane; t < n_tiles; t += 32) sum += min(max(counts[row * n_tiles + t], 0), slots);
     sum = warp_sum(sum);
     if (lane == 0) totals[row + 1] = sum;
-}
-
-// ---------------------------------------------------------------------------
-// twellpy_list_indptr: row starts of the compacted h of the fused FFN's split mode.
-//   row_count (M,)    int32  active neurons per row (twellpy_ffn_rowpack)
-//   indptr    (M+1,)  int64  out: indptr[0] = 0, indptr[r + 1] = indptr[r] + (row_count[r] <= cap ?
-//                            row_count[r] : 0) (rows over cap are computed whole by the fused kernel)
-// One block of 32 * COMPACT_WARPS threads; chunks of LIST_ITEMS consecutive rows
-// per thread, a block prefix sum per chunk, carried in order (deterministic).
-// ---------------------------------------------------------------------------
-#ifndef LIST_ITEMS
-#define LIST_ITEMS 8
-#endif
-__global__ void __launch_bounds__(COMPACT_WARPS * 32)
-twellpy_list_indptr(const int* __restrict__ row_count, long long* __restrict__ indptr, int M, int cap) {
-    __shared__ int s_warp[COMPACT_WARPS];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    constexpr int CHUNK = COMPACT_WARPS * 32 * LIST_ITEMS;
-    long long carry = 0;
-    if (tid == 0) indptr[0] = 0;
-    for (long long r0 = 0; r0 < M; r0 += CHUNK) {
-        const long long first = r0 + (long long)tid * LIST_ITEMS;
-        int v[LIST_ITEMS];
-        int mine = 0;
-#pragma unroll
-        for (int i = 0; i < LIST_ITEMS; ++i) {
-            const int c = (first + i < M) ? row_count[first + i] : 0;
-            v[i] = (c >= 0 && c <= cap) ? c : 0;
-            mine += v[i];   // <= LIST_ITEMS * cap: an int
-        }
-        const int incl = warp_inclusive_sum(mine, lane);
-        if (lane == 31) s_warp[warp] = incl;
-        __syncthreads();
-        long long before = 0, total = 0;
-        for (int w = 0; w < COMPACT_WARPS; ++w) {
-            before += (w < warp) ? s_warp[w] : 0;
-            total += s_warp[w];
-        }
-        long long pos = carry + before + (incl - mine);
-#pragma unroll
-        for (int i = 0; i < LIST_ITEMS; ++i) {
-            pos += v[i];
-            if (first + i < M) indptr[first + i + 1] = pos;
-        }
-        carry += total;
-        __syncthreads();  // s_warp is rewritten by the next chunk
-    }
 }
 
 // ---------------------------------------------------------------------------
@@ -149,33 +102,48 @@ twellpy_twell_compact(const T* __restrict__ values, const int* __restrict__ indi
 }
 
 // ---------------------------------------------------------------------------
-// twellpy_spmm_resident<T, V, LPR>: out = A @ B, B[:, slice] resident in shared memory.
-//   indptr    (M+1,)   int64  row starts of the compacted A
-//   cols      (nnz,)   int32  column of A = row of B; entries outside [0, N) are skipped
-//   vals      (nnz,)   V      values of A (T, or the accumulator type)
-//   row_count (M,)     int32  optional (null: every row): rows with row_count > row_cap are
-//                             not stored (the fused FFN computed them whole)
-//   B         (N, K)   T      dense, C order, 16-byte aligned, K % VEC == 0 (VEC = 16 / sizeof(T))
-//   out       (M, K)   T      out: rows [chunk * rows_per_block, ...) x the slice's columns
+// twellpy_spmm_resident<T, V, LPR, LISTS>: out = A @ B, B[:, slice] resident in shared memory.
+//   LISTS = false (compacted rows, CSR order):
+//     indptr    (M+1,)     int64  row r's entries are [indptr[r], indptr[r+1])
+//   LISTS = true (the fused FFN's per-row lists, split mode):
+//     row_count (M,)       int32  row r's entries are [r * stride, r * stride + row_count[r]);
+//                                 rows with row_count outside [0, row_cap] are not stored at all
+//                                 (the fused kernel computed them whole, or the host does)
+//   cols      (entries)  int32  column of A = row of B; entries outside [0, N) are skipped
+//   vals      (entries)  V      values of A (T, or the accumulator type)
+//   B         (N, K)     T      dense, C order, 16-byte aligned, K % VEC == 0 (VEC = 16 / sizeof(T))
+//   out       (M, K)     T      out: rows [chunk * rows_per_block, ...) x the slice's columns
 // grid = (ceil(K / (LPR * VEC)), ceil(M / rows_per_block)), block = RES_THREADS.
-// Dynamic shared memory (bytes): N * LPR * 16 + (RES_THREADS / 32) * RES_STAGE * (4 + sizeof(acc)),
-// acc = double for double data, float otherwise; the launcher raises the block's limit to it.
+// Dynamic shared memory (bytes): N * LPR * 16 + (RES_THREADS / 32) * (RES_STAGE + 32) * (4 + sizeof(acc))
+// + (RES_THREADS / 32) * 32 * 12, acc = double for double data, float otherwise; the launcher raises
+// the block's limit to it.
+//
+// Each of a warp's RPW rows owns SLOTS = RES_STAGE / RPW consecutive stage entries
+// (padded to SLOTS + 1, so the rows' entries fall in different banks); the warp
+// refills every row's slots together, SLOTS entries of each row per round, for as
+// many rounds as its longest row needs, so every lane works in every round.
 // ---------------------------------------------------------------------------
-template <typename T, typename V, int LPR>
+template <typename T, typename V, int LPR, bool LISTS>
 __global__ void __launch_bounds__(RES_THREADS, 1)
-twellpy_spmm_resident(const long long* __restrict__ indptr, const int* __restrict__ cols,
-                      const V* __restrict__ vals, const int* __restrict__ row_count, int row_cap,
+twellpy_spmm_resident(const long long* __restrict__ indptr, const int* __restrict__ row_count, int stride,
+                      int row_cap, const int* __restrict__ cols, const V* __restrict__ vals,
                       const T* __restrict__ B, T* __restrict__ out, int M, int N, int K, int rows_per_block) {
     typedef typename accum<T>::type A;
     constexpr int VEC = 16 / (int)sizeof(T);
     constexpr int RPW = 32 / LPR;               // rows per warp pass
+    constexpr int SLOTS = RES_STAGE / RPW;      // stage entries per row and round
+    constexpr int ROW_STRIDE = SLOTS + 1;       // padded: rows start in different banks
+    constexpr int STAGE = RPW * ROW_STRIDE;     // <= RES_STAGE + 32
     constexpr int NWARPS = RES_THREADS / 32;
     static_assert(LPR == 1 || LPR == 2 || LPR == 4, "LPR must be 1, 2 or 4");
+    static_assert(SLOTS >= 1 && RES_STAGE % RPW == 0, "RES_STAGE must be a multiple of the rows per warp");
 
     extern __shared__ uint4 smem[];
-    uint4* s_B = smem;                                                  // N * LPR vectors
-    int* s_col = reinterpret_cast<int*>(s_B + (long long)N * LPR);       // NWARPS * RES_STAGE
-    A* s_val = reinterpret_cast<A*>(s_col + NWARPS * RES_STAGE);         // NWARPS * RES_STAGE (16-byte aligned)
+    uint4* s_B = smem;                                                      // N * LPR vectors
+    long long* s_start = reinterpret_cast<long long*>(s_B + (long long)N * LPR);   // NWARPS * 32
+    int* s_len = reinterpret_cast<int*>(s_start + NWARPS * 32);                   // NWARPS * 32
+    int* s_col = s_len + NWARPS * 32;                                            // NWARPS * (RES_STAGE + 32)
+    A* s_val = reinterpret_cast<A*>(s_col + NWARPS * (RES_STAGE + 32));          // 16-byte aligned (see plan)
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const long long col0 = (long long)blockIdx.x * (LPR * VEC);  // first column of this slice
@@ -194,37 +162,56 @@ twellpy_spmm_resident(const long long* __restrict__ indptr, const int* __restric
     // 2) rows of this chunk, RPW per warp at a time
     const long long r_begin = (long long)blockIdx.y * rows_per_block;
     const long long r_end = min((long long)M, r_begin + rows_per_block);
-    int* w_col = s_col + warp * RES_STAGE;
-    A* w_val = s_val + warp * RES_STAGE;
+    long long* w_start = s_start + warp * 32;
+    int* w_len = s_len + warp * 32;
+    int* w_col = s_col + warp * (RES_STAGE + 32);
+    A* w_val = s_val + warp * (RES_STAGE + 32);
     const int sub = lane / LPR, part = lane - sub * LPR;
     for (long long g0 = r_begin + (long long)warp * RPW; g0 < r_end; g0 += (long long)NWARPS * RPW) {
-        const long long g1 = min(g0 + RPW, r_end);
         const long long row = g0 + sub;
-        const bool has_row = row < g1;
-        const long long e_lo = indptr[g0], e_hi = indptr[g1];   // the same in every lane
-        const long long my_lo = has_row ? indptr[row] : e_hi;
-        const long long my_hi = has_row ? indptr[row + 1] : e_hi;
+        // this lane's row: first entry and length (-1: not stored; no entries)
+        long long start = 0;
+        int len = -1;
+        if (row < r_end) {
+            if (LISTS) {
+                const int cnt = row_count[row];
+                if (cnt >= 0 && cnt <= row_cap) {
+                    start = row * (long long)stride;
+                    len = cnt;
+                }
+            } else {
+                start = indptr[row];
+                len = (int)(indptr[row + 1] - start);
+            }
+        }
+        if (part == 0) {
+            w_start[sub] = start;
+            w_len[sub] = len;
+        }
+        const int longest = warp_max(len);   // the same in every lane
+        __syncwarp();                        // w_start / w_len visible to the warp
         A acc[VEC];
 #pragma unroll
         for (int k = 0; k < VEC; ++k) acc[k] = A(0);
-        for (long long w0 = e_lo; w0 < e_hi; w0 += RES_STAGE) {   // uniform loop
-            const int n_in = (int)min((long long)RES_STAGE, e_hi - w0);
+        for (int off = 0; off < longest; off += SLOTS) {   // uniform loop
+            // stage SLOTS entries of every row: entry e of the round is slot e % SLOTS of row e / SLOTS
 #pragma unroll
-            for (int j = 0; j < RES_STAGE / 32; ++j) {   // independent coalesced loads
-                const int i = j * 32 + lane;
-                if (i < n_in) {
-                    const int c = cols[w0 + i];
-                    w_col[i] = (c >= 0 && c < N) ? c : -1;
-                    w_val[i] = to_acc<A, V>(vals[w0 + i]);
+            for (int i = 0; i < RES_STAGE / 32; ++i) {
+                const int e = i * 32 + lane;
+                const int j = e / SLOTS, s = e - j * SLOTS;
+                if (off + s < w_len[j]) {
+                    const long long src = w_start[j] + off + s;
+                    const int c = cols[src];
+                    w_col[j * ROW_STRIDE + s] = (c >= 0 && c < N) ? c : -1;
+                    w_val[j * ROW_STRIDE + s] = to_acc<A, V>(vals[src]);
                 }
             }
             __syncwarp();  // the stage is visible to the whole warp
-            const int a = (int)(max(my_lo, w0) - w0);
-            const int b = (int)(min(my_hi, w0 + n_in) - w0);
-            for (int e = a; e < b; ++e) {   // this lane's row, in stored order
-                const int c = w_col[e];
+            const int n_mine = min(SLOTS, len - off);   // <= 0 for rows already done or not stored
+            for (int s = 0; s < n_mine; ++s) {           // this lane's row, in stored order
+                const int c = w_col[sub * ROW_STRIDE + s];
                 if (c < 0) continue;
-                const A v = w_val[e];
+                const A v = w_val[sub * ROW_STRIDE + s];
                 const uint4 wv = s_B[c * LPR + part];
                 const T* we = reinterpret_cast<const T*>(&wv);
 #pragma unroll
@@ -233,12 +220,12 @@ twellpy_spmm_resident(const long long* __restrict__ indptr, const int* __restric
             __syncwarp();  // every lane is done with the stage before it is refilled
         }
         const long long c = col0 + part * VEC;
-        // K % VEC == 0: the whole vector is inside the row
-        if (has_row && c < K && (row_count == nullptr || row_count[row] <= row_cap)) {
+        if (len >= 0 && c < K) {   // K % VEC == 0: the whole vector is inside the row
             vec_t<T, VEC> o;
 #pragma unroll
             for (int k = 0; k < VEC; ++k) o.v[k] = from_acc<T, A>(acc[k]);
             store_vec<T, VEC>(out + row * (long long)K + c, o);
         }
+        __syncwarp();  // w_start / w_len are rewritten by the next pass
     }
 }

@@ -537,13 +537,23 @@ def test_twell_spmm_row_block_tunings(threads, inflight, min_blocks, monkeypatch
 # ---------------------------------------------------------------------------
 # resident-slice SpMM (raw_kernels/spmm_resident.cu)
 # ---------------------------------------------------------------------------
-def _twell_spmm_with(resident, vals, idx, counts, b):
-    old = cuda.SPMM_RESIDENT
+def _twell_spmm_with(resident, vals, idx, counts, b, expect_resident=None):
+    """twell_spmm with SPMM_RESIDENT set; ``expect_resident`` (bool) asserts which kernel ran."""
+    old, launch = cuda.SPMM_RESIDENT, cuda._resident_spmm
+    calls = []
+
+    def counted(*a, **k):
+        calls.append(1)
+        return launch(*a, **k)
+
     try:
-        cuda.SPMM_RESIDENT = resident
-        return cuda.twell_spmm(vals, idx, counts, b)
+        cuda.SPMM_RESIDENT, cuda._resident_spmm = resident, counted
+        out = cuda.twell_spmm(vals, idx, counts, b)
     finally:
-        cuda.SPMM_RESIDENT = old
+        cuda.SPMM_RESIDENT, cuda._resident_spmm = old, launch
+    if expect_resident is not None:
+        assert bool(calls) == expect_resident, f"resident kernel {'not ' if expect_resident else ''}expected"
+    return out
 
 
 # N = 70000 ("wide"): B is only built for narrow K (its slice never fits, so K <= 64 covers the fallback)
@@ -554,8 +564,9 @@ _RESIDENT_CASES = [(mk, k) for mk in MAKERS for k in (8, 24, 64, 300, 2056) if m
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_resident_spmm_same_bits_as_gather(maker, dtype, k_cols):
     """The resident kernel sums the same entries in the same order with the same
-    fma as the gather kernels: bit-equal outputs, and float64-close. K = 300 in
-    bf16 and 2056 leave a partial last slice; K = 8 is narrower than a slice of
+    fma as the gather kernels: bit-equal outputs, and float64-close. K = 2056,
+    and K = 300 in fp32 / fp64, leave a partial last slice (16-bit types take the
+    gather kernel at K = 300: 300 % 8 != 0); K = 8 is narrower than a slice of
     two vectors."""
     x, xg = make(MAKERS[maker], dtype, seed=61)
     m, n = x.shape
@@ -575,12 +586,12 @@ def test_resident_spmm_same_bits_as_gather(maker, dtype, k_cols):
     fits = n * 16 + stage <= cuda._device_limits(cp.cuda.Device().id)[1]
     if k_cols % vec or not fits:   # the "wide" maker's B (70000 rows) does not fit
         assert plan is None
-        got = _twell_spmm_with(True, vals, idx, counts, bg)   # forced: falls back to the gather kernel
+        got = _twell_spmm_with(True, vals, idx, counts, bg, expect_resident=False)   # forced: gather fallback
         assert_same_bits(got, _twell_spmm_with(False, vals, idx, counts, bg), "fallback")
         return
     assert plan is not None, "a small B must fit the shared memory"
-    got = _twell_spmm_with(True, vals, idx, counts, bg)
-    want = _twell_spmm_with(False, vals, idx, counts, bg)
+    got = _twell_spmm_with(True, vals, idx, counts, bg, expect_resident=True)
+    want = _twell_spmm_with(False, vals, idx, counts, bg, expect_resident=False)
     assert_same_bits(got, want, f"resident vs gather twell_spmm ({maker}, K={k_cols})")
     a_stored = cpu.slots_to_dense(to_cpu(vals).reshape(m, -1), to_cpu(idx).reshape(m, -1), n)
     assert rel_err(to_cpu(got), spmm_ref(a_stored, b)) <= RTOL[np.dtype(dtype)]
@@ -612,7 +623,7 @@ def test_resident_spmm_long_rows_chunks_and_warps(dtype, monkeypatch):
         monkeypatch.setattr(cuda, "RESIDENT_STAGE", stage)
         plan = cuda._resident_plan(m, n, k_cols, vals.shape[1] * vals.shape[2], np.dtype(dtype), bg, bg)
         assert plan is not None and plan[3] > 1, plan
-        got = _twell_spmm_with(True, vals, idx, counts, bg)
+        got = _twell_spmm_with(True, vals, idx, counts, bg, expect_resident=True)
         assert_same_bits(got, want, f"resident ({threads} threads, stage {stage}) vs gather")
         out = to_cpu(got).astype(np.float64)
         assert rel_err(out, ref) <= RTOL[np.dtype(dtype)]
@@ -630,8 +641,8 @@ def test_resident_spmm_skips_out_of_range_indices_like_gather():
     idx[2, 1, 0] = n + 5
     idx[5, 0, 1] = 2**31 - 1
     bg = to_gpu(rng.standard_normal((n, k_cols)).astype(np.float32))
-    assert_same_bits(_twell_spmm_with(True, vals, idx, counts, bg), _twell_spmm_with(False, vals, idx, counts, bg),
-                     "out-of-range indices")
+    assert_same_bits(_twell_spmm_with(True, vals, idx, counts, bg, expect_resident=True),
+                     _twell_spmm_with(False, vals, idx, counts, bg), "out-of-range indices")
 
 
 def test_resident_spmm_plan_limits():
@@ -673,7 +684,7 @@ def test_resident_spmm_w1_shape_bf16():
     w = (rng.standard_normal((5632, 2048)) / np.sqrt(5632)).astype(bfloat16)
     vals, idx, counts, _ = cuda.dense_to_twell(to_gpu(x), 256, 32)
     wg = to_gpu(w)
-    got = _twell_spmm_with("auto" if not SANITIZE else True, vals, idx, counts, wg)
+    got = _twell_spmm_with("auto" if not SANITIZE else True, vals, idx, counts, wg, expect_resident=True)
     assert_same_bits(got, _twell_spmm_with(False, vals, idx, counts, wg), "W1 shape")
     ref = sp.csr_array(x.astype(np.float64)) @ w.astype(np.float64)
     assert rel_err(to_cpu(got), ref) <= RTOL[bfloat16]

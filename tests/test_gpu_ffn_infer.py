@@ -515,13 +515,27 @@ def test_split_sparse_step_gives_the_fused_bits(dtype, gated, chunk_rows, heavy_
     ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"]) if gated else ReluFFN(w["w_up"], w["w_down"])
     ffn.heavy_limit = heavy_limit
     ffn._plan.chunk_rows = chunk_rows
+    from twellpy.backends import cuda
+
     outs = {}
+    launch = cuda._resident_spmm
     for split in (False, True):
         ffn._plan.split_down = split
-        poison()
-        y, h = ffn(x, mode="sparse", return_activations=True)
+        calls = []
+
+        def counted(*a, **k):
+            calls.append(1)
+            return launch(*a, **k)
+
+        cuda._resident_spmm = counted
+        try:
+            poison()
+            y, h = ffn(x, mode="sparse", return_activations=True)
+        finally:
+            cuda._resident_spmm = launch
         outs[split] = (y, h.toarray())
         assert ffn.last_info["mode"] == "sparse"
+        assert bool(calls) == split, "the split step must run the resident kernel, the fused one must not"
     (y0, h0), (y1, h1) = outs[False], outs[True]
     u = {2: np.uint16, 4: np.uint32, 8: np.uint64}[np.dtype(dtype).itemsize]
     assert bool((y1.view(u) == y0.view(u)).all()), "split and fused y differ"

@@ -107,8 +107,8 @@ RESIDENT_STAGE = 256
 COMPACT_WARPS = 8
 #: 16-byte column vectors per row of a slice, widest first (the widest that fits is used)
 _RESIDENT_LPR = (4, 2, 1)
-#: rows per block below which more row chunks would reload the slice for little work
-_RESIDENT_MIN_CHUNK_ROWS = 1024
+#: fewest rows of a row chunk: more chunks would reload the slice for little work
+_RESIDENT_MIN_CHUNK_ROWS = 128
 #: largest temporary compaction of A (bytes); larger inputs use the gather kernel
 _RESIDENT_COMPACT_BUDGET = 1 << 30
 
@@ -153,9 +153,10 @@ def _name_spmm_rows(dtype, vec, nv, kb):
     return f"twellpy_twell_spmm_rows<{_ct(dtype)}, {vec}, {nv}, {kb}>"
 
 
-def _name_resident(dtype, lpr, value_dtype=None):
-    """``twellpy_spmm_resident<T, V, LPR>``: V (the entries' value type) defaults to T."""
-    return f"twellpy_spmm_resident<{_ct(dtype)}, {_ct(value_dtype or dtype)}, {lpr}>"
+def _name_resident(dtype, lpr, value_dtype=None, lists=False):
+    """``twellpy_spmm_resident<T, V, LPR, LISTS>``: V (the entries' value type) defaults to T."""
+    return (f"twellpy_spmm_resident<{_ct(dtype)}, {_ct(value_dtype or dtype)}, {lpr}, "
+            f"{'true' if lists else 'false'}>")
 
 
 def _name_cast(src, dst):
@@ -182,12 +183,12 @@ def _declare_all():
     reg.declare("spmm.cu", spmm_rows, _spmm_rows_defines())
     reg.declare("transpose.cu", transpose)
     reg.declare("spmm_resident.cu",
-                ["twellpy_twell_row_totals", "twellpy_list_indptr"]
+                ["twellpy_twell_row_totals"]
                 + [_name_t("twell_compact", dt) for dt in FLOAT_DTYPES]
                 + [_name_resident(dt, lpr) for dt in FLOAT_DTYPES for lpr in _RESIDENT_LPR]
-                # the fused FFN's split mode hands over h in the accumulator type
-                + [_name_resident(dt, lpr, np.float32) for dt in FLOAT_DTYPES if dt.itemsize == 2
-                   for lpr in _RESIDENT_LPR],
+                # the fused FFN's split mode: its row lists, h in the accumulator type
+                + [_name_resident(dt, lpr, np.float64 if dt.itemsize == 8 else np.float32, lists=True)
+                   for dt in FLOAT_DTYPES for lpr in _RESIDENT_LPR],
                 _resident_defines())
     reg.declare("check.cu", [f"twellpy_count_nonfinite<{c}>" for c in _NONFINITE_WORD.values()])
 
@@ -884,7 +885,9 @@ def resident_layout(m, n_rows_b, k_cols, itemsize, n_sm, smem_limit, threads, st
     ``min_chunk_rows`` rows (each chunk reloads its slice).
     """
     vec = 16 // itemsize
-    stage_bytes = (threads // 32) * stage * (4 + (8 if itemsize == 8 else 4))
+    warps = threads // 32
+    # per warp: each row's first entry and length, then the padded stage (see the kernel)
+    stage_bytes = warps * 32 * 12 + warps * (stage + 32) * (4 + (8 if itemsize == 8 else 4))
     for lpr in _RESIDENT_LPR:
         if lpr > 1 and (lpr // 2) * vec >= k_cols:
             continue  # half this width already covers every column
@@ -894,14 +897,17 @@ def resident_layout(m, n_rows_b, k_cols, itemsize, n_sm, smem_limit, threads, st
     else:
         return None
     n_slices = -(-k_cols // (lpr * vec))
+    # a block for every SM (reloading a slice costs little), unless the chunks get
+    # shorter than min_chunk_rows rows
     n_chunks = max(1, min(-(-n_sm // n_slices), m // max(1, min_chunk_rows), 65535))
     rows_per_chunk = -(-m // n_chunks)
     n_chunks = -(-m // rows_per_chunk)
     return lpr, smem, n_slices, n_chunks, rows_per_chunk
 
 
+#: (device, kernel name, defines) whose dynamic shared memory limit was raised
 _RESIDENT_SMEM_SET = set()
-_NULL_PTR = np.uint64(0)  # (device, kernel id) whose dynamic shared memory limit was raised
+_NULL_PTR = np.uint64(0)
 
 
 def _twell_compact(values, indices, counts, n_tiles, slots, n_cols_a):
@@ -925,33 +931,29 @@ def _twell_compact(values, indices, counts, n_tiles, slots, n_cols_a):
     return indptr, cols, vals
 
 
-def list_indptr(row_count, cap, out):
-    """``out`` (M+1,) int64 = row starts of the rows with ``row_count <= cap``
-    (other rows count 0), on the current stream (``twellpy_list_indptr``)."""
-    m = row_count.shape[0]
-    k = reg.get_kernel("spmm_resident.cu", "twellpy_list_indptr", **_resident_defines())
-    k((1,), (32 * int(COMPACT_WARPS),), (row_count, out, _i32(m), _i32(cap)))
-    return out
-
-
-def _resident_spmm(indptr, cols, vals, B, out, plan, row_count=None, row_cap=0):
+def _resident_spmm(cols, vals, B, out, plan, indptr=None, row_count=None, stride=0, row_cap=0):
     """Launch ``twellpy_spmm_resident`` (see :func:`_resident_plan`) on the current
-    stream: ``out`` (C-contiguous, B's dtype) gets A @ B, A the compacted rows
-    (``indptr`` int64, ``cols`` int32, ``vals`` of B's dtype or float32). Rows whose
-    ``row_count`` exceeds ``row_cap`` are left untouched."""
+    stream: ``out`` (C-contiguous, B's dtype) gets A @ B. A's rows are either
+    compacted (``indptr`` int64) or per-row lists (``row_count`` int32: row r's
+    entries start at ``r * stride``; rows whose count is outside [0, ``row_cap``]
+    are left untouched). ``cols`` int32, ``vals`` of B's dtype or the
+    accumulator dtype."""
     lpr, smem, n_slices, n_chunks, rows_per_chunk = plan
     m = out.shape[0]
     n_rows_b, k_cols = B.shape
+    lists = row_count is not None
     vdt = None if vals.dtype == out.dtype else vals.dtype
-    k = reg.get_kernel("spmm_resident.cu", _name_resident(out.dtype, lpr, vdt), **_resident_defines())
-    key = (_cp().cuda.Device().id, id(k))
+    name = _name_resident(out.dtype, lpr, vdt, lists=lists)
+    defines = _resident_defines()
+    k = reg.get_kernel("spmm_resident.cu", name, **defines)
+    key = (_cp().cuda.Device().id, name, tuple(sorted(defines.items())))
     if key not in _RESIDENT_SMEM_SET:
         # more than 48 KB of dynamic shared memory needs the kernel's limit raised once
         k.max_dynamic_shared_size_bytes = _device_limits(key[0])[1]
         _RESIDENT_SMEM_SET.add(key)
     k((n_slices, n_chunks), (int(RESIDENT_THREADS),),
-      (indptr, cols, vals, _NULL_PTR if row_count is None else row_count, _i32(row_cap), B, out,
-       _i32(m), _i32(n_rows_b), _i32(k_cols), _i32(rows_per_chunk)),
+      (_NULL_PTR if lists else indptr, row_count if lists else _NULL_PTR, _i32(stride), _i32(row_cap), cols, vals,
+       B, out, _i32(m), _i32(n_rows_b), _i32(k_cols), _i32(rows_per_chunk)),
       shared_mem=smem)
     return out
 
@@ -1022,7 +1024,7 @@ def twell_spmm(values, indices, counts, B):
     resident = _resident_plan(m, n_rows_b, k_cols, n_tiles * slots, res, B, out)
     if resident is not None:
         indptr, cols, vals = _twell_compact(values, indices, counts, n_tiles, slots, n_rows_b)
-        return _resident_spmm(indptr, cols, vals, B, out, resident)
+        return _resident_spmm(cols, vals, B, out, resident, indptr=indptr)
     if SPMM_ROW_BLOCK:
         plan = _spmm_rows_plan(k_cols, res, B, out)
         if plan is not None:

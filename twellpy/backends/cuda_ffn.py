@@ -14,11 +14,11 @@ One call (sparse mode):
    needed, so any sparsity pattern is exact. Optionally (``heavy_limit``) such
    rows are handed to an exact dense sub-FFN instead.
    Split mode (``FFNPlan.split_down``): for the rows its lists serve, the kernel
-   does only the up projection and writes h compacted
-   (``twellpy_list_indptr`` gives the row starts); ``twellpy_spmm_resident``
-   (``raw_kernels/spmm_resident.cu``) then adds the down projection with a
-   column slice of ``w_down`` in each block's shared memory, so ``w_down`` is
-   read once per slice instead of once per active neuron. Same bits.
+   does only the up projection and writes h over the lists' gate values;
+   ``twellpy_spmm_resident`` (``raw_kernels/spmm_resident.cu``) then adds the
+   down projection from the lists with a column slice of ``w_down`` in each
+   block's shared memory, so ``w_down`` is read once per slice instead of once
+   per active neuron. Same bits.
 
 Calls of more than ``MAX_CHUNK`` rows run as a two-stream pipeline over row
 chunks: stream A does steps 1-2 of chunk ``i+1`` while stream B does step 3
@@ -533,18 +533,8 @@ class FFNPlan:
             return None
         from . import cuda
 
-        return cuda._resident_plan(m, self.H, self.D, LIST_ROW_CAP, self.dtype, self.w_downT, y,
-                                   mode=self.split_down)
-
-    def _split_buffers(self, buf, rows):
-        """Grow-only compacted-h buffers of ring slot ``buf``: indptr, columns, values."""
-        cp = cupy_module()
-        have = self._ws.get("split")
-        if have is None or have[0][0].shape[0] < rows + 1:
-            acc = np.float64 if self.dtype == np.float64 else np.float32
-            have = self._ws["split"] = [(cp.empty((rows + 1,), np.int64), cp.empty((rows * LIST_ROW_CAP,), np.int32),
-                                         cp.empty((rows * LIST_ROW_CAP,), acc)) for _ in range(2)]
-        return have[buf]
+        # the lists are read in place: no compaction budget (0 slots to copy)
+        return cuda._resident_plan(m, self.H, self.D, 0, self.dtype, self.w_downT, y, mode=self.split_down)
 
     def _launch_sparse(self, x, g, y, h_out, heavy, counters, stream, buf=None, on_current=False):
         warps, nv = self.config
@@ -565,26 +555,22 @@ class FFNPlan:
             ws = self._ws
             lists = (ws["list_idx"][buf], ws["list_val"][buf], ws["row_count"][buf], _I32_LIST_ROW_CAP)
         heavy_arg = self._heavy_arg()
-        if split is None:
-            compacted = (_NULL, _NULL, _NULL)
-        else:
-            h_indptr, h_cols, h_vals = compacted = self._split_buffers(buf, m)
-            row_count = self._ws["row_count"][buf]
-            row_cap = min(LIST_ROW_CAP, heavy_arg)  # rows over it are computed whole by the fused kernel
         args = (x, np.int64(x.strides[0] // isz), g, np.int64(g.strides[0] // isz),
                 self.w_up, self.w_downT, y, np.int64(y.strides[0] // isz),
                 h_ptr, ldh) + lists + (heavy, counters,
-                np.int32(m)) + self._dims + (np.int32(heavy_arg),) + compacted
+                np.int32(m)) + self._dims + (np.int32(heavy_arg),)
         grid = (min(m, grid_cap),)
         with (_nullcontext() if on_current else stream):
-            if split is not None:
-                from . import cuda
-
-                cuda.list_indptr(row_count[:m], row_cap, h_indptr[: m + 1])
             k(grid, (warps * 32,), args)
             if split is not None:
-                cuda._resident_spmm(h_indptr[: m + 1], h_cols, h_vals, self.w_downT, y, split,
-                                    row_count=row_count[:m], row_cap=row_cap)
+                # the fused kernel wrote h over the gate values of the list rows; rows
+                # over min(capr, heavy_limit) it computed whole (or left to the host)
+                from . import cuda
+
+                ws = self._ws
+                cuda._resident_spmm(ws["list_idx"][buf], ws["list_val"][buf], self.w_downT, y, split,
+                                    row_count=ws["row_count"][buf], stride=LIST_ROW_CAP,
+                                    row_cap=min(LIST_ROW_CAP, heavy_arg))
 
     def _heavy_arg(self):
         if self.heavy_limit is None:
