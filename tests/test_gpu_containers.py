@@ -580,10 +580,10 @@ def test_resident_spmm_same_bits_as_gather(maker, dtype, k_cols):
         assert not bool(cp.isnan(out).any()) and not bool(out.any())
         return
     vec = 16 // np.dtype(dtype).itemsize
-    plan = cuda._resident_plan(m, n, k_cols, vals.shape[1] * vals.shape[2], np.dtype(dtype), bg, bg)
-    acc_bytes = 8 if np.dtype(dtype).itemsize == 8 else 4
-    stage = cuda.RESIDENT_THREADS // 32 * cuda.RESIDENT_STAGE * (4 + acc_bytes)
-    fits = n * 16 + stage <= cuda._device_limits(cp.cuda.Device().id)[1]
+    plan = cuda._resident_plan(m, n, k_cols, vals.shape[1] * vals.shape[2], np.dtype(dtype), bg, bg, mode=True)
+    limit = cuda._device_limits(cp.cuda.Device().id)[1]
+    fits = cuda.resident_layout(max(m, 1), n, k_cols, np.dtype(dtype).itemsize, 1, limit, cuda.RESIDENT_THREADS,
+                                cuda.RESIDENT_STAGE, 1) is not None
     if k_cols % vec or not fits:   # the "wide" maker's B (70000 rows) does not fit
         assert plan is None
         got = _twell_spmm_with(True, vals, idx, counts, bg, expect_resident=False)   # forced: gather fallback
@@ -621,7 +621,8 @@ def test_resident_spmm_long_rows_chunks_and_warps(dtype, monkeypatch):
     for threads, stage in ((512, 256), (1024, 128), (64, 32), (256, 64)):
         monkeypatch.setattr(cuda, "RESIDENT_THREADS", threads)
         monkeypatch.setattr(cuda, "RESIDENT_STAGE", stage)
-        plan = cuda._resident_plan(m, n, k_cols, vals.shape[1] * vals.shape[2], np.dtype(dtype), bg, bg)
+        plan = cuda._resident_plan(m, n, k_cols, vals.shape[1] * vals.shape[2], np.dtype(dtype), bg, bg,
+                                   mode=True)
         assert plan is not None and plan[3] > 1, plan
         got = _twell_spmm_with(True, vals, idx, counts, bg, expect_resident=True)
         assert_same_bits(got, want, f"resident ({threads} threads, stage {stage}) vs gather")
@@ -653,8 +654,8 @@ def test_resident_spmm_plan_limits():
     dt = bfloat16
     b = cp.zeros((5632, 2048), dt)
     big = cuda.RESIDENT_MIN_ROWS
-    assert cuda._resident_plan(big - 1, 5632, 2048, 704, dt, b, b) is None      # auto: too few rows
-    plan = cuda._resident_plan(big, 5632, 2048, 704, dt, b, b)
+    assert cuda._resident_plan(big - 1, 5632, 2048, 704, dt, b, b, mode="auto") is None   # too few rows
+    plan = cuda._resident_plan(big, 5632, 2048, 704, dt, b, b, mode="auto")
     assert plan is not None
     lpr, smem, n_slices, n_chunks, rows = plan
     limit = cuda._device_limits(cp.cuda.Device().id)[1]
@@ -662,15 +663,17 @@ def test_resident_spmm_plan_limits():
     assert smem <= limit
     assert lpr == 4 or 5632 * (2 * lpr) * 16 + stage > limit, "the widest slice that fits is used"
     assert n_slices * lpr * 8 >= 2048 and n_chunks * rows >= big
-    assert cuda._resident_plan(big, 70000, 2048, 704, dt, b, b) is None        # slice too large
-    assert cuda._resident_plan(big, 5632, 2047, 704, dt, b, b) is None         # K % 8
-    assert cuda._resident_plan(big, 5632, 2048, 704, dt, misaligned_copy(b), b) is None
+    assert cuda._resident_plan(big, 70000, 2048, 704, dt, b, b, mode=True) is None        # slice too large
+    assert cuda._resident_plan(big, 5632, 2047, 704, dt, b, b, mode=True) is None         # K % 8
+    assert cuda._resident_plan(big, 5632, 2048, 704, dt, misaligned_copy(b), b, mode=True) is None
+    assert cuda._resident_plan(big, 5632, 2048, 704, dt, b, b, mode=False) is None
+    assert cuda._resident_plan(1, 5632, 2048, 704, dt, b, b, mode=True) is not None       # forced: any M
     old = cuda.SPMM_RESIDENT
-    try:
+    try:  # the module switch is what mode defaults to
+        cuda.SPMM_RESIDENT = True
+        assert cuda._resident_plan(1, 5632, 2048, 704, dt, b, b) is not None
         cuda.SPMM_RESIDENT = False
         assert cuda._resident_plan(big, 5632, 2048, 704, dt, b, b) is None
-        cuda.SPMM_RESIDENT = True
-        assert cuda._resident_plan(1, 5632, 2048, 704, dt, b, b) is not None    # forced: any M
     finally:
         cuda.SPMM_RESIDENT = old
 

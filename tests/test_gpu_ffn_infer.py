@@ -471,10 +471,11 @@ def test_checked_call_does_not_wait_for_its_own_kernels(case, monkeypatch):
     cp.cuda.Device().synchronize()
 
 
-def test_calls_on_two_streams_do_not_share_workspaces_too_early():
+def test_calls_on_two_streams_do_not_share_workspaces_too_early(monkeypatch):
     # calls return before their kernels run; a call made right after on another
     # stream must wait for them before it rewrites the shared workspaces (g, the
-    # row lists, the counters). Stream 1 is held so its kernels cannot have run.
+    # row lists, the counters). Stream 1's call is held between its gate GEMM and
+    # its row pack: without the wait, stream 2's gate GEMM would overwrite g first.
     from _stream_hold import StreamHold
 
     w = make_ffn(3000, 256, 1024, 12, dtype=np.float32, xp=cp, seed=36)
@@ -482,18 +483,51 @@ def test_calls_on_two_streams_do_not_share_workspaces_too_early():
     ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"], mode="sparse", check_finite=False)
     ffn(w["x"])
     cp.cuda.Device().synchronize()
+    plan = ffn._plan
     s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
     hold = StreamHold()
+    launch_rowpack = plan._launch_rowpack
+    held = []
+
+    def rowpack_held_once(g, buf, stream, *args, **kwargs):
+        if not held:
+            held.append(1)
+            hold.enqueue(stream)
+        return launch_rowpack(g, buf, stream, *args, **kwargs)
+
+    monkeypatch.setattr(plan, "_launch_rowpack", rowpack_held_once)
     poison()
     with s1:
-        hold.enqueue()
         y1 = ffn(w["x"])
     with s2:
         y2 = ffn(other["x"])
     hold.release()
     cp.cuda.Device().synchronize()
+    assert held
     assert rel_err(y1, ref64(w)) <= 2e-5
     assert rel_err(y2, ref64(other)) <= 2e-5
+
+
+def test_auto_follows_a_change_of_density_without_waiting():
+    # back-to-back "auto" calls with no host wait: once the inputs turn dense, a
+    # later call must see an arrived count and switch (the copy in flight is not
+    # re-recorded by every call, which would keep it from ever arriving)
+    w = make_ffn(3000, 256, 1024, 12, dtype=bfloat16, xp=cp, seed=37)
+    ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"], check_finite=False)
+    ffn.auto_threshold = 100.0
+    ffn(w["x"])
+    cp.cuda.Device().synchronize()
+    assert ffn.last_info["mode"] == "sparse"
+    x_dense = w["x"].copy()
+    x_dense[:, 0] = 0                       # about half the neurons fire
+    modes = []
+    for _ in range(40):
+        ffn(x_dense)
+        modes.append(ffn.last_info["mode"])
+        if modes[-1] == "dense":
+            break
+    assert modes[-1] == "dense", f"auto never switched: {modes}"
+    assert rel_err(ffn(x_dense), ref64(dict(w, x=x_dense))) <= 1e-2
 
 
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)

@@ -136,7 +136,8 @@ class _FFN:
 
         With ``"first"`` only the first call waits; later calls decide from the
         density of an earlier call (copied to the host without waiting), so an
-        abrupt change of density is followed one call later. Both paths are
+        abrupt change of density is followed a call or two later (more when the
+        host queues calls far ahead of the GPU). Both paths are
         exact; only the speed differs. None on the CPU, which samples each
         chunk of every call.
         """

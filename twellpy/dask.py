@@ -614,7 +614,25 @@ def _prepared_ffn(kind, weights, ffn_kwargs, in_dtype=None, weight_keys=None):
 def _ffn_chunk(block, *weights, kind, ffn_kwargs, in_dtype=None, weight_keys=None):
     if in_dtype is not None:
         block = _restore_dtype(block, _dtype_named(in_dtype))
-    return _prepared_ffn(kind, weights, ffn_kwargs, in_dtype, weight_keys)(block)
+    return _settled(_prepared_ffn(kind, weights, ffn_kwargs, in_dtype, weight_keys)(block))
+
+
+def _settled(y):
+    """``y`` safe to hand to Dask, which may read it from another thread.
+
+    A GPU FFN call returns before its kernels finish. On CuPy's legacy default
+    stream, which every thread shares, any later reader is ordered after them,
+    so the task returns at once and the worker's bookkeeping overlaps the GPU
+    work. On any other stream (per-thread default streams, a stream the caller
+    made current) a reader on another thread is not ordered: wait for it here.
+    """
+    if is_cupy(y):
+        import cupy
+
+        stream = cupy.cuda.get_current_stream()
+        if stream.ptr != 0:
+            stream.synchronize()
+    return y
 
 
 def _finalize(results):

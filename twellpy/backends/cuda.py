@@ -97,7 +97,9 @@ _SPMM_ROWS_NV = (1, 2)
 #: streams A's rows past it, so B is read once per slice instead of once per
 #: entry. "auto": for calls of at least RESIDENT_MIN_ROWS rows when a slice
 #: fits the device's shared memory; True: whenever it fits; False: never.
-SPMM_RESIDENT = "auto"
+#: False until benchmarks/kernels.py has measured it against the gather
+#: kernel on a GPU (it gives the same bits either way).
+SPMM_RESIDENT = False
 RESIDENT_MIN_ROWS = 4096
 #: threads per block of the resident kernel (one block per SM) and entries of
 #: A staged per warp; both are compiled in (-DRES_THREADS, -DRES_STAGE)
@@ -989,10 +991,10 @@ def twell_spmm(values, indices, counts, B):
 
     Notes
     -----
-    Calls of at least ``RESIDENT_MIN_ROWS`` rows whose B slice fits the
-    device's shared memory (``SPMM_RESIDENT``) compact A (``twellpy_twell_compact``)
-    and run ``twellpy_spmm_resident``: B is read once per column slice instead of
-    once per entry. Otherwise, outputs at least ``SPMM_ROWS_THREADS`` 16-byte
+    With ``SPMM_RESIDENT`` on ("auto": calls of at least ``RESIDENT_MIN_ROWS``
+    rows) and a B slice that fits the device's shared memory, A is compacted
+    (``twellpy_twell_compact``) and ``twellpy_spmm_resident`` runs: B is read once
+    per column slice instead of once per entry. Otherwise, outputs at least ``SPMM_ROWS_THREADS`` 16-byte
     vectors wide (K >= 1024 in bf16) run ``twellpy_twell_spmm_rows``: a block per (row, column
     block), the row's entries listed once in shared memory, each thread
     gathering its columns of the B rows with ``SPMM_ROWS_INFLIGHT`` 16-byte

@@ -380,7 +380,8 @@ class FFNPlan:
         #: slice of w_downT in each block's shared memory (w_downT read once per
         #: slice instead of once per active neuron). "auto": calls of at least
         #: cuda.RESIDENT_MIN_ROWS rows whose slice fits. Same bits either way.
-        env_split = os.environ.get("TWELLPY_FFN_SPLIT", "auto")
+        #: Off (0) until benchmarks/ffn.py has measured it on a GPU.
+        env_split = os.environ.get("TWELLPY_FFN_SPLIT", "0")
         if env_split not in ("auto", "0", "1"):
             raise ValueError(f"TWELLPY_FFN_SPLIT must be auto, 0 or 1, got {env_split!r}")
         self.split_down = {"auto": "auto", "0": False, "1": True}[env_split]
@@ -435,10 +436,18 @@ class FFNPlan:
         # another thread takes that thread's handles
         return _thread_resources(self.device_id)
 
+    def _before_replacing_buffers(self):
+        """Wait for the previous call's kernels: calls return before they finish,
+        and CuPy's pool may hand a freed buffer to another stream at once
+        (growth is rare, so this wait is too)."""
+        if self._done is not None:
+            self._done.synchronize()
+
     def _workspace(self, chunk):
         """Grow-only ring buffers; a call with an already-seen size allocates nothing."""
         cp = cupy_module()
         if chunk > self._ws_rows:
+            self._before_replacing_buffers()
             acc = np.float64 if self.dtype == np.float64 else np.float32
             capr = LIST_ROW_CAP
             self._ws = {"g": [cp.empty((chunk, self.H), self.dtype) for _ in range(2)],
@@ -459,6 +468,7 @@ class FFNPlan:
         cp = cupy_module()
         hv = self._ws.get("heavy")
         if hv is None or hv.size < M:
+            self._before_replacing_buffers()
             hv = cp.zeros((max(M, 1),), np.int32)
             self._ws["heavy"] = hv
         # a slice costs microseconds; the kernels index rows < M only
@@ -468,6 +478,7 @@ class FFNPlan:
         cp = cupy_module()
         u = self._ws.get("u")
         if u is None or u.shape[0] < chunk:
+            self._before_replacing_buffers()
             u = cp.empty((chunk, self.H), self.dtype)
             self._ws["u"] = u
         return u
@@ -617,7 +628,11 @@ class FFNPlan:
         ws = self._ws
         if "counters" not in ws or self._last_rows == 0:
             return {"mean_active": None, "heavy_rows": 0}
-        seen, n_heavy = (int(v) for v in ws["counters"].get()[:2])
+        cp = cupy_module()
+        stream = cp.cuda.get_current_stream()
+        if self._done is not None:
+            stream.wait_event(self._done)  # the last call may have run on another stream
+        seen, n_heavy = (int(v) for v in ws["counters"].get(stream=stream)[:2])
         return {"mean_active": seen / self._last_sparse_rows if self._last_sparse_rows else None,
                 "heavy_rows": n_heavy}
 
@@ -654,6 +669,11 @@ class FFNPlan:
                                        "rows": 1, "mean": None, "pending": False}
         if probed_mean is not None:  # this call's count is already on the host
             mem["mean"], mem["pending"] = probed_mean, False
+            return
+        if mem["pending"] and not mem["event"].done:
+            # the previous copy is still in flight: re-recording the event now would
+            # push its completion past every later query (a host that runs calls
+            # ahead would never see a count arrive); a later call takes the next one
             return
         cp.cuda.runtime.memcpyAsync(mem["host"].ctypes.data, counters.data.ptr + 2 * counters.itemsize,
                                     counters.itemsize, cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
@@ -699,6 +719,20 @@ class FFNPlan:
 
     # ---- the call -----------------------------------------------------------
     def forward(self, x, *, mode="auto", return_activations=False, chunk_rows=None, check_x=False):
+        """Run the FFN on ``x`` (M, D) cupy; see :meth:`_forward`. A call that fails
+        midway waits for the work it queued before the error propagates, since
+        the next call may run on another stream and reuse the workspaces."""
+        try:
+            return self._forward(x, mode=mode, return_activations=return_activations, chunk_rows=chunk_rows,
+                                 check_x=check_x)
+        except BaseException:
+            try:
+                cupy_module().cuda.Device(self.device_id).synchronize()
+            except Exception:  # noqa: BLE001 - a lost device: the original error matters more
+                pass
+            raise
+
+    def _forward(self, x, *, mode="auto", return_activations=False, chunk_rows=None, check_x=False):
         """Run the FFN on ``x`` (M, D) cupy; returns ``(y, h_dense_or_None, info)``.
 
         With ``check_x`` a NaN or Inf in ``x`` raises ValueError (naming ``x``)
