@@ -526,3 +526,45 @@ def test_ffn_split_mode_gives_the_fused_bits(ffn_lib, dtype, heavy_limit):
     err = np.linalg.norm(y_split[ok].astype(np.float64) - ref[ok]) / np.linalg.norm(ref[ok])
     assert err < (1e-2 if dtype == bfloat16 else 1e-5), err
     assert not y_split[7].astype(np.float32).any()
+
+
+_PACK_HARNESS = r"""
+#include "emu.h"
+#include "kernel_source.cuh"
+
+extern "C" {
+void rowpack_bf16(const __nv_bfloat16* g, long long ldg, int M, int H, int capr, int* idx, float* val, int* count,
+                  unsigned long long* total) {
+    emu::launch(twellpy_ffn_rowpack<__nv_bfloat16>, dim3((M + 7) / 8), dim3(256), 0, g, ldg, M, H, capr, idx, val,
+                count, total);
+}
+}
+"""
+
+
+def test_rowpack_matches_the_lists_the_split_test_assumes(tmp_path_factory):
+    """The real twellpy_ffn_rowpack (ffn_pack.cu) writes exactly the row lists that
+    test_ffn_split_mode_gives_the_fused_bits builds in numpy (column order, gate
+    values as float, true counts; NaN is active), so the emulated chain row pack ->
+    split -> resident matches what the plan runs."""
+    lib = _build(tmp_path_factory, "ffn_pack.cu", _PACK_HARNESS, {})
+    rng = np.random.default_rng(23)
+    M, H, capr = 37, 600, 16
+    g = (rng.standard_normal((M, H)) - 2.0).astype(bfloat16)
+    g[3, :40] = 1.0                                  # over capr
+    g[5, 7] = np.nan                                 # NaN is an active entry
+    g[6] = -0.0                                      # nothing active
+    idx = np.full((M, capr), -77, np.int32)
+    val = np.full((M, capr), np.nan, np.float32)
+    count = np.full(M, -1, np.int32)
+    total = np.zeros(1, np.uint64)
+    lib.rowpack_bf16(_ptr(g), ctypes.c_longlong(H), M, H, capr, _ptr(idx), _ptr(val), _ptr(count), _ptr(total))
+    want_idx, want_val, want_count = _row_lists(g, capr)
+    np.testing.assert_array_equal(count, want_count)
+    assert int(total[0]) == int(want_count.sum())
+    for r in range(M):
+        k = min(int(want_count[r]), capr)
+        if want_count[r] <= capr:
+            np.testing.assert_array_equal(idx[r, :k], want_idx[r, :k])
+            np.testing.assert_array_equal(val[r, :k].view(np.uint32), want_val[r, :k].view(np.uint32))
+    assert count[3] > capr and count[6] == 0 and 7 in idx[5, :count[5]]
