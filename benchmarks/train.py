@@ -140,7 +140,17 @@ def bench(name, reps):
     res["tw_ms"] = time_ms(tw_step, reps)
     res["tw_fwd_ms"] = time_ms(tw_fwd, reps)
     res["tw_bwd_ms"] = time_ms(lambda: T.gated_backward(ctx, dy), reps)
-    del ctx, y
+    # the split backward (dx from shared-memory slices of w_up and w_gate,
+    # twellpy_spmm_resident); the same bits, so only the time is compared
+    saved_split = ct.SPLIT_DX
+    ct.SPLIT_DX = True
+    split_grads = T.gated_backward(ctx, dy)
+    res["tw_split_bits_equal"] = all(bool((a.view(cp.uint16) == b.view(cp.uint16)).all())
+                                     for a, b in zip(split_grads, outs[1:]))
+    res["tw_bwd_split_ms"] = time_ms(lambda: T.gated_backward(ctx, dy), reps)
+    res["tw_split_ms"] = time_ms(tw_step, reps)
+    ct.SPLIT_DX = saved_split
+    del ctx, y, split_grads
     # per-phase device timeline of one step (gaps include host-side work)
     phases, host_phases = {}, {}
     for part in ("fwd", "bwd"):
@@ -290,6 +300,10 @@ def main(argv=None):
               f"{r['tw_fwd_ms'][0]:6.2f}/{r['tw_bwd_ms'][0]:<6.2f} {r['speedup']:6.2f}x "
               f"{r['gate_gemm_ms'][0]:9.3f} {r['torch_extra_peak_MB']:12.0f} {r['tw_extra_peak_MB']:9.0f} "
               f"{r['mem_ratio']:5.2f} {e_tw:10.2e} / {e_d:9.2e}")
+    for r in results:
+        print(f"{r['workload']} split backward (TWELLPY_TRAIN_SPLIT): bwd {r['tw_bwd_split_ms'][0]:.3f} ms "
+              f"(fused {r['tw_bwd_ms'][0]:.3f}), step {r['tw_split_ms'][0]:.3f} ms "
+              f"({r['torch_ms'][0] / r['tw_split_ms'][0]:.2f}x dense); same bits: {r['tw_split_bits_equal']}")
     for r in results:
         print(f"{r['workload']} twellpy phases (ms): " +
               ", ".join(f"{k} {v:.3f}" for k, v in r["tw_phases_ms"].items()))

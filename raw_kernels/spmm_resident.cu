@@ -113,21 +113,26 @@ twellpy_twell_compact(const T* __restrict__ values, const int* __restrict__ indi
 //   vals      (entries)  V      values of A (T, or the accumulator type)
 //   B         (N, K)     T      dense, C order, 16-byte aligned, K % VEC == 0 (VEC = 16 / sizeof(T))
 //   out       (M, K)     T      out: rows [chunk * rows_per_block, ...) x the slice's columns
+//   vals2, B2                   DUAL only (else null): a second value per entry and a second dense
+//                               operand of B's shape: out = A @ B + A2 @ B2, the two products of
+//                               each entry added in that order (the training backward's
+//                               dx = du @ w_up + dg @ w_gate)
 // grid = (ceil(K / (LPR * VEC)), ceil(M / rows_per_block)), block = RES_THREADS.
-// Dynamic shared memory (bytes): N * LPR * 16 + (RES_THREADS / 32) * (RES_STAGE + 32) * (4 + sizeof(acc))
-// + (RES_THREADS / 32) * 32 * 12, acc = double for double data, float otherwise; the launcher raises
-// the block's limit to it.
+// Dynamic shared memory (bytes): NB * N * LPR * 16 + (RES_THREADS / 32) * 32 * 12
+// + (RES_THREADS / 32) * (RES_STAGE + 32) * (4 + NB * sizeof(acc)), NB = 2 with DUAL else 1,
+// acc = double for double data, float otherwise; the launcher raises the block's limit to it.
 //
 // Each of a warp's RPW rows owns SLOTS = RES_STAGE / RPW consecutive stage entries
 // (padded to SLOTS + 1, so the rows' entries fall in different banks); the warp
 // refills every row's slots together, SLOTS entries of each row per round, for as
 // many rounds as its longest row needs, so every lane works in every round.
 // ---------------------------------------------------------------------------
-template <typename T, typename V, int LPR, bool LISTS>
+template <typename T, typename V, int LPR, bool LISTS, bool DUAL = false>
 __global__ void __launch_bounds__(RES_THREADS, 1)
 twellpy_spmm_resident(const long long* __restrict__ indptr, const int* __restrict__ row_count, int stride,
                       int row_cap, const int* __restrict__ cols, const V* __restrict__ vals,
-                      const T* __restrict__ B, T* __restrict__ out, int M, int N, int K, int rows_per_block) {
+                      const T* __restrict__ B, T* __restrict__ out, int M, int N, int K, int rows_per_block,
+                      const V* __restrict__ vals2, const T* __restrict__ B2) {
     typedef typename accum<T>::type A;
     constexpr int VEC = 16 / (int)sizeof(T);
     constexpr int RPW = 32 / LPR;               // rows per warp pass
@@ -139,11 +144,14 @@ twellpy_spmm_resident(const long long* __restrict__ indptr, const int* __restric
     static_assert(SLOTS >= 1 && RES_STAGE % RPW == 0, "RES_STAGE must be a multiple of the rows per warp");
 
     extern __shared__ uint4 smem[];
+    constexpr int NB = DUAL ? 2 : 1;
     uint4* s_B = smem;                                                      // N * LPR vectors
-    long long* s_start = reinterpret_cast<long long*>(s_B + (long long)N * LPR);   // NWARPS * 32
+    uint4* s_B2 = s_B + (long long)N * LPR;                                 // DUAL: N * LPR more
+    long long* s_start = reinterpret_cast<long long*>(s_B + (long long)NB * N * LPR);   // NWARPS * 32
     int* s_len = reinterpret_cast<int*>(s_start + NWARPS * 32);                   // NWARPS * 32
     int* s_col = s_len + NWARPS * 32;                                            // NWARPS * (RES_STAGE + 32)
     A* s_val = reinterpret_cast<A*>(s_col + NWARPS * (RES_STAGE + 32));          // 16-byte aligned (see plan)
+    A* s_val2 = s_val + NWARPS * (RES_STAGE + 32);                               // DUAL only
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const long long col0 = (long long)blockIdx.x * (LPR * VEC);  // first column of this slice
@@ -153,9 +161,13 @@ twellpy_spmm_resident(const long long* __restrict__ indptr, const int* __restric
     for (int i = tid; i < n_vec; i += RES_THREADS) {
         const int n = i / LPR, p = i - n * LPR;
         const long long c = col0 + p * VEC;
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (c < K) v = __ldg(reinterpret_cast<const uint4*>(B + (long long)n * K + c));
+        uint4 v = make_uint4(0u, 0u, 0u, 0u), v2 = v;
+        if (c < K) {
+            v = __ldg(reinterpret_cast<const uint4*>(B + (long long)n * K + c));
+            if (DUAL) v2 = __ldg(reinterpret_cast<const uint4*>(B2 + (long long)n * K + c));
+        }
         s_B[i] = v;
+        if (DUAL) s_B2[i] = v2;
     }
     __syncthreads();  // the only block-wide barrier: from here on every warp works alone
 
@@ -166,6 +178,7 @@ twellpy_spmm_resident(const long long* __restrict__ indptr, const int* __restric
     int* w_len = s_len + warp * 32;
     int* w_col = s_col + warp * (RES_STAGE + 32);
     A* w_val = s_val + warp * (RES_STAGE + 32);
+    A* w_val2 = s_val2 + warp * (RES_STAGE + 32);
     const int sub = lane / LPR, part = lane - sub * LPR;
     for (long long g0 = r_begin + (long long)warp * RPW; g0 < r_end; g0 += (long long)NWARPS * RPW) {
         const long long row = g0 + sub;
@@ -204,6 +217,7 @@ twellpy_spmm_resident(const long long* __restrict__ indptr, const int* __restric
                     const int c = cols[src];
                     w_col[j * ROW_STRIDE + s] = (c >= 0 && c < N) ? c : -1;
                     w_val[j * ROW_STRIDE + s] = to_acc<A, V>(vals[src]);
+                    if (DUAL) w_val2[j * ROW_STRIDE + s] = to_acc<A, V>(vals2[src]);
                 }
             }
             __syncwarp();  // the stage is visible to the whole warp
@@ -216,6 +230,13 @@ twellpy_spmm_resident(const long long* __restrict__ indptr, const int* __restric
                 const T* we = reinterpret_cast<const T*>(&wv);
 #pragma unroll
                 for (int k = 0; k < VEC; ++k) acc[k] = fma(v, to_acc<A, T>(we[k]), acc[k]);
+                if (DUAL) {
+                    const A v2 = w_val2[sub * ROW_STRIDE + s];
+                    const uint4 wv2 = s_B2[c * LPR + part];
+                    const T* we2 = reinterpret_cast<const T*>(&wv2);
+#pragma unroll
+                    for (int k = 0; k < VEC; ++k) acc[k] = fma(v2, to_acc<A, T>(we2[k]), acc[k]);
+                }
             }
             __syncwarp();  // every lane is done with the stage before it is refilled
         }

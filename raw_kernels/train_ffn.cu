@@ -441,8 +441,9 @@ twellpy_train_fwd(const T* __restrict__ x, const T* __restrict__ w_up, const T* 
 //   idx, nnz, gval, uval as in twellpy_train_fwd (uval GATED only)
 //   da      (M, W) T   out: du (GATED) or dh (ReLU), padding 0
 //   db      (M, W) T   out: dg (GATED), padding 0
-//   dx      (M, D) T   out: ELL rows; 0 for backup rows
-template <typename T, int GATED>
+//   dx      (M, D) T   out: ELL rows; 0 for backup rows (not written with DX = 0: the split
+//                      backward computes dx with twellpy_spmm_resident, DUAL, from da and db)
+template <typename T, int GATED, int DX = 1>
 __global__ void __launch_bounds__(32 * TW_WARPS)
 twellpy_train_bwd(const T* __restrict__ dy, const T* __restrict__ w_downT, const T* __restrict__ w_a,
                   const T* __restrict__ w_b, const int* __restrict__ idx, const int* __restrict__ nnz,
@@ -474,6 +475,7 @@ twellpy_train_bwd(const T* __restrict__ dy, const T* __restrict__ w_downT, const
         da[base + s] = zero_value<T>();
         if (GATED) db[base + s] = zero_value<T>();
     }
+    if (!DX) return;  // uniform over the warp
     __syncwarp();
     T* dxr = dx + r * (long long)D;
     if (vec) {
@@ -489,12 +491,12 @@ twellpy_train_bwd(const T* __restrict__ dy, const T* __restrict__ w_downT, const
                 A wv[N];
                 load_vec<T, A>(w_a + k * D + c, wv);
 #pragma unroll
-                for (int i = 0; i < N; ++i) acc[i] += a * wv[i];
+                for (int i = 0; i < N; ++i) acc[i] = fma(a, wv[i], acc[i]);  // spelled: the split's bits
                 if (GATED) {
                     const A b = to_acc<A, T>(db[base + s]);
                     load_vec<T, A>(w_b + k * D + c, wv);
 #pragma unroll
-                    for (int i = 0; i < N; ++i) acc[i] += b * wv[i];
+                    for (int i = 0; i < N; ++i) acc[i] = fma(b, wv[i], acc[i]);
                 }
             }
             store_vec<T, A>(dxr + c, acc);
@@ -504,8 +506,8 @@ twellpy_train_bwd(const T* __restrict__ dy, const T* __restrict__ w_downT, const
             A acc = A(0);
             for (int s = 0; s < n; ++s) {
                 const long long k = idx[base + s];
-                acc += to_acc<A, T>(da[base + s]) * to_acc<A, T>(w_a[k * D + c]);
-                if (GATED) acc += to_acc<A, T>(db[base + s]) * to_acc<A, T>(w_b[k * D + c]);
+                acc = fma(to_acc<A, T>(da[base + s]), to_acc<A, T>(w_a[k * D + c]), acc);
+                if (GATED) acc = fma(to_acc<A, T>(db[base + s]), to_acc<A, T>(w_b[k * D + c]), acc);
             }
             dxr[c] = from_acc<T, A>(acc);
         }

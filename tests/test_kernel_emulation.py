@@ -63,7 +63,8 @@ void compact_bf16(const __nv_bfloat16* v, const int* i, const int* c, const long
 void NAME(const long long* indptr, const int* cols, const V* vals, const T* B, T* out, int M, int N, int K, \
           int rows_per_block, int gx, int gy, long long smem) {                                      \
     emu::launch(twellpy_spmm_resident<T, V, LPR, false>, dim3(gx, gy), dim3(RES_THREADS), (size_t)smem,   \
-                indptr, (const int*)nullptr, 0, 0, cols, vals, B, out, M, N, K, rows_per_block);         \
+                indptr, (const int*)nullptr, 0, 0, cols, vals, B, out, M, N, K, rows_per_block,          \
+                (const V*)nullptr, (const T*)nullptr);                                                  \
 }
 RESIDENT(resident_f32_1, float, float, 1)
 RESIDENT(resident_f32_2, float, float, 2)
@@ -424,7 +425,7 @@ void NAME(const int* row_count, int stride, int row_cap, const int* cols, const 
           T* out, int M, int N, int K, int rows_per_block, int gx, int gy, long long smem) {             \
     emu::launch(twellpy_spmm_resident<T, float, LPR, true>, dim3(gx, gy), dim3(RES_THREADS), (size_t)smem, \
                 (const long long*)nullptr, row_count, stride, row_cap, cols, vals, B, out, M, N, K,      \
-                rows_per_block);                                                                         \
+                rows_per_block, (const float*)nullptr, (const T*)nullptr);                               \
 }
 RES_LISTS(res_lists_bf16_1, bf16, 1)
 RES_LISTS(res_lists_bf16_2, bf16, 2)
@@ -568,3 +569,124 @@ def test_rowpack_matches_the_lists_the_split_test_assumes(tmp_path_factory):
             np.testing.assert_array_equal(idx[r, :k], want_idx[r, :k])
             np.testing.assert_array_equal(val[r, :k].view(np.uint32), want_val[r, :k].view(np.uint32))
     assert count[3] > capr and count[6] == 0 and 7 in idx[5, :count[5]]
+
+
+# ---------------------------------------------------------------------------
+# the split training backward: train_ffn.cu (DX = 0) + spmm_resident.cu (LISTS, DUAL)
+# ---------------------------------------------------------------------------
+_BWD_HARNESS = r"""
+#include "emu.h"
+#include "kernel_source.cuh"
+#include "resident_source.cuh"
+
+extern "C" {
+typedef __nv_bfloat16 bf16;
+#define BWD(NAME, T)                                                                                   \
+void NAME(int gated, int with_dx, const T* dy, const T* w_downT, const T* w_a, const T* w_b, const int* idx, \
+          const int* nnz, const T* gval, const T* uval, T* da, T* db, T* dx, long long M, int W, int D,     \
+          double l1s, int vec) {                                                                      \
+    dim3 grid((unsigned)((M + TW_WARPS - 1) / TW_WARPS)), block(32 * TW_WARPS);                         \
+    if (gated && with_dx)                                                                             \
+        emu::launch(twellpy_train_bwd<T, 1, 1>, grid, block, 0, dy, w_downT, w_a, w_b, idx, nnz, gval, uval, \
+                    da, db, dx, M, W, D, l1s, vec);                                                    \
+    else if (gated)                                                                                   \
+        emu::launch(twellpy_train_bwd<T, 1, 0>, grid, block, 0, dy, w_downT, w_a, w_b, idx, nnz, gval, uval, \
+                    da, db, dx, M, W, D, l1s, vec);                                                    \
+    else if (with_dx)                                                                                 \
+        emu::launch(twellpy_train_bwd<T, 0, 1>, grid, block, 0, dy, w_downT, w_a, w_b, idx, nnz, gval, uval, \
+                    da, db, dx, M, W, D, l1s, vec);                                                    \
+    else                                                                                              \
+        emu::launch(twellpy_train_bwd<T, 0, 0>, grid, block, 0, dy, w_downT, w_a, w_b, idx, nnz, gval, uval, \
+                    da, db, dx, M, W, D, l1s, vec);                                                    \
+}
+BWD(bwd_f32, float)
+BWD(bwd_bf16, bf16)
+#define RES_DX(NAME, T, LPR)                                                                           \
+void NAME(int dual, const int* nnz, int W, const int* idx, const T* da, const T* db, const T* w_a, const T* w_b, \
+          T* dx, int M, int H, int D, int rows, int gx, int gy, long long smem) {                      \
+    if (dual)                                                                                         \
+        emu::launch(twellpy_spmm_resident<T, T, LPR, true, true>, dim3(gx, gy), dim3(RES_THREADS), (size_t)smem, \
+                    (const long long*)nullptr, nnz, W, W, idx, da, w_a, dx, M, H, D, rows, db, w_b);    \
+    else                                                                                              \
+        emu::launch(twellpy_spmm_resident<T, T, LPR, true, false>, dim3(gx, gy), dim3(RES_THREADS), (size_t)smem, \
+                    (const long long*)nullptr, nnz, W, W, idx, da, w_a, dx, M, H, D, rows, (const T*)nullptr, \
+                    (const T*)nullptr);                                                                \
+}
+RES_DX(res_dx_f32_1, float, 1)
+RES_DX(res_dx_f32_2, float, 2)
+RES_DX(res_dx_f32_4, float, 4)
+RES_DX(res_dx_bf16_1, bf16, 1)
+RES_DX(res_dx_bf16_2, bf16, 2)
+RES_DX(res_dx_bf16_4, bf16, 4)
+}
+"""
+_BWD_DEFINES = {"RES_THREADS": 64, "RES_STAGE": 64, "COMPACT_WARPS": 2, "TW_WARPS": 2}
+
+
+@pytest.fixture(scope="module")
+def bwd_lib(tmp_path_factory):
+    harness = _BWD_HARNESS.replace('#include "resident_source.cuh"',
+                                   _emulation_source("spmm_resident.cu").replace('#include "common.cuh"', ""))
+    return _build(tmp_path_factory, "train_ffn.cu", harness, _BWD_DEFINES)
+
+
+@pytest.mark.parametrize("dtype", [bfloat16, np.dtype(np.float32)], ids=str)
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("vec", [1, 0])
+def test_split_training_backward_gives_the_fused_bits(bwd_lib, dtype, gated, vec):
+    """The backward split (the fused kernel without its dx product, then
+    twellpy_spmm_resident with the du and dg slices of w_up and w_gate) writes the
+    same du, dg and dx bits as the fused kernel, on ELL rows of every length from
+    0 (backup rows, whose dx is 0) to W, with both of the fused kernel's dx paths."""
+    rng = np.random.default_rng(29 + vec)
+    M, W, H, D = 150, 12, 300, 64
+    nnz = rng.integers(0, W + 1, M).astype(np.int32)
+    nnz[[0, 7, M - 1]] = 0
+    nnz[3] = W
+    idx = np.full((M, W), -1, np.int32)
+    for r in range(M):
+        idx[r, :nnz[r]] = np.sort(rng.choice(H, nnz[r], replace=False))
+    gval = np.zeros((M, W), np.float32)
+    uval = np.zeros((M, W), np.float32)
+    for r in range(M):
+        gval[r, :nnz[r]] = rng.random(nnz[r]) + 0.1
+        uval[r, :nnz[r]] = rng.standard_normal(nnz[r])
+    gval, uval = gval.astype(dtype), uval.astype(dtype)
+    dy = rng.standard_normal((M, D)).astype(dtype)
+    w_downT, w_a, w_b = ((rng.standard_normal((H, D)) / 8).astype(dtype) for _ in range(3))
+    sfx = "bf16" if dtype == bfloat16 else "f32"
+
+    def run(split):
+        da = np.full((M, W), np.nan, np.float32).astype(dtype)
+        db = np.full((M, W), np.nan, np.float32).astype(dtype)
+        dx = np.full((M, D), np.nan, np.float32).astype(dtype)
+        getattr(bwd_lib, f"bwd_{sfx}")(int(gated), int(not split), _ptr(dy), _ptr(w_downT), _ptr(w_a), _ptr(w_b),
+                                      _ptr(idx), _ptr(nnz), _ptr(gval), _ptr(uval), _ptr(da), _ptr(db), _ptr(dx),
+                                      ctypes.c_longlong(M), W, D, ctypes.c_double(0.01), vec)
+        if split:
+            assert np.isnan(dx.astype(np.float32)).all(), "the split kernel must leave dx alone"
+            plan = resident_layout(M, H, D, np.dtype(dtype).itemsize, 5, 64 * 1024, _BWD_DEFINES["RES_THREADS"],
+                                   _BWD_DEFINES["RES_STAGE"], 16, dual=gated)
+            lpr, smem, n_slices, n_chunks, rows = plan
+            getattr(bwd_lib, f"res_dx_{sfx}_{lpr}")(int(gated), _ptr(nnz), W, _ptr(idx), _ptr(da), _ptr(db),
+                                                   _ptr(w_a), _ptr(w_b), _ptr(dx), M, H, D, rows, n_slices,
+                                                   n_chunks, ctypes.c_longlong(smem))
+        return da, db, dx
+
+    fused, split = run(False), run(True)
+    bits = np.uint16 if dtype == bfloat16 else np.uint32
+    for name, a, b in zip(("da", "db", "dx"), fused, split):
+        if name == "db" and not gated:
+            continue
+        np.testing.assert_array_equal(b.view(bits), a.view(bits), err_msg=name)
+    dx = split[2].astype(np.float64)
+    assert not np.isnan(dx).any() and not dx[[0, 7, M - 1]].any()
+    # and it is the product it claims to be
+    da, db = (a.astype(np.float64) for a in split[:2])
+    want = np.zeros((M, D))
+    for r in range(M):
+        for s in range(nnz[r]):
+            want[r] += da[r, s] * w_a[idx[r, s]].astype(np.float64)
+            if gated:
+                want[r] += db[r, s] * w_b[idx[r, s]].astype(np.float64)
+    assert np.linalg.norm(dx - want) <= (1e-5 if dtype == np.float32 else 1e-2) * np.linalg.norm(want)

@@ -155,10 +155,11 @@ def _name_spmm_rows(dtype, vec, nv, kb):
     return f"twellpy_twell_spmm_rows<{_ct(dtype)}, {vec}, {nv}, {kb}>"
 
 
-def _name_resident(dtype, lpr, value_dtype=None, lists=False):
-    """``twellpy_spmm_resident<T, V, LPR, LISTS>``: V (the entries' value type) defaults to T."""
-    return (f"twellpy_spmm_resident<{_ct(dtype)}, {_ct(value_dtype or dtype)}, {lpr}, "
-            f"{'true' if lists else 'false'}>")
+def _name_resident(dtype, lpr, value_dtype=None, lists=False, dual=False):
+    """``twellpy_spmm_resident<T, V, LPR, LISTS[, DUAL]>``: V (the entries' value type) defaults to T."""
+    b = lambda v: "true" if v else "false"  # noqa: E731
+    return (f"twellpy_spmm_resident<{_ct(dtype)}, {_ct(value_dtype or dtype)}, {lpr}, {b(lists)}"
+            + (", true>" if dual else ">"))
 
 
 def _name_cast(src, dst):
@@ -190,7 +191,10 @@ def _declare_all():
                 + [_name_resident(dt, lpr) for dt in FLOAT_DTYPES for lpr in _RESIDENT_LPR]
                 # the fused FFN's split mode: its row lists, h in the accumulator type
                 + [_name_resident(dt, lpr, np.float64 if dt.itemsize == 8 else np.float32, lists=True)
-                   for dt in FLOAT_DTYPES for lpr in _RESIDENT_LPR],
+                   for dt in FLOAT_DTYPES for lpr in _RESIDENT_LPR]
+                # the split training backward: ELL rows of du (and dg, DUAL), values of the data type
+                + [_name_resident(dt, lpr, lists=True, dual=dual)
+                   for dt in FLOAT_DTYPES for lpr in _RESIDENT_LPR for dual in (False, True)],
                 _resident_defines())
     reg.declare("check.cu", [f"twellpy_count_nonfinite<{c}>" for c in _NONFINITE_WORD.values()])
 
@@ -857,11 +861,12 @@ def _device_limits(device_id):
             int(rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id)))
 
 
-def _resident_plan(m, n_rows_b, k_cols, n_slots_per_row, dtype, *arrays, mode=None):
+def _resident_plan(m, n_rows_b, k_cols, n_slots_per_row, dtype, *arrays, mode=None, dual=False):
     """Launch plan of ``twellpy_spmm_resident`` for an (m, n_rows_b) @ (n_rows_b, k_cols)
     product on the current device, or None when the gather kernel should run
     instead (see :func:`resident_layout` for the plan's fields). ``mode``
-    ("auto", True or False) overrides ``SPMM_RESIDENT``."""
+    ("auto", True or False) overrides ``SPMM_RESIDENT``; ``dual`` plans for two
+    operands (``out = A @ B + A2 @ B2``)."""
     mode = SPMM_RESIDENT if mode is None else mode
     if mode is False or (mode == "auto" and m < RESIDENT_MIN_ROWS):
         return None
@@ -872,10 +877,10 @@ def _resident_plan(m, n_rows_b, k_cols, n_slots_per_row, dtype, *arrays, mode=No
         return None
     n_sm, limit = _device_limits(_cp().cuda.Device().id)
     return resident_layout(m, n_rows_b, k_cols, dt.itemsize, n_sm, limit,
-                           int(RESIDENT_THREADS), int(RESIDENT_STAGE), _RESIDENT_MIN_CHUNK_ROWS)
+                           int(RESIDENT_THREADS), int(RESIDENT_STAGE), _RESIDENT_MIN_CHUNK_ROWS, dual=dual)
 
 
-def resident_layout(m, n_rows_b, k_cols, itemsize, n_sm, smem_limit, threads, stage, min_chunk_rows):
+def resident_layout(m, n_rows_b, k_cols, itemsize, n_sm, smem_limit, threads, stage, min_chunk_rows, dual=False):
     """Grid and shared memory of ``twellpy_spmm_resident`` (no device needed).
 
     Returns ``(lpr, smem_bytes, n_slices, n_chunks, rows_per_chunk)``, or None
@@ -884,16 +889,18 @@ def resident_layout(m, n_rows_b, k_cols, itemsize, n_sm, smem_limit, threads, st
     ``_RESIDENT_LPR`` whose slice plus the warps' staging areas fit, without
     being wider than needed for ``k_cols``. Row chunks give every one of the
     ``n_sm`` multiprocessors a block, as long as a chunk keeps at least
-    ``min_chunk_rows`` rows (each chunk reloads its slice).
+    ``min_chunk_rows`` rows (each chunk reloads its slice). ``dual``: two
+    operands' slices and two values per staged entry.
     """
     vec = 16 // itemsize
     warps = threads // 32
+    nb = 2 if dual else 1
     # per warp: each row's first entry and length, then the padded stage (see the kernel)
-    stage_bytes = warps * 32 * 12 + warps * (stage + 32) * (4 + (8 if itemsize == 8 else 4))
+    stage_bytes = warps * 32 * 12 + warps * (stage + 32) * (4 + nb * (8 if itemsize == 8 else 4))
     for lpr in _RESIDENT_LPR:
         if lpr > 1 and (lpr // 2) * vec >= k_cols:
             continue  # half this width already covers every column
-        smem = n_rows_b * lpr * 16 + stage_bytes
+        smem = nb * n_rows_b * lpr * 16 + stage_bytes
         if smem <= smem_limit:
             break
     else:
@@ -933,19 +940,22 @@ def _twell_compact(values, indices, counts, n_tiles, slots, n_cols_a):
     return indptr, cols, vals
 
 
-def _resident_spmm(cols, vals, B, out, plan, indptr=None, row_count=None, stride=0, row_cap=0):
+def _resident_spmm(cols, vals, B, out, plan, indptr=None, row_count=None, stride=0, row_cap=0, vals2=None,
+                   B2=None):
     """Launch ``twellpy_spmm_resident`` (see :func:`_resident_plan`) on the current
     stream: ``out`` (C-contiguous, B's dtype) gets A @ B. A's rows are either
     compacted (``indptr`` int64) or per-row lists (``row_count`` int32: row r's
     entries start at ``r * stride``; rows whose count is outside [0, ``row_cap``]
     are left untouched). ``cols`` int32, ``vals`` of B's dtype or the
-    accumulator dtype."""
+    accumulator dtype. With ``vals2`` and ``B2`` (DUAL): ``out = A @ B + A2 @ B2``,
+    A2 the same pattern with ``vals2``; the plan must be made with ``dual=True``."""
     lpr, smem, n_slices, n_chunks, rows_per_chunk = plan
     m = out.shape[0]
     n_rows_b, k_cols = B.shape
     lists = row_count is not None
+    dual = vals2 is not None
     vdt = None if vals.dtype == out.dtype else vals.dtype
-    name = _name_resident(out.dtype, lpr, vdt, lists=lists)
+    name = _name_resident(out.dtype, lpr, vdt, lists=lists, dual=dual)
     defines = _resident_defines()
     k = reg.get_kernel("spmm_resident.cu", name, **defines)
     key = (_cp().cuda.Device().id, name, tuple(sorted(defines.items())))
@@ -955,7 +965,8 @@ def _resident_spmm(cols, vals, B, out, plan, indptr=None, row_count=None, stride
         _RESIDENT_SMEM_SET.add(key)
     k((n_slices, n_chunks), (int(RESIDENT_THREADS),),
       (_NULL_PTR if lists else indptr, row_count if lists else _NULL_PTR, _i32(stride), _i32(row_cap), cols, vals,
-       B, out, _i32(m), _i32(n_rows_b), _i32(k_cols), _i32(rows_per_chunk)),
+       B, out, _i32(m), _i32(n_rows_b), _i32(k_cols), _i32(rows_per_chunk),
+       vals2 if dual else _NULL_PTR, B2 if dual else _NULL_PTR),
       shared_mem=smem)
     return out
 

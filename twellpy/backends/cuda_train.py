@@ -7,6 +7,8 @@ kernel is deterministic: none uses floating-point atomics (see the header of
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from .._array import FLOAT_DTYPES, bfloat16, cupy_module
@@ -35,6 +37,8 @@ def _names():
         for base in ("fwd", "bwd", "wgrad", "backup_fwd", "backup_bwd"):
             for gated in (0, 1):
                 names.append(f"twellpy_train_{base}<{t},{gated}>")
+        for gated in (0, 1):  # the split backward: dh, du and dg only (dx by twellpy_spmm_resident)
+            names.append(f"twellpy_train_bwd<{t},{gated},0>")
     for u in _BIT_CTYPES.values():
         names.append(f"twellpy_train_transpose_dense<{u}>")
     return names
@@ -199,22 +203,43 @@ def ffn_forward_ell(x, w_up, w_downT, idx, nnz, gval, uval, gated):
     return y, habs
 
 
+#: split the ELL backward (TWELLPY_TRAIN_SPLIT=auto|1|0): the fused kernel computes dh,
+#: du and dg only, and twellpy_spmm_resident (DUAL for the gated FFN) computes
+#: dx = du @ w_up + dg @ w_gate from column slices of the weights held in shared
+#: memory (each weight read once per slice instead of once per active neuron).
+#: Same bits either way. Off (0) until benchmarks/train.py has measured it on a GPU.
+SPLIT_DX = {"auto": "auto", "0": False, "1": True}[os.environ.get("TWELLPY_TRAIN_SPLIT", "0")]
+
+
 def ffn_backward_ell(dy, w_downT, w_up, w_gate, idx, nnz, gval, uval, l1_scale, gated, da, db):
     """ELL part of the FFN backward; writes ``da`` (du or dh) and ``db`` (dg), returns dx.
 
     ``da``/``db`` are (M, W) views (of the combined value buffers) the kernel fills.
-    Backup rows of dx are 0.
+    Backup rows of dx are 0. With ``SPLIT_DX`` the dx product runs in
+    ``twellpy_spmm_resident`` instead of the fused kernel (same bits).
     """
+    from . import cuda
+
     cp = _cp()
     M, D = dy.shape
     W = idx.shape[1]
     dx = cp.empty((M, D), dtype=dy.dtype)
     if M:
         vec = _vec_ok(D, dy, w_downT, w_up, w_gate if gated else None, dx)
+        plan = None
+        if SPLIT_DX is not False and W and da.flags.c_contiguous and (not gated or db.flags.c_contiguous):
+            plan = cuda._resident_plan(M, w_up.shape[0], D, 0, dy.dtype, w_up, w_gate if gated else w_up, dx,
+                                       mode=SPLIT_DX, dual=gated)
         g, b = _rows_grid(M)
-        _k("bwd", dy.dtype, gated)(g, b, (dy, w_downT, w_up, w_gate if gated else w_up, idx, nnz,
-                                          gval, uval if gated else gval, da, db if gated else da, dx,
-                                          _i64(M), _i32(W), _i32(D), np.float64(l1_scale), _i32(vec)))
+        k = _registry.get_kernel(SOURCE, f"twellpy_train_bwd<{_registry.ctype(dy.dtype)},{int(gated)}"
+                                         + (",0>" if plan is not None else ">"))
+        k(g, b, (dy, w_downT, w_up, w_gate if gated else w_up, idx, nnz,
+                 gval, uval if gated else gval, da, db if gated else da, dx,
+                 _i64(M), _i32(W), _i32(D), np.float64(l1_scale), _i32(vec)))
+        if plan is not None:
+            # rows' entries are idx[r, :nnz[r]] (stride W); backup rows have nnz 0: dx 0, as fused
+            cuda._resident_spmm(idx, da, w_up, dx, plan, row_count=nnz, stride=W, row_cap=W,
+                                vals2=db if gated else None, B2=w_gate if gated else None)
     return dx
 
 
