@@ -141,16 +141,30 @@ def bench(name, reps):
     res["tw_fwd_ms"] = time_ms(tw_fwd, reps)
     res["tw_bwd_ms"] = time_ms(lambda: T.gated_backward(ctx, dy), reps)
     # the split backward (dx from shared-memory slices of w_up and w_gate,
-    # twellpy_spmm_resident); the same bits, so only the time is compared
-    saved_split = ct.SPLIT_DX
-    ct.SPLIT_DX = True
-    split_grads = T.gated_backward(ctx, dy)
-    res["tw_split_bits_equal"] = all(bool((a.view(cp.uint16) == b.view(cp.uint16)).all())
-                                     for a, b in zip(split_grads, outs[1:]))
-    res["tw_bwd_split_ms"] = time_ms(lambda: T.gated_backward(ctx, dy), reps)
-    res["tw_split_ms"] = time_ms(tw_step, reps)
-    ct.SPLIT_DX = saved_split
-    del ctx, y, split_grads
+    # twellpy_spmm_resident), against the fused one on the same context
+    from twellpy.backends import cuda as tc
+
+    saved_split, launch = ct.SPLIT_DX, tc._resident_spmm
+    calls = []
+
+    def counted(*a, **k):
+        calls.append(1)
+        return launch(*a, **k)
+
+    try:
+        ct.SPLIT_DX = False
+        fused_grads = T.gated_backward(ctx, dy)
+        ct.SPLIT_DX, tc._resident_spmm = True, counted
+        split_grads = T.gated_backward(ctx, dy)
+        tc._resident_spmm = launch
+        res["tw_split_ran"] = bool(calls)  # False: the two weight slices did not fit (fused ran)
+        res["tw_split_bits_equal"] = all(bool((a.view(cp.uint16) == b.view(cp.uint16)).all())
+                                         for a, b in zip(split_grads, fused_grads))
+        res["tw_bwd_split_ms"] = time_ms(lambda: T.gated_backward(ctx, dy), reps)
+        res["tw_split_ms"] = time_ms(tw_step, reps)
+    finally:
+        ct.SPLIT_DX, tc._resident_spmm = saved_split, launch
+    del ctx, y, split_grads, fused_grads
     # per-phase device timeline of one step (gaps include host-side work)
     phases, host_phases = {}, {}
     for part in ("fwd", "bwd"):
@@ -303,7 +317,8 @@ def main(argv=None):
     for r in results:
         print(f"{r['workload']} split backward (TWELLPY_TRAIN_SPLIT): bwd {r['tw_bwd_split_ms'][0]:.3f} ms "
               f"(fused {r['tw_bwd_ms'][0]:.3f}), step {r['tw_split_ms'][0]:.3f} ms "
-              f"({r['torch_ms'][0] / r['tw_split_ms'][0]:.2f}x dense); same bits: {r['tw_split_bits_equal']}")
+              f"({r['torch_ms'][0] / r['tw_split_ms'][0]:.2f}x dense); split ran: {r['tw_split_ran']}, "
+              f"same bits: {r['tw_split_bits_equal']}")
     for r in results:
         print(f"{r['workload']} twellpy phases (ms): " +
               ", ".join(f"{k} {v:.3f}" for k, v in r["tw_phases_ms"].items()))

@@ -259,6 +259,9 @@ def test_resident_layout_limits():
     assert resident_layout(100, 70000, 2048, 2, 132, 232448, 512, 256, 1024) is None     # N > 65535 never fits
     lpr, smem, n_slices, n_chunks, rows = resident_layout(100, 64, 8, 2, 132, 232448, 512, 256, 8)
     assert (lpr, n_slices) == (1, 1) and n_chunks * rows >= 100 and (n_chunks - 1) * rows < 100
+    # the split training backward at W1 (two slices of a 5632-row weight) fits with the dual stage
+    assert resident_layout(16384, 5632, 2048, 2, 132, 232448, 512, 256, 128, dual=True) is None
+    assert resident_layout(16384, 5632, 2048, 2, 132, 232448, 512, 128, 128, dual=True)[:2] == (1, 217088)
     # fp64 stages take 12 bytes an entry; every warp also keeps 32 row starts and lengths
     assert resident_layout(10, 10, 8, 8, 1, 10**6, 512, 256, 1)[1] == 10 * 4 * 16 + 16 * 32 * 12 + 16 * 288 * 12
 

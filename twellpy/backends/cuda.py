@@ -105,6 +105,9 @@ RESIDENT_MIN_ROWS = 4096
 #: A staged per warp; both are compiled in (-DRES_THREADS, -DRES_STAGE)
 RESIDENT_THREADS = 512
 RESIDENT_STAGE = 256
+#: entries staged per warp and round for two operands (DUAL): shorter, so that two
+#: slices of a 5632-row weight still fit an H100/H200's 227 KB (two values per entry)
+RESIDENT_DUAL_STAGE = 128
 #: warps per block of the TwELL compaction kernels (-DCOMPACT_WARPS)
 COMPACT_WARPS = 8
 #: 16-byte column vectors per row of a slice, widest first (the widest that fits is used)
@@ -115,9 +118,9 @@ _RESIDENT_MIN_CHUNK_ROWS = 128
 _RESIDENT_COMPACT_BUDGET = 1 << 30
 
 
-def _resident_defines():
-    return {"RES_THREADS": int(RESIDENT_THREADS), "RES_STAGE": int(RESIDENT_STAGE),
-            "COMPACT_WARPS": int(COMPACT_WARPS)}
+def _resident_defines(dual=False):
+    stage = RESIDENT_DUAL_STAGE if dual else RESIDENT_STAGE
+    return {"RES_THREADS": int(RESIDENT_THREADS), "RES_STAGE": int(stage), "COMPACT_WARPS": int(COMPACT_WARPS)}
 
 
 def _spmm_rows_defines():
@@ -185,17 +188,18 @@ def _declare_all():
     # with the defines twell_spmm looks them up with, so a warm-up compile is the one run time uses
     reg.declare("spmm.cu", spmm_rows, _spmm_rows_defines())
     reg.declare("transpose.cu", transpose)
-    reg.declare("spmm_resident.cu",
-                ["twellpy_twell_row_totals"]
+    resident = (["twellpy_twell_row_totals"]
                 + [_name_t("twell_compact", dt) for dt in FLOAT_DTYPES]
                 + [_name_resident(dt, lpr) for dt in FLOAT_DTYPES for lpr in _RESIDENT_LPR]
                 # the fused FFN's split mode: its row lists, h in the accumulator type
                 + [_name_resident(dt, lpr, np.float64 if dt.itemsize == 8 else np.float32, lists=True)
                    for dt in FLOAT_DTYPES for lpr in _RESIDENT_LPR]
-                # the split training backward: ELL rows of du (and dg, DUAL), values of the data type
-                + [_name_resident(dt, lpr, lists=True, dual=dual)
-                   for dt in FLOAT_DTYPES for lpr in _RESIDENT_LPR for dual in (False, True)],
-                _resident_defines())
+                # the split training backward, ReLU: ELL rows of dh, values of the data type
+                + [_name_resident(dt, lpr, lists=True) for dt in FLOAT_DTYPES for lpr in _RESIDENT_LPR])
+    reg.declare("spmm_resident.cu", list(dict.fromkeys(resident)), _resident_defines())  # fp32/fp64 repeat
+    # the split training backward, gated: du and dg with slices of w_up and w_gate (DUAL)
+    reg.declare("spmm_resident.cu", [_name_resident(dt, lpr, lists=True, dual=True)
+                                     for dt in FLOAT_DTYPES for lpr in _RESIDENT_LPR], _resident_defines(dual=True))
     reg.declare("check.cu", [f"twellpy_count_nonfinite<{c}>" for c in _NONFINITE_WORD.values()])
 
 
@@ -876,8 +880,9 @@ def _resident_plan(m, n_rows_b, k_cols, n_slots_per_row, dtype, *arrays, mode=No
     if m * n_slots_per_row * (4 + dt.itemsize) > _RESIDENT_COMPACT_BUDGET:
         return None
     n_sm, limit = _device_limits(_cp().cuda.Device().id)
+    stage = RESIDENT_DUAL_STAGE if dual else RESIDENT_STAGE
     return resident_layout(m, n_rows_b, k_cols, dt.itemsize, n_sm, limit,
-                           int(RESIDENT_THREADS), int(RESIDENT_STAGE), _RESIDENT_MIN_CHUNK_ROWS, dual=dual)
+                           int(RESIDENT_THREADS), int(stage), _RESIDENT_MIN_CHUNK_ROWS, dual=dual)
 
 
 def resident_layout(m, n_rows_b, k_cols, itemsize, n_sm, smem_limit, threads, stage, min_chunk_rows, dual=False):
@@ -956,7 +961,7 @@ def _resident_spmm(cols, vals, B, out, plan, indptr=None, row_count=None, stride
     dual = vals2 is not None
     vdt = None if vals.dtype == out.dtype else vals.dtype
     name = _name_resident(out.dtype, lpr, vdt, lists=lists, dual=dual)
-    defines = _resident_defines()
+    defines = _resident_defines(dual)
     k = reg.get_kernel("spmm_resident.cu", name, **defines)
     key = (_cp().cuda.Device().id, name, tuple(sorted(defines.items())))
     if key not in _RESIDENT_SMEM_SET:

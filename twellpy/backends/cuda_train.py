@@ -208,7 +208,13 @@ def ffn_forward_ell(x, w_up, w_downT, idx, nnz, gval, uval, gated):
 #: dx = du @ w_up + dg @ w_gate from column slices of the weights held in shared
 #: memory (each weight read once per slice instead of once per active neuron).
 #: Same bits either way. Off (0) until benchmarks/train.py has measured it on a GPU.
-SPLIT_DX = {"auto": "auto", "0": False, "1": True}[os.environ.get("TWELLPY_TRAIN_SPLIT", "0")]
+def _split_setting(value):
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"TWELLPY_TRAIN_SPLIT must be auto, 0 or 1, got {value!r}")
+    return {"auto": "auto", "0": False, "1": True}[value]
+
+
+SPLIT_DX = _split_setting(os.environ.get("TWELLPY_TRAIN_SPLIT", "0"))
 
 
 def ffn_backward_ell(dy, w_downT, w_up, w_gate, idx, nnz, gval, uval, l1_scale, gated, da, db):
