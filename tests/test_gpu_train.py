@@ -560,3 +560,15 @@ def test_split_backward_gives_the_fused_bits(monkeypatch, case, dtype, gated):
     u = np.uint16 if np.dtype(dtype).itemsize == 2 else np.uint32
     for a, b in zip(outs[False], outs[True]):
         assert bool((cp.asarray(a).view(u) == cp.asarray(b).view(u)).all())
+
+
+def test_split_backward_fits_the_reference_shape():
+    """Two bf16 slices of a 5632-row weight (W1's w_up and w_gate) fit this GPU's
+    shared memory, so the benchmark's split backward really runs split."""
+    import cupy as cp
+
+    from twellpy.backends import cuda
+
+    w = cp.zeros((5632, 2048), bfloat16)
+    plan = cuda._resident_plan(16384, 5632, 2048, 0, bfloat16, w, w, w, mode=True, dual=True)
+    assert plan is not None and plan[0] == 1, plan
