@@ -140,8 +140,9 @@ def bench(name, reps):
     res["tw_ms"] = time_ms(tw_step, reps)
     res["tw_fwd_ms"] = time_ms(tw_fwd, reps)
     res["tw_bwd_ms"] = time_ms(lambda: T.gated_backward(ctx, dy), reps)
-    # the split backward (dx from shared-memory slices of w_up and w_gate,
-    # twellpy_spmm_resident), against the fused one on the same context
+    # the split step (TWELLPY_TRAIN_SPLIT: y from a shared-memory slice of w_down, dx
+    # from slices of w_up and w_gate, twellpy_spmm_resident), against the fused
+    # kernels: the backward on the same context, the forward's y
     from twellpy.backends import cuda as tc
 
     saved_split, launch = ct.SPLIT_DX, tc._resident_spmm
@@ -160,7 +161,12 @@ def bench(name, reps):
         res["tw_split_ran"] = bool(calls)  # False: the two weight slices did not fit (fused ran)
         res["tw_split_bits_equal"] = all(bool((a.view(cp.uint16) == b.view(cp.uint16)).all())
                                          for a, b in zip(split_grads, fused_grads))
+        y_split, _ = tw_fwd()
+        res["tw_split_bits_equal"] = res["tw_split_bits_equal"] and bool((y_split.view(cp.uint16)
+                                                                          == y.view(cp.uint16)).all())
+        del y_split
         res["tw_bwd_split_ms"] = time_ms(lambda: T.gated_backward(ctx, dy), reps)
+        res["tw_fwd_split_ms"] = time_ms(tw_fwd, reps)
         res["tw_split_ms"] = time_ms(tw_step, reps)
     finally:
         ct.SPLIT_DX, tc._resident_spmm = saved_split, launch
@@ -315,7 +321,8 @@ def main(argv=None):
               f"{r['gate_gemm_ms'][0]:9.3f} {r['torch_extra_peak_MB']:12.0f} {r['tw_extra_peak_MB']:9.0f} "
               f"{r['mem_ratio']:5.2f} {e_tw:10.2e} / {e_d:9.2e}")
     for r in results:
-        print(f"{r['workload']} split backward (TWELLPY_TRAIN_SPLIT): bwd {r['tw_bwd_split_ms'][0]:.3f} ms "
+        print(f"{r['workload']} split step (TWELLPY_TRAIN_SPLIT): fwd {r['tw_fwd_split_ms'][0]:.3f} ms "
+              f"(fused {r['tw_fwd_ms'][0]:.3f}), bwd {r['tw_bwd_split_ms'][0]:.3f} ms "
               f"(fused {r['tw_bwd_ms'][0]:.3f}), step {r['tw_split_ms'][0]:.3f} ms "
               f"({r['torch_ms'][0] / r['tw_split_ms'][0]:.2f}x dense); split ran: {r['tw_split_ran']}, "
               f"same bits: {r['tw_split_bits_equal']}")

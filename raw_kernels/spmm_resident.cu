@@ -117,6 +117,8 @@ twellpy_twell_compact(const T* __restrict__ values, const int* __restrict__ indi
 //                               operand of B's shape: out = A @ B + A2 @ B2, the two products of
 //                               each entry added in that order (the training backward's
 //                               dx = du @ w_up + dg @ w_gate)
+//   vals2                       PROD only (B2 null): an entry's value is vals * vals2 rounded to T,
+//                               as the gated training forward's h = g * u (V = T)
 // grid = (ceil(K / (LPR * VEC)), ceil(M / rows_per_block)), block = RES_THREADS.
 // Dynamic shared memory (bytes): NB * N * LPR * 16 + (RES_THREADS / 32) * 32 * 12
 // + (RES_THREADS / 32) * (RES_STAGE + 32) * (4 + NB * sizeof(acc)), NB = 2 with DUAL else 1,
@@ -127,7 +129,7 @@ twellpy_twell_compact(const T* __restrict__ values, const int* __restrict__ indi
 // refills every row's slots together, SLOTS entries of each row per round, for as
 // many rounds as its longest row needs, so every lane works in every round.
 // ---------------------------------------------------------------------------
-template <typename T, typename V, int LPR, bool LISTS, bool DUAL = false>
+template <typename T, typename V, int LPR, bool LISTS, bool DUAL = false, bool PROD = false>
 __global__ void __launch_bounds__(RES_THREADS, 1)
 twellpy_spmm_resident(const long long* __restrict__ indptr, const int* __restrict__ row_count, int stride,
                       int row_cap, const int* __restrict__ cols, const V* __restrict__ vals,
@@ -142,6 +144,7 @@ twellpy_spmm_resident(const long long* __restrict__ indptr, const int* __restric
     constexpr int NWARPS = RES_THREADS / 32;
     static_assert(LPR == 1 || LPR == 2 || LPR == 4, "LPR must be 1, 2 or 4");
     static_assert(SLOTS >= 1 && RES_STAGE % RPW == 0, "RES_STAGE must be a multiple of the rows per warp");
+    static_assert(!(DUAL && PROD), "DUAL and PROD both use vals2");
 
     extern __shared__ uint4 smem[];
     constexpr int NB = DUAL ? 2 : 1;
@@ -216,7 +219,11 @@ twellpy_spmm_resident(const long long* __restrict__ indptr, const int* __restric
                     const long long src = w_start[j] + off + s;
                     const int c = cols[src];
                     w_col[j * ROW_STRIDE + s] = (c >= 0 && c < N) ? c : -1;
-                    w_val[j * ROW_STRIDE + s] = to_acc<A, V>(vals[src]);
+                    if (PROD)   // h = g * u rounded to T, then widened (the training forward's h)
+                        w_val[j * ROW_STRIDE + s] =
+                            to_acc<A, T>(from_acc<T, A>(to_acc<A, V>(vals[src]) * to_acc<A, V>(vals2[src])));
+                    else
+                        w_val[j * ROW_STRIDE + s] = to_acc<A, V>(vals[src]);
                     if (DUAL) w_val2[j * ROW_STRIDE + s] = to_acc<A, V>(vals2[src]);
                 }
             }

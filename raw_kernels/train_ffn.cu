@@ -371,10 +371,11 @@ twellpy_train_csr_to_hybrid(const long long* __restrict__ indptr, const int* __r
 //   nnz     (M,)   int   stored slots (0 for backup rows)
 //   gval    (M, W) T     g = relu(x w_gate^T) on the pattern (ReLU FFN: h)
 //   uval    (M, W) T     out (GATED): u = x w_up^T on the pattern, padding 0
-//   y       (M, D) T     out: (g*u) @ w_down^T for the ELL rows, 0 for backup rows
+//   y       (M, D) T     out: (g*u) @ w_down^T for the ELL rows, 0 for backup rows (not written
+//                        with Y = 0: the split forward computes y with twellpy_spmm_resident)
 //   habs    (M,)   A     out: sum of |h| over the row's slots (the L1 statistic without
 //                        another pass over the values; 0 for backup rows), A = accum<T>
-template <typename T, int GATED>
+template <typename T, int GATED, int Y = 1>
 __global__ void __launch_bounds__(32 * TW_WARPS)
 twellpy_train_fwd(const T* __restrict__ x, const T* __restrict__ w_up, const T* __restrict__ w_downT,
                   const int* __restrict__ idx, const int* __restrict__ nnz, const T* __restrict__ gval,
@@ -402,6 +403,7 @@ twellpy_train_fwd(const T* __restrict__ x, const T* __restrict__ w_up, const T* 
         for (int s = 0; s < n; ++s) hs += abs_acc(to_acc<A, T>(gval[base + s]));
     }
     if (lane == 0) habs[r] = hs;
+    if (!Y) return;  // uniform over the warp
     T* yr = y + r * (long long)D;
     if (vec) {
         constexpr int N = VecN<T>::N;
@@ -416,7 +418,7 @@ twellpy_train_fwd(const T* __restrict__ x, const T* __restrict__ w_up, const T* 
                 A wv[N];
                 load_vec<T, A>(w_downT + (long long)k * D + c, wv);
 #pragma unroll
-                for (int i = 0; i < N; ++i) acc[i] += h * wv[i];
+                for (int i = 0; i < N; ++i) acc[i] = fma(h, wv[i], acc[i]);  // spelled: the split's bits
             }
             store_vec<T, A>(yr + c, acc);
         }
@@ -426,7 +428,7 @@ twellpy_train_fwd(const T* __restrict__ x, const T* __restrict__ w_up, const T* 
             for (int s = 0; s < n; ++s) {
                 const int k = idx[base + s];
                 const A h = h_value<T, A, GATED>(gval[base + s], GATED ? uval[base + s] : gval[base + s]);
-                acc += h * to_acc<A, T>(w_downT[(long long)k * D + c]);
+                acc = fma(h, to_acc<A, T>(w_downT[(long long)k * D + c]), acc);
             }
             yr[c] = from_acc<T, A>(acc);
         }

@@ -525,12 +525,13 @@ def test_backward_check_of_dy_does_not_wait_for_its_own_kernels(monkeypatch, gat
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16])
 @pytest.mark.parametrize("gated", [True, False])
-def test_split_backward_gives_the_fused_bits(monkeypatch, case, dtype, gated):
-    """The split ELL backward (dx from twellpy_spmm_resident with column slices of
-    w_up and w_gate in shared memory) gives the fused kernel's bits for every
-    gradient, on every case of CASES (uneven rows, a token firing 2000 neurons,
-    empty rows, M = 1, odd shapes); shapes whose slices cannot fit (D not a
-    multiple of the vector width, H = 11008 with two slices) keep the fused kernel."""
+def test_split_training_step_gives_the_fused_bits(monkeypatch, case, dtype, gated):
+    """The split ELL forward (y from twellpy_spmm_resident with a slice of w_down,
+    h = g * u formed while staging) and backward (dx from slices of w_up and
+    w_gate) give the fused kernels' bits for y, u and every gradient, on every
+    case of CASES (uneven rows, a token firing 2000 neurons, empty rows, M = 1,
+    odd shapes); shapes whose slices cannot fit (D not a multiple of the vector
+    width, H = 11008 with two slices) keep the fused kernels."""
     import cupy as cp
 
     from twellpy.backends import cuda, cuda_train
@@ -539,24 +540,29 @@ def test_split_backward_gives_the_fused_bits(monkeypatch, case, dtype, gated):
     dev = [to_gpu(a) for a in inputs]
     dyg = to_gpu(dy)
     fwd, bwd = (T.gated_forward_train, T.gated_backward) if gated else (T.relu_forward_train, T.relu_backward)
-    _, ctx = fwd(*dev, l1=0.05)
     launch = cuda._resident_spmm
     outs = {}
     for split in (False, True):
         calls = []
 
         def counted(*a, **k):
-            calls.append(1)
+            calls.append("dual" if k.get("B2") is not None else "single")
             return launch(*a, **k)
 
         monkeypatch.setattr(cuda_train, "SPLIT_DX", split)
         monkeypatch.setattr(cuda, "_resident_spmm", counted)
         poison()
-        outs[split] = bwd(ctx, dyg)
-        D, H = ctx.D, ctx.H
-        fits = D % (16 // np.dtype(dtype).itemsize) == 0 and cuda._resident_plan(
-            ctx.M, H, D, 0, dtype, dyg, dyg, mode=True, dual=gated) is not None
-        assert bool(calls) == (split and fits and ctx.width > 0), (split, fits, calls)
+        y, ctx = fwd(*dev, l1=0.05)
+        poison()
+        grads = bwd(ctx, dyg)
+        outs[split] = (y, ctx.uvals if gated else ctx.gvals) + tuple(grads)
+        D, H, W = ctx.D, ctx.H, ctx.width
+        vec_ok = D % (16 // np.dtype(dtype).itemsize) == 0
+        fwd_fits = vec_ok and cuda._resident_plan(ctx.M, H, D, 0, dtype, dyg, dyg, mode=True) is not None
+        bwd_fits = vec_ok and cuda._resident_plan(ctx.M, H, D, 0, dtype, dyg, dyg, mode=True, dual=gated) is not None
+        want = [] if not split else ((["single"] if fwd_fits and W else [])
+                                     + ([("dual" if gated else "single")] if bwd_fits and W else []))
+        assert calls == want, (split, calls, want)
     u = np.uint16 if np.dtype(dtype).itemsize == 2 else np.uint32
     for a, b in zip(outs[False], outs[True]):
         assert bool((cp.asarray(a).view(u) == cp.asarray(b).view(u)).all())

@@ -693,3 +693,108 @@ def test_split_training_backward_gives_the_fused_bits(bwd_lib, dtype, gated, vec
             if gated:
                 want[r] += db[r, s] * w_b[idx[r, s]].astype(np.float64)
     assert np.linalg.norm(dx - want) <= (1e-5 if dtype == np.float32 else 1e-2) * np.linalg.norm(want)
+
+
+_FWD_HARNESS = r"""
+#include "emu.h"
+#include "kernel_source.cuh"
+#include "resident_source.cuh"
+
+extern "C" {
+typedef __nv_bfloat16 bf16;
+#define FWD(NAME, T)                                                                                   \
+void NAME(int gated, int with_y, const T* x, const T* w_up, const T* w_downT, const int* idx, const int* nnz, \
+          const T* gval, T* uval, T* y, typename twellpy::accum<T>::type* habs, long long M, int W, int D, int vec) { \
+    dim3 grid((unsigned)((M + TW_WARPS - 1) / TW_WARPS)), block(32 * TW_WARPS);                         \
+    if (gated && with_y)                                                                              \
+        emu::launch(twellpy_train_fwd<T, 1, 1>, grid, block, 0, x, w_up, w_downT, idx, nnz, gval, uval, y, habs, \
+                    M, W, D, vec);                                                                     \
+    else if (gated)                                                                                   \
+        emu::launch(twellpy_train_fwd<T, 1, 0>, grid, block, 0, x, w_up, w_downT, idx, nnz, gval, uval, y, habs, \
+                    M, W, D, vec);                                                                     \
+    else if (with_y)                                                                                  \
+        emu::launch(twellpy_train_fwd<T, 0, 1>, grid, block, 0, x, w_up, w_downT, idx, nnz, gval, uval, y, habs, \
+                    M, W, D, vec);                                                                     \
+    else                                                                                              \
+        emu::launch(twellpy_train_fwd<T, 0, 0>, grid, block, 0, x, w_up, w_downT, idx, nnz, gval, uval, y, habs, \
+                    M, W, D, vec);                                                                     \
+}
+FWD(fwd_f32, float)
+FWD(fwd_bf16, bf16)
+#define RES_Y(NAME, T, LPR)                                                                            \
+void NAME(int gated, const int* nnz, int W, const int* idx, const T* gval, const T* uval, const T* w_downT, T* y, \
+          int M, int H, int D, int rows, int gx, int gy, long long smem) {                             \
+    if (gated)                                                                                        \
+        emu::launch(twellpy_spmm_resident<T, T, LPR, true, false, true>, dim3(gx, gy), dim3(RES_THREADS),   \
+                    (size_t)smem, (const long long*)nullptr, nnz, W, W, idx, gval, w_downT, y, M, H, D, rows, \
+                    uval, (const T*)nullptr);                                                          \
+    else                                                                                              \
+        emu::launch(twellpy_spmm_resident<T, T, LPR, true>, dim3(gx, gy), dim3(RES_THREADS), (size_t)smem,  \
+                    (const long long*)nullptr, nnz, W, W, idx, gval, w_downT, y, M, H, D, rows,          \
+                    (const T*)nullptr, (const T*)nullptr);                                             \
+}
+RES_Y(res_y_f32_1, float, 1)
+RES_Y(res_y_f32_2, float, 2)
+RES_Y(res_y_f32_4, float, 4)
+RES_Y(res_y_bf16_1, bf16, 1)
+RES_Y(res_y_bf16_2, bf16, 2)
+RES_Y(res_y_bf16_4, bf16, 4)
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def fwd_lib(tmp_path_factory):
+    harness = _FWD_HARNESS.replace('#include "resident_source.cuh"',
+                                   _emulation_source("spmm_resident.cu").replace('#include "common.cuh"', ""))
+    return _build(tmp_path_factory, "train_ffn.cu", harness, _BWD_DEFINES)
+
+
+@pytest.mark.parametrize("dtype", [bfloat16, np.dtype(np.float32)], ids=str)
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("vec", [1, 0])
+def test_split_training_forward_gives_the_fused_bits(fwd_lib, dtype, gated, vec):
+    """The forward split (the fused kernel without its y product, then
+    twellpy_spmm_resident forming h = g * u rounded to T while staging, PROD)
+    writes the same u, |h| sums and y bits as the fused kernel, on ELL rows of
+    every length from 0 (backup rows: y 0) to W, with both y paths."""
+    rng = np.random.default_rng(41 + vec)
+    M, W, H, D = 150, 12, 300, 64
+    nnz = rng.integers(0, W + 1, M).astype(np.int32)
+    nnz[[0, 7, M - 1]] = 0
+    nnz[3] = W
+    idx = np.full((M, W), -1, np.int32)
+    gval = np.zeros((M, W), np.float32)
+    for r in range(M):
+        idx[r, :nnz[r]] = np.sort(rng.choice(H, nnz[r], replace=False))
+        gval[r, :nnz[r]] = rng.random(nnz[r]) + 0.1
+    gval = gval.astype(dtype)
+    x = rng.standard_normal((M, D)).astype(dtype)
+    w_up, w_downT = ((rng.standard_normal((H, D)) / 8).astype(dtype) for _ in range(2))
+    sfx = "bf16" if dtype == bfloat16 else "f32"
+
+    def run(split):
+        uval = np.full((M, W), np.nan, np.float32).astype(dtype)
+        y = np.full((M, D), np.nan, np.float32).astype(dtype)
+        habs = np.full(M, np.nan, np.float32)
+        getattr(fwd_lib, f"fwd_{sfx}")(int(gated), int(not split), _ptr(x), _ptr(w_up), _ptr(w_downT), _ptr(idx),
+                                      _ptr(nnz), _ptr(gval), _ptr(uval), _ptr(y), _ptr(habs), ctypes.c_longlong(M),
+                                      W, D, vec)
+        if split:
+            assert np.isnan(y.astype(np.float32)).all(), "the split kernel must leave y alone"
+            plan = resident_layout(M, H, D, np.dtype(dtype).itemsize, 5, 64 * 1024, _BWD_DEFINES["RES_THREADS"],
+                                   _BWD_DEFINES["RES_STAGE"], 16)
+            lpr, smem, n_slices, n_chunks, rows = plan
+            getattr(fwd_lib, f"res_y_{sfx}_{lpr}")(int(gated), _ptr(nnz), W, _ptr(idx), _ptr(gval), _ptr(uval),
+                                                  _ptr(w_downT), _ptr(y), M, H, D, rows, n_slices, n_chunks,
+                                                  ctypes.c_longlong(smem))
+        return uval, habs, y
+
+    fused, split = run(False), run(True)
+    bits = np.uint16 if dtype == bfloat16 else np.uint32
+    if gated:
+        np.testing.assert_array_equal(split[0].view(bits), fused[0].view(bits), err_msg="u")
+    np.testing.assert_array_equal(split[1].view(np.uint32), fused[1].view(np.uint32), err_msg="|h| sums")
+    np.testing.assert_array_equal(split[2].view(bits), fused[2].view(bits), err_msg="y")
+    y = split[2].astype(np.float64)
+    assert not np.isnan(y).any() and not y[[0, 7, M - 1]].any()

@@ -158,11 +158,12 @@ def _name_spmm_rows(dtype, vec, nv, kb):
     return f"twellpy_twell_spmm_rows<{_ct(dtype)}, {vec}, {nv}, {kb}>"
 
 
-def _name_resident(dtype, lpr, value_dtype=None, lists=False, dual=False):
-    """``twellpy_spmm_resident<T, V, LPR, LISTS[, DUAL]>``: V (the entries' value type) defaults to T."""
+def _name_resident(dtype, lpr, value_dtype=None, lists=False, dual=False, prod=False):
+    """``twellpy_spmm_resident<T, V, LPR, LISTS[, DUAL[, PROD]]>``: V (the entries'
+    value type) defaults to T."""
     b = lambda v: "true" if v else "false"  # noqa: E731
-    return (f"twellpy_spmm_resident<{_ct(dtype)}, {_ct(value_dtype or dtype)}, {lpr}, {b(lists)}"
-            + (", true>" if dual else ">"))
+    tail = ", false, true>" if prod else (", true>" if dual else ">")
+    return f"twellpy_spmm_resident<{_ct(dtype)}, {_ct(value_dtype or dtype)}, {lpr}, {b(lists)}" + tail
 
 
 def _name_cast(src, dst):
@@ -194,8 +195,10 @@ def _declare_all():
                 # the fused FFN's split mode: its row lists, h in the accumulator type
                 + [_name_resident(dt, lpr, np.float64 if dt.itemsize == 8 else np.float32, lists=True)
                    for dt in FLOAT_DTYPES for lpr in _RESIDENT_LPR]
-                # the split training backward, ReLU: ELL rows of dh, values of the data type
-                + [_name_resident(dt, lpr, lists=True) for dt in FLOAT_DTYPES for lpr in _RESIDENT_LPR])
+                # the split training backward (ReLU) and forward (ReLU: h = g): ELL rows, data-type values
+                + [_name_resident(dt, lpr, lists=True) for dt in FLOAT_DTYPES for lpr in _RESIDENT_LPR]
+                # the split gated training forward: h = g * u rounded, from the ELL rows of g and u
+                + [_name_resident(dt, lpr, lists=True, prod=True) for dt in FLOAT_DTYPES for lpr in _RESIDENT_LPR])
     reg.declare("spmm_resident.cu", list(dict.fromkeys(resident)), _resident_defines())  # fp32/fp64 repeat
     # the split training backward, gated: du and dg with slices of w_up and w_gate (DUAL)
     reg.declare("spmm_resident.cu", [_name_resident(dt, lpr, lists=True, dual=True)
@@ -946,21 +949,23 @@ def _twell_compact(values, indices, counts, n_tiles, slots, n_cols_a):
 
 
 def _resident_spmm(cols, vals, B, out, plan, indptr=None, row_count=None, stride=0, row_cap=0, vals2=None,
-                   B2=None):
+                   B2=None, prod=False):
     """Launch ``twellpy_spmm_resident`` (see :func:`_resident_plan`) on the current
     stream: ``out`` (C-contiguous, B's dtype) gets A @ B. A's rows are either
     compacted (``indptr`` int64) or per-row lists (``row_count`` int32: row r's
     entries start at ``r * stride``; rows whose count is outside [0, ``row_cap``]
     are left untouched). ``cols`` int32, ``vals`` of B's dtype or the
     accumulator dtype. With ``vals2`` and ``B2`` (DUAL): ``out = A @ B + A2 @ B2``,
-    A2 the same pattern with ``vals2``; the plan must be made with ``dual=True``."""
+    A2 the same pattern with ``vals2``; the plan must be made with ``dual=True``.
+    With ``vals2`` and ``prod=True`` (PROD): an entry's value is ``vals * vals2``
+    rounded to B's dtype (the gated training forward's h)."""
     lpr, smem, n_slices, n_chunks, rows_per_chunk = plan
     m = out.shape[0]
     n_rows_b, k_cols = B.shape
     lists = row_count is not None
-    dual = vals2 is not None
+    dual = vals2 is not None and not prod
     vdt = None if vals.dtype == out.dtype else vals.dtype
-    name = _name_resident(out.dtype, lpr, vdt, lists=lists, dual=dual)
+    name = _name_resident(out.dtype, lpr, vdt, lists=lists, dual=dual, prod=prod)
     defines = _resident_defines(dual)
     k = reg.get_kernel("spmm_resident.cu", name, **defines)
     key = (_cp().cuda.Device().id, name, tuple(sorted(defines.items())))
@@ -971,7 +976,7 @@ def _resident_spmm(cols, vals, B, out, plan, indptr=None, row_count=None, stride
     k((n_slices, n_chunks), (int(RESIDENT_THREADS),),
       (_NULL_PTR if lists else indptr, row_count if lists else _NULL_PTR, _i32(stride), _i32(row_cap), cols, vals,
        B, out, _i32(m), _i32(n_rows_b), _i32(k_cols), _i32(rows_per_chunk),
-       vals2 if dual else _NULL_PTR, B2 if dual else _NULL_PTR),
+       vals2 if vals2 is not None else _NULL_PTR, B2 if dual else _NULL_PTR),
       shared_mem=smem)
     return out
 

@@ -37,7 +37,8 @@ def _names():
         for base in ("fwd", "bwd", "wgrad", "backup_fwd", "backup_bwd"):
             for gated in (0, 1):
                 names.append(f"twellpy_train_{base}<{t},{gated}>")
-        for gated in (0, 1):  # the split backward: dh, du and dg only (dx by twellpy_spmm_resident)
+        for gated in (0, 1):  # the split kernels: y and dx by twellpy_spmm_resident
+            names.append(f"twellpy_train_fwd<{t},{gated},0>")
             names.append(f"twellpy_train_bwd<{t},{gated},0>")
     for u in _BIT_CTYPES.values():
         names.append(f"twellpy_train_transpose_dense<{u}>")
@@ -187,8 +188,12 @@ def ffn_forward_ell(x, w_up, w_downT, idx, nnz, gval, uval, gated):
 
     ``habs`` (M,) float32 (float64 for float64) is each row's sum of |h| over
     its slots (the L1 statistic). Backup rows (``nnz == 0``, padding only) get
-    y = 0 and habs = 0.
+    y = 0 and habs = 0. With ``SPLIT_DX`` the y product runs in
+    ``twellpy_spmm_resident`` (a slice of ``w_down`` in shared memory; h = g * u
+    formed while staging) instead of the fused kernel (same bits).
     """
+    from . import cuda
+
     cp = _cp()
     M, D = x.shape
     W = idx.shape[1]
@@ -196,18 +201,27 @@ def ffn_forward_ell(x, w_up, w_downT, idx, nnz, gval, uval, gated):
     habs = cp.empty(M, dtype=np.float64 if x.dtype == np.float64 else np.float32)
     if M:
         vec = _vec_ok(D, x, w_up if gated else None, w_downT, y)
+        plan = None
+        if SPLIT_DX is not False and W and gval.flags.c_contiguous and (not gated or uval.flags.c_contiguous):
+            plan = cuda._resident_plan(M, w_downT.shape[0], D, 0, x.dtype, w_downT, y, mode=SPLIT_DX)
         g, b = _rows_grid(M)
-        _k("fwd", x.dtype, gated)(g, b, (x, w_up if gated else w_downT, w_downT, idx, nnz, gval,
-                                         uval if gated else gval, y, habs, _i64(M), _i32(W), _i32(D),
-                                         _i32(vec)))
+        k = _registry.get_kernel(SOURCE, f"twellpy_train_fwd<{_registry.ctype(x.dtype)},{int(gated)}"
+                                         + (",0>" if plan is not None else ">"))
+        k(g, b, (x, w_up if gated else w_downT, w_downT, idx, nnz, gval, uval if gated else gval, y, habs,
+                 _i64(M), _i32(W), _i32(D), _i32(vec)))
+        if plan is not None:
+            # backup rows have nnz 0: y 0, as the fused kernel writes (the backup path fills them later)
+            cuda._resident_spmm(idx, gval, w_downT, y, plan, row_count=nnz, stride=W, row_cap=W,
+                                vals2=uval if gated else None, prod=gated)
     return y, habs
 
 
-#: split the ELL backward (TWELLPY_TRAIN_SPLIT=auto|1|0): the fused kernel computes dh,
-#: du and dg only, and twellpy_spmm_resident (DUAL for the gated FFN) computes
-#: dx = du @ w_up + dg @ w_gate from column slices of the weights held in shared
-#: memory (each weight read once per slice instead of once per active neuron).
-#: Same bits either way. Off (0) until benchmarks/train.py has measured it on a GPU.
+#: split the ELL forward and backward (TWELLPY_TRAIN_SPLIT=auto|1|0): the fused kernels
+#: compute u (forward) and dh, du, dg (backward) only, and twellpy_spmm_resident
+#: computes y = h @ w_down^T and dx = du @ w_up + dg @ w_gate (DUAL) from column
+#: slices of the weights held in shared memory (each weight read once per slice
+#: instead of once per active neuron). Same bits either way. Off (0) until
+#: benchmarks/train.py has measured it on a GPU.
 def _split_setting(value):
     if value not in ("auto", "0", "1"):
         raise ValueError(f"TWELLPY_TRAIN_SPLIT must be auto, 0 or 1, got {value!r}")
