@@ -145,7 +145,7 @@ def bench(name, reps):
     # kernels: the backward on the same context, the forward's y
     from twellpy.backends import cuda as tc
 
-    saved_split, launch = ct.SPLIT_DX, tc._resident_spmm
+    saved_split, launch = ct.SPLIT, tc._resident_spmm
     calls = []
 
     def counted(*a, **k):
@@ -153,9 +153,9 @@ def bench(name, reps):
         return launch(*a, **k)
 
     try:
-        ct.SPLIT_DX = False
+        ct.SPLIT = False
         fused_grads = T.gated_backward(ctx, dy)
-        ct.SPLIT_DX, tc._resident_spmm = True, counted
+        ct.SPLIT, tc._resident_spmm = True, counted
         split_grads = T.gated_backward(ctx, dy)
         tc._resident_spmm = launch
         res["tw_split_ran"] = bool(calls)  # False: the two weight slices did not fit (fused ran)
@@ -169,7 +169,7 @@ def bench(name, reps):
         res["tw_fwd_split_ms"] = time_ms(tw_fwd, reps)
         res["tw_split_ms"] = time_ms(tw_step, reps)
     finally:
-        ct.SPLIT_DX, tc._resident_spmm = saved_split, launch
+        ct.SPLIT, tc._resident_spmm = saved_split, launch
     del ctx, y, split_grads, fused_grads
     # per-phase device timeline of one step (gaps include host-side work)
     phases, host_phases = {}, {}

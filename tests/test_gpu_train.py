@@ -549,7 +549,7 @@ def test_split_training_step_gives_the_fused_bits(monkeypatch, case, dtype, gate
             calls.append("dual" if k.get("B2") is not None else "single")
             return launch(*a, **k)
 
-        monkeypatch.setattr(cuda_train, "SPLIT_DX", split)
+        monkeypatch.setattr(cuda_train, "SPLIT", split)
         monkeypatch.setattr(cuda, "_resident_spmm", counted)
         poison()
         y, ctx = fwd(*dev, l1=0.05)

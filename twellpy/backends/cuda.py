@@ -12,8 +12,9 @@ Kernels and where they live:
                        counts), row non-zero counts, CSR -> TwELL / ELL
 ``convert.cu``         slot lists -> dense / CSR, dtype casts
 ``spmm.cu``            TwELL / slot-list / CSR times dense (gathers)
-``spmm_resident.cu``   TwELL times dense with B's column slices resident
-                       in shared memory (and the TwELL compaction it reads)
+``spmm_resident.cu``   sparse rows times dense with B's column slices
+                       resident in shared memory: TwELL @ B (after a
+                       TwELL compaction), the split FFN and training steps
 ``transpose.cu``       deterministic counting-sort transpose
 ``check.cu``           NaN/Inf count in one pass (``check_finite``)
 =====================  =================================================
@@ -210,20 +211,6 @@ def _declare_all():
 _NONFINITE_WORD = {2: "unsigned short", 4: "unsigned int", 8: "unsigned long long"}
 _CHECK_BLOCK = 256
 _CHECK_MAX_BLOCKS = 4096  # grid-stride: enough blocks to fill an H200 several times over
-# one uint64 counter per (thread, device), reused: a fresh cp.zeros per check cost an
-# allocation and a fill kernel on every FFN call
-_CHECK_COUNTERS = threading.local()
-
-
-def _check_counter(device_id):
-    cp = _cp()
-    counters = getattr(_CHECK_COUNTERS, "by_device", None)
-    if counters is None:
-        counters = _CHECK_COUNTERS.by_device = {}
-    counter = counters.get(device_id)
-    if counter is None:
-        counter = counters[device_id] = cp.zeros((1,), np.uint64)
-    return counter
 
 
 def launch_count_nonfinite(arr, count, stream):
@@ -276,6 +263,10 @@ class PendingCount:
         event.record(stream)
         self._count, self._host, self._event, self._value = count, host, event, None
 
+    def arrived(self):
+        """True once the copy has landed (a query, no wait)."""
+        return self._value is not None or self._event.done
+
     def read(self):
         """The count (waits for the copy, not for work queued after it)."""
         if self._value is None:
@@ -294,21 +285,39 @@ class PendingCount:
                 pass
 
 
+# one (device counter, pinned host word, event, last PendingCount) per (thread, device),
+# reused by every queue_count_nonfinite: a training step allocates nothing for its check
+_QUEUED_COUNTS = threading.local()
+
+
 def queue_count_nonfinite(arr):
     """NaN/Inf count of a contiguous cupy float array, queued on the current stream.
 
     Returns a :class:`PendingCount`: its ``read()`` waits only for the count
     and what was queued before it, so a caller can queue its own kernels on
     ``arr`` first and still raise before it returns (the training backward
-    checks ``dy`` this way).
+    checks ``dy`` this way). The thread's previous count on this device is
+    read first if still unread (its buffers are reused).
     """
     cp = _cp()
     with arr.device:
+        slots = getattr(_QUEUED_COUNTS, "by_device", None)
+        if slots is None:
+            slots = _QUEUED_COUNTS.by_device = {}
+        slot = slots.get(arr.device.id)
+        if slot is None:
+            import cupyx
+
+            slot = slots[arr.device.id] = [cp.empty((1,), np.uint64), cupyx.empty_pinned((1,), np.uint64),
+                                           cp.cuda.Event(block=False, disable_timing=True), None]
+        count, host, event, previous = slot
+        if previous is not None:
+            previous.read()  # its copy must land before the counter and the host word are reused
         stream = cp.cuda.get_current_stream()
-        count = cp.empty((1,), np.uint64)  # per check: two checks in flight never share a counter
         cp.cuda.runtime.memsetAsync(count.data.ptr, 0, count.nbytes, stream.ptr)
         launch_count_nonfinite(arr, count, stream)
-        return PendingCount(count, stream)
+        slot[3] = PendingCount(count, stream, host=host, event=event)
+        return slot[3]
 
 
 def count_nonfinite(arr):
@@ -318,16 +327,9 @@ def count_nonfinite(arr):
     mask, compare and reduce passes with their temporaries. Reads the count
     back, so it synchronises with the current stream like ``bool(a.any())``.
     """
-    cp = _cp()
     if int(arr.size) == 0:
         return 0
-    with arr.device:  # launch_count_nonfinite rejects a non-contiguous array
-        count = _check_counter(arr.device.id)
-        stream = cp.cuda.get_current_stream()
-        # zeroed on the stream the kernel and the read-back use, so no call sees another's count
-        cp.cuda.runtime.memsetAsync(count.data.ptr, 0, count.nbytes, stream.ptr)
-        launch_count_nonfinite(arr, count, stream)
-        return int(count.get(stream=stream)[0])
+    return queue_count_nonfinite(arr).read()  # launch_count_nonfinite rejects a non-contiguous array
 
 
 _declare_all()
@@ -1015,8 +1017,9 @@ def twell_spmm(values, indices, counts, B):
     With ``SPMM_RESIDENT`` on ("auto": calls of at least ``RESIDENT_MIN_ROWS``
     rows) and a B slice that fits the device's shared memory, A is compacted
     (``twellpy_twell_compact``) and ``twellpy_spmm_resident`` runs: B is read once
-    per column slice instead of once per entry. Otherwise, outputs at least ``SPMM_ROWS_THREADS`` 16-byte
-    vectors wide (K >= 1024 in bf16) run ``twellpy_twell_spmm_rows``: a block per (row, column
+    per column slice instead of once per entry. Otherwise, outputs at least
+    ``SPMM_ROWS_THREADS`` 16-byte vectors wide (K >= 1024 in bf16) run
+    ``twellpy_twell_spmm_rows``: a block per (row, column
     block), the row's entries listed once in shared memory, each thread
     gathering its columns of the B rows with ``SPMM_ROWS_INFLIGHT`` 16-byte
     loads in flight. Narrower outputs (and ``SPMM_ROW_BLOCK = False``) run

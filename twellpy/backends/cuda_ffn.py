@@ -397,9 +397,14 @@ class FFNPlan:
         #: density; later calls decide from an earlier call's count, copied to
         #: pinned host memory without a synchronisation. "always": every call waits.
         self.auto_probe = "first"
-        self._density = None  # see _remember_density
-        self._check_read = None  # PendingCount of the NaN/Inf count of x (see _queue_check_read)
-        self._check_buffers = None  # (pinned host word, event) reused by every call's check
+        # "auto" (see _remember_density): the mean that decided the last call, and the
+        # PendingCount of an earlier call's active count with its row count
+        self._density_mean = None
+        self._density_copy = None
+        self._density_rows = 1
+        self._density_slot = None  # (pinned host word, event) reused by every density copy
+        self._check_read = None  # PendingCount of the NaN/Inf count of x (see _queue_check)
+        self._check_slot = None  # (pinned host word, event) reused by every call's check
         #: event recorded at the end of every call: the next call's stream waits for it,
         #: since a call returns before its kernels finish and the workspaces are shared
         self._done = None
@@ -636,70 +641,70 @@ class FFNPlan:
         return {"mean_active": seen / self._last_sparse_rows if self._last_sparse_rows else None,
                 "heavy_rows": n_heavy}
 
-    # ---- "auto" without a mid-call synchronisation ------------------------------
+    # ---- counts read back without draining the queue ------------------------------
+    def _host_slot(self):
+        """A pinned host word and an event on the plan's device, allocated once per
+        use so that calls allocate nothing for their read-backs (one copy in flight
+        at a time: see :class:`twellpy.backends.cuda.PendingCount`)."""
+        import cupyx
+
+        cp = cupy_module()
+        with cp.cuda.Device(self.device_id):  # the event must belong to the plan's device
+            return cupyx.empty_pinned((1,), np.uint64), cp.cuda.Event(block=False, disable_timing=True)
+
     def _earlier_density(self):
         """``(mean_active, source)`` for this call's "auto" decision without a
         host synchronisation, or ``(None, "probe")`` when the call must measure.
 
-        The latest count copied by :meth:`_remember_density` is used once its
-        event has completed (a query, no wait); while it is still in flight the
-        mean that decided the previous call decides again.
+        The latest count copied by :meth:`_remember_density` is used once it has
+        arrived (a query, no wait); while it is still in flight the mean that
+        decided the previous call decides again.
         """
-        mem = self._density
-        if self.auto_probe == "always" or mem is None:
+        if self.auto_probe == "always":
             return None, "probe"
-        if mem["pending"] and mem["event"].done:
-            mem["mean"] = int(mem["host"][0]) / mem["rows"]
-            mem["pending"] = False
-        if mem["mean"] is None:
+        copy = self._density_copy
+        if copy is not None and copy.arrived():
+            self._density_mean = copy.read() / self._density_rows
+            self._density_copy = copy = None
+        if self._density_mean is None:
             return None, "probe"
-        return mem["mean"], ("earlier call" if not mem["pending"] else "earlier decision")
+        return self._density_mean, ("earlier call" if copy is None else "earlier decision")
 
     def _remember_density(self, counters, rows, stream, probed_mean=None):
         """Queue a copy of the first chunk's active count (``counters[2]``) to
-        pinned host memory and record an event after it (no synchronisation)."""
-        cp = cupy_module()
-        mem = self._density
-        if mem is None:
-            import cupyx
-
-            with cp.cuda.Device(self.device_id):  # the event must belong to the plan's device
-                mem = self._density = {"host": cupyx.empty_pinned((1,), np.uint64),
-                                       "event": cp.cuda.Event(block=False, disable_timing=True),
-                                       "rows": 1, "mean": None, "pending": False}
-        if probed_mean is not None:  # this call's count is already on the host
-            mem["mean"], mem["pending"] = probed_mean, False
+        pinned host memory (no synchronisation), or take ``probed_mean``, a
+        count this call already read."""
+        if probed_mean is not None:
+            self._density_mean, self._density_copy = probed_mean, None
             return
-        if mem["pending"] and not mem["event"].done:
-            # the previous copy is still in flight: re-recording the event now would
-            # push its completion past every later query (a host that runs calls
-            # ahead would never see a count arrive); a later call takes the next one
-            return
-        cp.cuda.runtime.memcpyAsync(mem["host"].ctypes.data, counters.data.ptr + 2 * counters.itemsize,
-                                    counters.itemsize, cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
-        mem["event"].record(stream)
-        mem["rows"], mem["pending"] = int(rows), True
+        if self._density_copy is not None:
+            if not self._density_copy.arrived():
+                # still in flight: re-recording its event now would push its completion
+                # past every later query (a host that runs calls ahead would never see
+                # a count arrive); a later call takes the next one
+                return
+            self._density_copy.read()  # landed: free its slot (no wait)
+        if self._density_slot is None:
+            self._density_slot = self._host_slot()
+        host, event = self._density_slot
+        self._density_copy = PendingCount(counters[2:], stream, host=host, event=event)
+        self._density_rows = int(rows)
 
-    # ---- the NaN/Inf count of x, read without draining the queue -----------------
-    def _queue_check_read(self, counters, stream):
-        """Queue a copy of the NaN/Inf count of x (``counters[3]``) to pinned host
-        memory right after the counting kernel, and record an event after it.
+    def _queue_check(self, x, counters, stream):
+        """Count the NaN/Inf elements of x into ``counters[3]`` (zeroed by the caller)
+        and queue a copy of the count to pinned host memory right after it.
 
-        The call waits on that event before it returns, so a NaN or Inf still
+        The call waits on that copy before it returns, so a NaN or Inf still
         raises before anything is returned, but the wait covers only the work
         queued before the count (earlier calls on the stream, and the count
         itself), not this call's own GEMM and sparse kernels. Back-to-back
         calls, and a Dask worker's bookkeeping between tasks, then overlap the
         GPU work instead of leaving the GPU idle after every call.
         """
-        cp = cupy_module()
-        if self._check_buffers is None:  # allocated once: a call allocates nothing for its check
-            import cupyx
-
-            with cp.cuda.Device(self.device_id):
-                self._check_buffers = (cupyx.empty_pinned((1,), np.uint64),
-                                       cp.cuda.Event(block=False, disable_timing=True))
-        host, event = self._check_buffers
+        launch_count_nonfinite(x, counters[3:], stream)
+        if self._check_slot is None:
+            self._check_slot = self._host_slot()
+        host, event = self._check_slot
         if self._check_read is not None:
             self._check_read.read()  # an unread copy (a call that raised) must land first
         self._check_read = PendingCount(counters[3:], stream, host=host, event=event)
@@ -713,7 +718,7 @@ class FFNPlan:
         self._done.record(stream)
 
     def _read_check(self):
-        """The count queued by :meth:`_queue_check_read` (waits for its copy only)."""
+        """The count queued by :meth:`_queue_check` (waits for its copy only)."""
         n_bad, self._check_read = self._check_read.read(), None
         return n_bad
 
@@ -738,7 +743,7 @@ class FFNPlan:
         With ``check_x`` a NaN or Inf in ``x`` raises ValueError (naming ``x``)
         before anything is returned; the count is queued ahead of the gate GEMM
         and read at the call's first host synchronisation, or at its end by
-        waiting for the count's own copy only (:meth:`_queue_check_read`): the
+        waiting for the count's own copy only (:meth:`_queue_check`): the
         call returns while its GEMM and sparse kernels still run.
         """
         cp = cupy_module()
@@ -762,8 +767,7 @@ class FFNPlan:
                 counters = self._workspace(max(1, min(M, self.MAX_CHUNK)))["counters"]
                 cp.cuda.runtime.memsetAsync(counters.data.ptr + 3 * counters.itemsize, 0,
                                             counters.itemsize, cur.ptr)
-                launch_count_nonfinite(x, counters[3:], cur)
-                self._queue_check_read(counters, cur)
+                self._queue_check(x, counters, cur)
             self.dense_rows(x, y, h_full)
             self._call_done(cur)
             if check_x and self._read_check():
@@ -787,18 +791,16 @@ class FFNPlan:
             if n_bad:
                 for s_ in (cur, sA, sB):  # let queued work on x finish before the caller reuses it
                     s_.synchronize()
-                if self._density is not None:
-                    # NaN rows count every neuron as active: this call's density must not
-                    # steer the next "auto" call (the one before it decides again)
-                    self._density["pending"] = False
+                # NaN rows count every neuron as active: this call's density must not
+                # steer the next "auto" call (the one before it decides again)
+                self._density_copy = None
                 raise_nonfinite(x, "x")
 
         if n == 1:
             # one chunk: everything on the caller's stream, no extra streams
             cp.cuda.runtime.memsetAsync(counters.data.ptr, 0, counters.nbytes, cur.ptr)
             if check_x:
-                launch_count_nonfinite(x, counters[3:], cur)
-                self._queue_check_read(counters, cur)
+                self._queue_check(x, counters, cur)
             if self.heavy_limit is not None:
                 heavy.fill(0)
             g = ws["g"][0][:M]
@@ -830,8 +832,7 @@ class FFNPlan:
             sB.wait_event(start)
             cp.cuda.runtime.memsetAsync(counters.data.ptr, 0, counters.nbytes, sB.ptr)
             if check_x:
-                launch_count_nonfinite(x, counters[3:], sB)
-                self._queue_check_read(counters, sB)
+                self._queue_check(x, counters, sB)
             if self.heavy_limit is not None:
                 with sB:
                     heavy.fill(0)

@@ -24,6 +24,15 @@ _INT32_MAX = 2**31 - 1
 _BIT_CTYPES = {2: "unsigned short", 4: "unsigned int", 8: "unsigned long long"}
 
 
+def _name(base, dtype, gated=None, whole=True):
+    """``twellpy_train_<base><T[,GATED[,0]]>``; ``whole=False`` names the split
+    variant of the ELL forward / backward (the last product left out)."""
+    t = _registry.ctype(dtype)
+    if gated is None:
+        return f"twellpy_train_{base}<{t}>"
+    return f"twellpy_train_{base}<{t},{int(gated)}{'' if whole else ',0'}>"
+
+
 def _names():
     names = []
     for dt in FLOAT_DTYPES:
@@ -37,9 +46,9 @@ def _names():
         for base in ("fwd", "bwd", "wgrad", "backup_fwd", "backup_bwd"):
             for gated in (0, 1):
                 names.append(f"twellpy_train_{base}<{t},{gated}>")
-        for gated in (0, 1):  # the split kernels: y and dx by twellpy_spmm_resident
-            names.append(f"twellpy_train_fwd<{t},{gated},0>")
-            names.append(f"twellpy_train_bwd<{t},{gated},0>")
+        for base in ("fwd", "bwd"):  # the split kernels: y and dx by twellpy_spmm_resident
+            for gated in (0, 1):
+                names.append(_name(base, dt, gated, whole=False))
     for u in _BIT_CTYPES.values():
         names.append(f"twellpy_train_transpose_dense<{u}>")
     return names
@@ -48,10 +57,8 @@ def _names():
 _registry.declare(SOURCE, _names())
 
 
-def _k(base, dtype, gated=None):
-    t = _registry.ctype(dtype)
-    name = f"twellpy_train_{base}<{t}>" if gated is None else f"twellpy_train_{base}<{t},{int(gated)}>"
-    return _registry.get_kernel(SOURCE, name)
+def _k(base, dtype, gated=None, whole=True):
+    return _registry.get_kernel(SOURCE, _name(base, dtype, gated, whole))
 
 
 def _cp():
@@ -188,7 +195,7 @@ def ffn_forward_ell(x, w_up, w_downT, idx, nnz, gval, uval, gated):
 
     ``habs`` (M,) float32 (float64 for float64) is each row's sum of |h| over
     its slots (the L1 statistic). Backup rows (``nnz == 0``, padding only) get
-    y = 0 and habs = 0. With ``SPLIT_DX`` the y product runs in
+    y = 0 and habs = 0. With ``SPLIT`` the y product runs in
     ``twellpy_spmm_resident`` (a slice of ``w_down`` in shared memory; h = g * u
     formed while staging) instead of the fused kernel (same bits).
     """
@@ -201,19 +208,22 @@ def ffn_forward_ell(x, w_up, w_downT, idx, nnz, gval, uval, gated):
     habs = cp.empty(M, dtype=np.float64 if x.dtype == np.float64 else np.float32)
     if M:
         vec = _vec_ok(D, x, w_up if gated else None, w_downT, y)
-        plan = None
-        if SPLIT_DX is not False and W and gval.flags.c_contiguous and (not gated or uval.flags.c_contiguous):
-            plan = cuda._resident_plan(M, w_downT.shape[0], D, 0, x.dtype, w_downT, y, mode=SPLIT_DX)
+        plan = _split_plan(W, (gval, uval if gated else gval), (w_downT,), y)
         g, b = _rows_grid(M)
-        k = _registry.get_kernel(SOURCE, f"twellpy_train_fwd<{_registry.ctype(x.dtype)},{int(gated)}"
-                                         + (",0>" if plan is not None else ">"))
-        k(g, b, (x, w_up if gated else w_downT, w_downT, idx, nnz, gval, uval if gated else gval, y, habs,
-                 _i64(M), _i32(W), _i32(D), _i32(vec)))
+        _k("fwd", x.dtype, gated, whole=plan is None)(
+            g, b, (x, w_up if gated else w_downT, w_downT, idx, nnz, gval, uval if gated else gval, y, habs,
+                   _i64(M), _i32(W), _i32(D), _i32(vec)))
         if plan is not None:
             # backup rows have nnz 0: y 0, as the fused kernel writes (the backup path fills them later)
             cuda._resident_spmm(idx, gval, w_downT, y, plan, row_count=nnz, stride=W, row_cap=W,
                                 vals2=uval if gated else None, prod=gated)
     return y, habs
+
+
+def _split_setting(value):
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"TWELLPY_TRAIN_SPLIT must be auto, 0 or 1, got {value!r}")
+    return {"auto": "auto", "0": False, "1": True}[value]
 
 
 #: split the ELL forward and backward (TWELLPY_TRAIN_SPLIT=auto|1|0): the fused kernels
@@ -222,20 +232,27 @@ def ffn_forward_ell(x, w_up, w_downT, idx, nnz, gval, uval, gated):
 #: slices of the weights held in shared memory (each weight read once per slice
 #: instead of once per active neuron). Same bits either way. Off (0) until
 #: benchmarks/train.py has measured it on a GPU.
-def _split_setting(value):
-    if value not in ("auto", "0", "1"):
-        raise ValueError(f"TWELLPY_TRAIN_SPLIT must be auto, 0 or 1, got {value!r}")
-    return {"auto": "auto", "0": False, "1": True}[value]
+SPLIT = _split_setting(os.environ.get("TWELLPY_TRAIN_SPLIT", "0"))
 
 
-SPLIT_DX = _split_setting(os.environ.get("TWELLPY_TRAIN_SPLIT", "0"))
+def _split_plan(W, values, weights, out):
+    """Resident-kernel plan for the split ELL product ``out`` (M, D) from the (M, W)
+    ``values`` and one or two (H, D) ``weights`` (two: DUAL), or None when the
+    fused kernel should compute it (``SPLIT`` off, no slots, or no slice fits)."""
+    from . import cuda
+
+    if SPLIT is False or not W or not all(v.flags.c_contiguous for v in values):
+        return None
+    M, D = out.shape
+    return cuda._resident_plan(M, weights[0].shape[0], D, 0, out.dtype, *weights, out, mode=SPLIT,
+                               dual=len(weights) == 2)
 
 
 def ffn_backward_ell(dy, w_downT, w_up, w_gate, idx, nnz, gval, uval, l1_scale, gated, da, db):
     """ELL part of the FFN backward; writes ``da`` (du or dh) and ``db`` (dg), returns dx.
 
     ``da``/``db`` are (M, W) views (of the combined value buffers) the kernel fills.
-    Backup rows of dx are 0. With ``SPLIT_DX`` the dx product runs in
+    Backup rows of dx are 0. With ``SPLIT`` the dx product runs in
     ``twellpy_spmm_resident`` instead of the fused kernel (same bits).
     """
     from . import cuda
@@ -246,16 +263,11 @@ def ffn_backward_ell(dy, w_downT, w_up, w_gate, idx, nnz, gval, uval, l1_scale, 
     dx = cp.empty((M, D), dtype=dy.dtype)
     if M:
         vec = _vec_ok(D, dy, w_downT, w_up, w_gate if gated else None, dx)
-        plan = None
-        if SPLIT_DX is not False and W and da.flags.c_contiguous and (not gated or db.flags.c_contiguous):
-            plan = cuda._resident_plan(M, w_up.shape[0], D, 0, dy.dtype, w_up, w_gate if gated else w_up, dx,
-                                       mode=SPLIT_DX, dual=gated)
+        plan = _split_plan(W, (da, db) if gated else (da,), (w_up, w_gate) if gated else (w_up,), dx)
         g, b = _rows_grid(M)
-        k = _registry.get_kernel(SOURCE, f"twellpy_train_bwd<{_registry.ctype(dy.dtype)},{int(gated)}"
-                                         + (",0>" if plan is not None else ">"))
-        k(g, b, (dy, w_downT, w_up, w_gate if gated else w_up, idx, nnz,
-                 gval, uval if gated else gval, da, db if gated else da, dx,
-                 _i64(M), _i32(W), _i32(D), np.float64(l1_scale), _i32(vec)))
+        _k("bwd", dy.dtype, gated, whole=plan is None)(
+            g, b, (dy, w_downT, w_up, w_gate if gated else w_up, idx, nnz, gval, uval if gated else gval, da,
+                   db if gated else da, dx, _i64(M), _i32(W), _i32(D), np.float64(l1_scale), _i32(vec)))
         if plan is not None:
             # rows' entries are idx[r, :nnz[r]] (stride W); backup rows have nnz 0: dx 0, as fused
             cuda._resident_spmm(idx, da, w_up, dx, plan, row_count=nnz, stride=W, row_cap=W,
