@@ -25,6 +25,12 @@
 #ifndef CONSTRUCT_MIN_BLOCKS
 #define CONSTRUCT_MIN_BLOCKS 1       // resident blocks per SM of dense_to_twell's register budget (launch bound)
 #endif
+#ifndef CONSTRUCT_PREFETCH
+#define CONSTRUCT_PREFETCH 0         // 1: a lane issues the loads of its next CONSTRUCT_UNROLL chunks before it
+#endif                               // packs the current ones, so loads stay in flight while it packs
+#ifndef CONSTRUCT_FAST_PREFIX
+#define CONSTRUCT_FAST_PREFIX 0      // 1: slot positions from two ballots when no lane holds two non-zeros of a
+#endif                               // chunk (the usual case at ~1% density), the warp scan otherwise
 #ifndef CONSTRUCT_STREAM_LOADS
 #define CONSTRUCT_STREAM_LOADS 1     // 1: read x with evict-first (ld.global.cs) loads: it is read once,
 #endif                               // and the slots it produces are what should stay in L2
@@ -107,6 +113,40 @@ __device__ __forceinline__ void warp_bit_prefix(unsigned bits, int lane, int& be
     }
 }
 
+// Position of a chunk within the warp's span: tile t, chunk `part` of that tile.
+// Stepped by one chunk at a time, so the loop divides nothing at run time.
+struct ChunkPos {
+    int t;
+    int part;
+};
+
+__device__ __forceinline__ void next_chunk(ChunkPos& p, int chunks_per_tile) {
+    if (++p.part == chunks_per_tile) {
+        p.part = 0;
+        ++p.t;
+    }
+}
+
+// Loads chunks [c, c + CONSTRUCT_UNROLL) of the span (zeros past c_end, past the
+// tile's end and past N); `p` is the position of chunk c.
+template <typename T, int VEC>
+__device__ __forceinline__ void load_chunks(vec_t<T, VEC> (&buf)[CONSTRUCT_UNROLL], const T* __restrict__ xrow,
+                                            int c, int c_end, ChunkPos p, int chunks_per_tile, int tile, int N,
+                                            int lane) {
+#pragma unroll
+    for (int u = 0; u < CONSTRUCT_UNROLL; ++u) {
+        const int in_tile = p.part * (32 * VEC) + lane * VEC;
+        const int col = p.t * tile + in_tile;
+        if (c + u < c_end && in_tile < tile && col < N) {
+            buf[u] = load_stream<T, VEC>(xrow + col);
+        } else {
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) buf[u].v[k] = zero_value<T>();
+        }
+        next_chunk(p, chunks_per_tile);
+    }
+}
+
 // ---------------------------------------------------------------------------
 // twellpy_dense_to_twell<T, VEC>: one pass over the dense input.
 //   x        (M, N)             T      dense input, C order
@@ -144,40 +184,45 @@ twellpy_dense_to_twell(const T* __restrict__ x, T* __restrict__ values, int* __r
     int run = 0;        // non-zeros seen so far in the current tile (true count)
     int local_max = 0;  // largest true tile count among this warp's tiles
     bool bad = false;   // this lane saw a NaN / Inf
+    ChunkPos p = {t_begin, 0};  // position of chunk c0
+    vec_t<T, VEC> buf[CONSTRUCT_UNROLL];
+    load_chunks<T, VEC>(buf, xrow, c_begin, c_end, p, chunks_per_tile, tile, N, lane);
     for (int c0 = c_begin; c0 < c_end; c0 += CONSTRUCT_UNROLL) {
-        // Load phase: CONSTRUCT_UNROLL independent loads in flight per lane.
-        vec_t<T, VEC> buf[CONSTRUCT_UNROLL];
+#if CONSTRUCT_PREFETCH
+        // The next group's loads go out before this group is packed.
+        ChunkPos p_next = p;
+#pragma unroll
+        for (int u = 0; u < CONSTRUCT_UNROLL; ++u) next_chunk(p_next, chunks_per_tile);
+        vec_t<T, VEC> ahead[CONSTRUCT_UNROLL];
+        load_chunks<T, VEC>(ahead, xrow, c0 + CONSTRUCT_UNROLL, c_end, p_next, chunks_per_tile, tile, N, lane);
+#endif
 #pragma unroll
         for (int u = 0; u < CONSTRUCT_UNROLL; ++u) {
-            const int c = c0 + u;
-            const int t = c / chunks_per_tile;
-            const int in_tile = (c - t * chunks_per_tile) * chunk + lane * VEC;
-            const int col = t * tile + in_tile;
-            if (c < c_end && in_tile < tile && col < N) {
-                buf[u] = load_stream<T, VEC>(xrow + col);
-            } else {
-#pragma unroll
-                for (int k = 0; k < VEC; ++k) buf[u].v[k] = zero;
-            }
-        }
-        // Pack phase.
-#pragma unroll
-        for (int u = 0; u < CONSTRUCT_UNROLL; ++u) {
-            const int c = c0 + u;
-            if (c >= c_end) break;  // uniform
-            const int t = c / chunks_per_tile;
-            const int part = c - t * chunks_per_tile;
+            if (c0 + u >= c_end) break;  // uniform
+            const int t = p.t;
+            const int part = p.part;
+            next_chunk(p, chunks_per_tile);
             const int col = t * tile + part * chunk + lane * VEC;
             if (part == 0) run = 0;
-            // Activations are ~99% zeros: count per lane, one warp scan, then
-            // visit only the set bits (most lanes skip the loop). NaN and Inf
+            // Activations are ~99% zeros: count per lane, one warp prefix count,
+            // then visit only the set bits (most lanes skip the loop). NaN and Inf
             // are non-zero bit patterns, so the finiteness test runs there too.
             unsigned bits = nonzero_bits<T, VEC>(buf[u]);
-            const int mine = __popc(bits);
-            const int incl = warp_inclusive_sum(mine, lane);
-            const int total = __shfl_sync(FULL_MASK, incl, 31);
+            int pos, total;
+#if CONSTRUCT_FAST_PREFIX
+            const unsigned has = __ballot_sync(FULL_MASK, bits != 0u);
+            if (__ballot_sync(FULL_MASK, (bits & (bits - 1u)) != 0u) == 0u) {  // uniform: one bit per lane at most
+                pos = run + __popc(has & lanes_below(lane));
+                total = __popc(has);
+            } else
+#endif
+            {
+                const int mine = __popc(bits);
+                const int incl = warp_inclusive_sum(mine, lane);
+                total = __shfl_sync(FULL_MASK, incl, 31);
+                pos = run + incl - mine;
+            }
             const long long base = ((long long)row * n_tiles + t) * slots;
-            int pos = run + incl - mine;
             while (bits) {
                 const int k = __ffs(bits) - 1;
                 bits &= bits - 1u;
@@ -200,6 +245,13 @@ twellpy_dense_to_twell(const T* __restrict__ x, T* __restrict__ values, int* __r
                 local_max = max(local_max, run);
             }
         }
+#if CONSTRUCT_PREFETCH
+#pragma unroll
+        for (int u = 0; u < CONSTRUCT_UNROLL; ++u) buf[u] = ahead[u];
+#else
+        if (c0 + CONSTRUCT_UNROLL < c_end)  // p is now the next group's position
+            load_chunks<T, VEC>(buf, xrow, c0 + CONSTRUCT_UNROLL, c_end, p, chunks_per_tile, tile, N, lane);
+#endif
     }
     const bool warp_bad = __any_sync(FULL_MASK, bad);
     if (lane == 0) {

@@ -167,6 +167,37 @@ def test_construct_dense_to_twell_vector_and_scalar_paths(dtype, tiles_per_warp,
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tiles_per_warp", [1, 3, 1000])
+@pytest.mark.parametrize("variant", ["pipelined", "unroll3-prefetch", "unroll1-fast-prefix"])
+def test_construct_loop_variants_give_the_same_bits(dtype, tiles_per_warp, variant, monkeypatch):
+    """The construction loop variants benchmarks/kernels.py sweeps (prefetch of the
+    next chunks, the two-ballot prefix) write the same slots and flags as numpy."""
+    defines = {"pipelined": cuda.CONSTRUCT_PIPELINED,
+               "unroll3-prefetch": {"CONSTRUCT_UNROLL": 3, "CONSTRUCT_PREFETCH": 1},
+               "unroll1-fast-prefix": {"CONSTRUCT_UNROLL": 1, "CONSTRUCT_FAST_PREFIX": 1}}[variant]
+    monkeypatch.setattr(cuda, "CONSTRUCT_TILES_PER_WARP", tiles_per_warp)
+    monkeypatch.setattr(cuda, "CONSTRUCT_DEFINES", dict(defines))
+    rng = np.random.default_rng(zlib.crc32(f"{variant}-{dtype}-{tiles_per_warp}".encode()))
+    x = random_sparse(rng, 41, 2056, 20).astype(dtype)
+    x[0] = 0                                                # an empty row
+    x[5, :300] = 1.5                                        # tiles over capacity, one bit per lane and more
+    x[6] = rng.standard_normal(2056).astype(dtype)          # a full row
+    x[7, 2055] = -2.0                                       # the last column
+    want = cpu.dense_to_twell(x, 256, 32)
+    xg = to_gpu(x)
+    for src in (xg, misaligned_copy(xg)):
+        *got, finite = cuda.dense_to_twell_finite(src, 256, 32)
+        assert finite is True
+        for g, w, name in zip(got, want, ("values", "indices", "counts", "row_max_count")):
+            assert_same_bits(g, w, name)
+    x[40, 2000] = np.nan                                    # in the last row's last group of chunks
+    *got, finite = cuda.dense_to_twell_finite(to_gpu(x), 256, 32)
+    assert finite is False
+    for g, w, name in zip(got, cpu.dense_to_twell(x, 256, 32), ("values", "indices", "counts", "row_max_count")):
+        assert_same_bits(g, w, name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_construct_dense_to_twell_special_values(dtype):
     """-0.0 is zero; NaN, Inf and subnormals are non-zero and kept bit-exactly."""
     x = np.zeros((3, 300), dtype)

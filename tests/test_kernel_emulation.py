@@ -798,3 +798,102 @@ def test_split_training_forward_gives_the_fused_bits(fwd_lib, dtype, gated, vec)
     np.testing.assert_array_equal(split[2].view(bits), fused[2].view(bits), err_msg="y")
     y = split[2].astype(np.float64)
     assert not np.isnan(y).any() and not y[[0, 7, M - 1]].any()
+
+
+# ---------------------------------------------------------------------------
+# construct.cu: the one-pass dense -> TwELL build, every loop variant
+# ---------------------------------------------------------------------------
+_CONSTRUCT_HARNESS = r"""
+#include "emu.h"
+#include "kernel_source.cuh"
+
+extern "C" {
+#define TO_TWELL(NAME, T, VEC)                                                                        \
+void NAME(const T* x, T* values, int* indices, int* counts, int* row_max, int* flag, int M, int N,    \
+          int tile, int slots, int n_tiles, int tpw, int n_groups) {                                  \
+    const long long warps = (long long)M * n_groups;                                                  \
+    emu::launch(twellpy_dense_to_twell<T, VEC>, dim3((unsigned)((warps + CONSTRUCT_WARPS - 1) / CONSTRUCT_WARPS)), \
+                dim3(32 * CONSTRUCT_WARPS), 0, x, values, indices, counts, row_max, flag, M, N, tile, slots, \
+                n_tiles, tpw, n_groups);                                                              \
+}
+TO_TWELL(to_twell_f32_1, float, 1)
+TO_TWELL(to_twell_f32_4, float, 4)
+TO_TWELL(to_twell_bf16_1, __nv_bfloat16, 1)
+TO_TWELL(to_twell_bf16_8, __nv_bfloat16, 8)
+TO_TWELL(to_twell_f16_8, __half, 8)
+}
+"""
+
+# (loads in flight per lane, prefetch the next group, two-ballot prefix): the
+# default and the variants benchmarks/kernels.py sweeps on the device
+CONSTRUCT_VARIANTS = [(2, 0, 0), (2, 1, 1), (3, 1, 0), (1, 0, 1), (4, 1, 1)]
+
+
+@pytest.fixture(scope="module", params=CONSTRUCT_VARIANTS, ids=lambda v: "u{}p{}f{}".format(*v))
+def construct_lib(request, tmp_path_factory):
+    unroll, prefetch, fast = request.param
+    return _build(tmp_path_factory, "construct.cu", _CONSTRUCT_HARNESS,
+                  {"CONSTRUCT_WARPS": 2, "CONSTRUCT_UNROLL": unroll, "CONSTRUCT_PREFETCH": prefetch,
+                   "CONSTRUCT_FAST_PREFIX": fast})
+
+
+def _emulated_twell(lib, x, tile, slots, tpw, vec):
+    m, n = x.shape
+    n_tiles = -(-n // tile)
+    n_groups = -(-n_tiles // tpw)
+    values = np.full((m, n_tiles, slots), np.nan, np.float32).astype(x.dtype)   # poisoned
+    indices = np.full((m, n_tiles, slots), -0x5A5A5A5A, np.int32)
+    counts = np.full((m, n_tiles), -9, np.int32)
+    row_max = np.zeros(m, np.int32) if n_groups > 1 else np.full(m, -9, np.int32)
+    flag = np.zeros(1, np.int32)
+    name = {np.dtype(np.float32): "f32", bfloat16: "bf16", np.dtype(np.float16): "f16"}[np.dtype(x.dtype)]
+    fn = getattr(lib, f"to_twell_{name}_{vec}")
+    fn(_ptr(x), _ptr(values), _ptr(indices), _ptr(counts), _ptr(row_max), _ptr(flag),
+       m, n, tile, slots, n_tiles, tpw, n_groups)
+    return values, indices, counts, row_max, bool(flag[0] == 0)
+
+
+def _construct_input(rng, dtype, m, n):
+    x = random_sparse(rng, m, n, 12).astype(dtype)
+    if m > 3:
+        x[1] = 0                                   # an empty row
+        x[2] = rng.standard_normal(n).astype(dtype)  # a full row: every tile over capacity
+        x[2, ::7] = 0
+        x[3, : min(n, 70)] = 1.5                   # one crowded tile, neighbours in one lane's vector
+        x[0, 0] = -0.0                             # negative zero is zero
+    return np.ascontiguousarray(x)
+
+
+@pytest.mark.parametrize("dtype,vec", [(np.dtype(np.float32), 1), (np.dtype(np.float32), 4),
+                                       (bfloat16, 1), (bfloat16, 8), (np.dtype(np.float16), 8)],
+                         ids=["f32-1", "f32-4", "bf16-1", "bf16-8", "f16-8"])
+@pytest.mark.parametrize("m,n,tile,slots,tpw", [
+    (9, 1000, 256, 8, 32),     # N not a multiple of the tile, one warp per row
+    (7, 1024, 64, 4, 3),       # rows split over warps (row_max by atomicMax)
+    (5, 600, 512, 16, 1),      # several chunks per tile
+    (1, 264, 8, 2, 5),         # M = 1, tiles narrower than a chunk
+    (4, 1001, 256, 8, 32),     # N odd: the scalar path only
+])
+def test_dense_to_twell_every_variant_matches_numpy(construct_lib, dtype, vec, m, n, tile, slots, tpw):
+    if vec > 1 and (tile % vec or n % vec):
+        pytest.skip("the launcher takes the vector path only when tile and N are multiples of VEC")
+    rng = np.random.default_rng(m * 1000 + n + tile)
+    x = _construct_input(rng, dtype, m, n)
+    *got, finite = _emulated_twell(construct_lib, x, tile, slots, tpw, vec)
+    want = cpu.dense_to_twell(x, tile, slots)
+    for g, w, name in zip(got, want, ("values", "indices", "counts", "row_max")):
+        assert g.shape == w.shape, name
+        assert np.array_equal(_bits(g), _bits(np.asarray(w))), name
+    assert finite
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_dense_to_twell_flags_nonfinite_in_every_variant(construct_lib, bad):
+    rng = np.random.default_rng(5)
+    x = _construct_input(rng, bfloat16, 6, 768)
+    x[4, 700] = bad                                # past the row's first unroll group
+    *got, finite = _emulated_twell(construct_lib, x, 256, 8, 32, 8)
+    assert not finite
+    want = cpu.dense_to_twell(x, 256, 8)
+    for g, w, name in zip(got, want, ("values", "indices", "counts", "row_max")):
+        assert np.array_equal(_bits(g), _bits(np.asarray(w))), name

@@ -71,6 +71,11 @@ SPMM_MAX_ITERS = 8
 #: compiles the one kernel needed on first use (benchmarks/kernels.py sweeps them).
 CONSTRUCT_DEFINES: dict = {}
 SPMM_DEFINES: dict = {}
+#: The pipelined construction loop (each lane's next loads go out before it
+#: packs the current chunks; slot positions from two ballots when no lane holds
+#: two non-zeros of a chunk). Declared, so CI compiles it; used when
+#: ``CONSTRUCT_DEFINES`` is set to it. Off by default until measured on the device.
+CONSTRUCT_PIPELINED = {"CONSTRUCT_PREFETCH": 1, "CONSTRUCT_FAST_PREFIX": 1, "CONSTRUCT_MIN_BLOCKS": 4}
 #: Grid cap of the grid-stride kernels.
 _MAX_GRID = 1 << 20
 #: Budget of (row chunk, column) counters of the transpose (int32 entries).
@@ -185,6 +190,8 @@ def _declare_all():
         transpose.append(_name_t("transpose_fill", dt))
     transpose += ["twellpy_transpose_count", f"twellpy_transpose_scan<{TRANSPOSE_SCAN_SEGS}>"]
     reg.declare("construct.cu", construct)
+    reg.declare("construct.cu", [_name_dense("dense_to_twell", dt, vec) for dt in FLOAT_DTYPES
+                                 for vec in sorted({1, _vec_width(dt)})], CONSTRUCT_PIPELINED)
     reg.declare("convert.cu", convert)
     reg.declare("spmm.cu", spmm)
     # with the defines twell_spmm looks them up with, so a warm-up compile is the one run time uses
