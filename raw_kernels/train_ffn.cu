@@ -978,3 +978,54 @@ twellpy_train_transpose_dense(const U* __restrict__ in, U* __restrict__ out, lon
         }
     }
 }
+
+// twellpy_train_row_maps: where each row of a Hybrid goes, from the rows'
+// non-zero counts and the chosen ELL width W (replaces a host computation and
+// an upload between the forward's one synchronisation and its next kernels).
+//   counts (M,)      int32  in: non-zeros per row
+//   maps   (M + R,)  int32  out: [row_map (M,) | backup_rows (R,)]
+//                           row_map[r] = k when row r is the k-th row with
+//                           counts[r] > W (rows in order), -1 otherwise;
+//                           backup_rows[k] = that row, for k < R (R = rows with
+//                           counts > W, known to the caller; larger k are not written)
+// One block of TW_MAP_THREADS threads walks the rows in rounds of blockDim.x:
+// a ballot per warp, a scan of the warp totals, and a carry between rounds,
+// so positions come from prefix counts (deterministic, rows ascending).
+#ifndef TW_MAP_THREADS
+#define TW_MAP_THREADS 1024
+#endif
+__global__ void __launch_bounds__(TW_MAP_THREADS)
+twellpy_train_row_maps(const int* __restrict__ counts, int* __restrict__ maps, long long M, int W,
+                       long long R) {
+    __shared__ int warp_below[32];  // backup rows of lower warps in this round
+    __shared__ int round_total;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int n_warps = (blockDim.x + 31) >> 5;
+    long long carry = 0;  // backup rows of earlier rounds (the same in every thread)
+    for (long long base = 0; base < M; base += blockDim.x) {
+        const long long r = base + threadIdx.x;
+        const bool wide = r < M && counts[r] > W;
+        const unsigned m = __ballot_sync(FULL_MASK, wide);
+        if (lane == 0) warp_below[warp] = __popc(m);
+        __syncthreads();
+        if (warp == 0) {
+            const int v = lane < n_warps ? warp_below[lane] : 0;
+            const int incl = warp_inclusive_sum(v, lane);
+            __syncwarp();
+            if (lane < n_warps) warp_below[lane] = incl - v;
+            if (lane == 31) round_total = incl;
+        }
+        __syncthreads();
+        if (r < M) {
+            if (wide) {
+                const long long k = carry + warp_below[warp] + __popc(m & lanes_below(lane));
+                maps[r] = (int)k;
+                if (k < R) maps[M + k] = (int)r;
+            } else {
+                maps[r] = -1;
+            }
+        }
+        carry += round_total;
+        __syncthreads();  // warp_below and round_total are rewritten next round
+    }
+}

@@ -296,3 +296,14 @@ def test_cpu_gemm_acc_accumulates_into_out():
     CPU.put_rows_from_acc(dst, np.array([2], dtype=np.int32), want[:1].astype(np.float32))
     np.testing.assert_array_equal(dst[2], want[0].astype(np.float32).astype(np.float16))
     np.testing.assert_array_equal(dst[[0, 1, 3]], 0)
+
+
+def test_row_maps_cpu_twin():
+    from twellpy.backends import cpu_train
+
+    maps = cpu_train.row_maps(np.array([5, 1, 9, 0, 4], np.int32), 3, 3)
+    np.testing.assert_array_equal(maps, [0, -1, 1, -1, 2, 0, 2, 4])
+    assert maps.dtype == np.int32
+    np.testing.assert_array_equal(cpu_train.row_maps(np.zeros(0, np.int32), 3, 0), np.zeros(0, np.int32))
+    with pytest.raises(ValueError, match="n_backup is 1, but 2 rows have more than 3 non-zeros"):
+        cpu_train.row_maps(np.array([5, 1, 9], np.int32), 3, 1)

@@ -578,3 +578,31 @@ def test_split_backward_fits_the_reference_shape():
     w = cp.zeros((5632, 2048), bfloat16)
     plan = cuda._resident_plan(16384, 5632, 2048, 0, bfloat16, w, w, w, mode=True, dual=True)
     assert plan is not None and plan[0] == 1, plan
+
+
+@pytest.mark.parametrize("M,W", [(0, 5), (1, 3), (1023, 30), (1024, 30), (1025, 30), (70000, 31), (4096, 0),
+                                 (4096, 10**6)])
+def test_row_maps_kernel_matches_cpu(M, W):
+    """The Hybrid's row maps built on the device (one block, rounds of 1024 rows
+    with a carry) equal the numpy twin; nothing is written past M + R."""
+    import cupy as cp
+
+    from twellpy.backends import cpu_train, cuda_train
+
+    rng = np.random.default_rng(M + W)
+    counts = rng.poisson(30, M).astype(np.int32)
+    counts[rng.random(M) < 0.01] = 700                        # heavy tokens
+    R = int(np.count_nonzero(counts > W))
+    want = cpu_train.row_maps(counts, W, R)
+    guard = cp.full(M + R + 64, -0x3C3C3C3C, dtype=cp.int32)  # poisoned, with words past the end
+    got = cuda_train.row_maps(cp.asarray(counts), W, R)
+    assert got.dtype == cp.int32 and got.shape == (M + R,)
+    np.testing.assert_array_equal(cp.asnumpy(got), want)
+    # the kernel itself, into a larger poisoned buffer: the words past M + R stay
+    if M:
+        from twellpy.backends import _registry
+
+        k = _registry.get_kernel(cuda_train.SOURCE, "twellpy_train_row_maps")
+        k((1,), (cuda_train.MAP_THREADS,), (cp.asarray(counts), guard, np.int64(M), np.int32(W), np.int64(R)))
+        np.testing.assert_array_equal(cp.asnumpy(guard[:M + R]), want)
+        assert bool((guard[M + R:] == -0x3C3C3C3C).all())

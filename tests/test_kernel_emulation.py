@@ -302,6 +302,9 @@ void transpose_##SUFFIX(const U* in, U* out, long long rows, long long cols, int
 TRANSPOSE(u16, unsigned short)
 TRANSPOSE(u32, unsigned int)
 TRANSPOSE(u64, unsigned long long)
+void row_maps(const int* counts, int* maps, long long M, int W, long long R, int threads) {
+    emu::launch(twellpy_train_row_maps, dim3(1), dim3(threads), 0, counts, maps, M, W, R);
+}
 }
 """
 
@@ -897,3 +900,26 @@ def test_dense_to_twell_flags_nonfinite_in_every_variant(construct_lib, bad):
     want = cpu.dense_to_twell(x, 256, 8)
     for g, w, name in zip(got, want, ("values", "indices", "counts", "row_max")):
         assert np.array_equal(_bits(g), _bits(np.asarray(w))), name
+
+
+@pytest.mark.parametrize("threads", [32, 96])
+@pytest.mark.parametrize("M,W,kind", [(1, 3, "random"), (95, 30, "random"), (96, 30, "random"), (97, 30, "random"),
+                                      (500, 30, "random"), (300, 1000, "none wide"), (200, 0, "all wide")])
+def test_row_maps_kernel_matches_numpy_twin(train_lib, threads, M, W, kind):
+    """Rounds of blockDim rows with a carry: counts straddling rounds, a
+    partial last round, no wide row and every row wide."""
+    from twellpy.backends import cpu_train
+
+    rng = np.random.default_rng(M + W + threads)
+    counts = rng.poisson(30, M).astype(np.int32)
+    counts[rng.random(M) < 0.05] = 500                      # heavy tokens
+    R = int(np.count_nonzero(counts > W))
+    want = cpu_train.row_maps(counts, W, R)
+    maps = np.full(M + R + 3, -0x3C3C3C3C, np.int32)        # poisoned; 3 guard words past the end
+    train_lib.row_maps(_ptr(counts), _ptr(maps), M, W, R, threads)
+    np.testing.assert_array_equal(maps[:M + R], want)
+    assert (maps[M + R:] == -0x3C3C3C3C).all()
+    if kind == "none wide":
+        assert R == 0
+    if kind == "all wide":
+        assert R == M

@@ -380,12 +380,10 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
     n_vals = 2 if gated else 1
     W = choose_width(counts_host, width, slot_bytes=n_vals * dt.itemsize + 4,
                      row_bytes=n_vals * dt.itemsize * H)
-    backup_host = np.flatnonzero(counts_host > W).astype(np.int32)
-    R = int(backup_host.size)
-    maps_host = np.full(M + R, -1, dtype=np.int32)  # [row_map (M,) | backup_rows (R,)]: one copy
-    maps_host[backup_host] = np.arange(R, dtype=np.int32)
-    maps_host[M:] = backup_host
-    maps = xp.asarray(maps_host)
+    R = int(np.count_nonzero(counts_host > W))
+    # [row_map (M,) | backup_rows (R,)], built where the counts are (on the GPU:
+    # one launch, no host work or upload while the device waits)
+    maps = be.row_maps(token_counts, W, R)
     row_map, backup_rows = maps[:M], maps[M:]
     _mark("width + row maps (host)", xp)
     if one_chunk:

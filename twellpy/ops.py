@@ -242,15 +242,13 @@ def transpose(A, format="hybrid", width="auto"):
     row_nnz = indptr[1:] - indptr[:-1]
     W = choose_width(row_nnz, m, A.dtype.itemsize, width)
     row_nnz_host = row_nnz.get() if hasattr(row_nnz, "get") else np.asarray(row_nnz)
-    backup_host = np.flatnonzero(row_nnz_host > W).astype(np.int32)
-    R = int(backup_host.size)
-    row_map_host = np.full(n, -1, dtype=np.int32)
-    row_map_host[backup_host] = np.arange(R, dtype=np.int32)
-    row_map = xp.asarray(row_map_host)
+    R = int(np.count_nonzero(row_nnz_host > W))
+    maps = be.row_maps(row_nnz, W, R)  # [row_map (n,) | backup_rows (R,)], built where the counts are
+    row_map, backup_rows = maps[:n], maps[n:]
     vals, ell_idx, ell_nnz = be.csr_to_hybrid(indptr.astype(np.int64), rows, data, row_map, W, m, R)
     ell_val, backup = be.split_combined(vals, n, W, R, m)
     return Hybrid(ell_val, ell_idx, ell_nnz, shape=(n, m), backup=backup,
-                  backup_rows=xp.asarray(backup_host), check=False, check_finite=False)
+                  backup_rows=backup_rows, check=False, check_finite=False)
 
 
 def multiply(A, B):

@@ -118,6 +118,22 @@ def _relu_to_hybrid(z, row_map, ell_val, ell_idx, ell_nnz, backup):
         ell_nnz[r] = kept
 
 
+def row_maps(counts, width, n_backup):
+    """``[row_map (M,) | backup_rows (R,)]`` (int32) of a Hybrid of ELL width
+    ``width``: ``row_map[r]`` is row r's position among the rows with more than
+    ``width`` non-zeros (rows in order), or -1; ``backup_rows[k]`` is the k-th
+    such row. ``n_backup`` must be their number; see the CUDA twin."""
+    counts = np.asarray(counts)
+    M = counts.shape[0]
+    rows = np.flatnonzero(counts > width).astype(np.int32)
+    if rows.size != n_backup:
+        raise ValueError(f"n_backup is {n_backup}, but {rows.size} rows have more than {width} non-zeros")
+    maps = np.full(M + rows.size, -1, dtype=np.int32)
+    maps[rows] = np.arange(rows.size, dtype=np.int32)
+    maps[M:] = rows
+    return maps
+
+
 def relu_to_hybrid(z, row_map, width, n_backup):
     """relu(z) packed straight into a Hybrid (no CSR); see the CUDA twin.
 

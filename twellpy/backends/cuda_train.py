@@ -18,6 +18,7 @@ from .cuda import transpose_cursor
 SOURCE = "train_ffn.cu"
 WARPS = 8            # keep in sync with TW_WARPS in train_ffn.cu
 GATHER_THREADS = 128  # keep in sync with TW_GATHER_THREADS
+MAP_THREADS = 1024    # keep in sync with TW_MAP_THREADS
 
 _INT32_MAX = 2**31 - 1
 # unsigned C type of each element width, for kernels that move raw bits
@@ -51,6 +52,7 @@ def _names():
                 names.append(_name(base, dt, gated, whole=False))
     for u in _BIT_CTYPES.values():
         names.append(f"twellpy_train_transpose_dense<{u}>")
+    names.append("twellpy_train_row_maps")
     return names
 
 
@@ -136,6 +138,36 @@ def relu_count(z, out=None):
         g, b = _rows_grid(rows)
         _k("relu_count", z.dtype)(g, b, (z, _i64(rows), _i32(H), _i32(_vec_ok(H, z)), row_nnz))
     return row_nnz
+
+
+def row_maps(counts, width, n_backup):
+    """Where each row of a Hybrid of ELL width ``width`` goes, on the device.
+
+    Parameters
+    ----------
+    counts : (M,) int32 cupy array
+        Non-zeros per row.
+    width : int
+        ELL width W; rows with more non-zeros become backup rows.
+    n_backup : int
+        R, the number of rows with ``counts > width`` (the caller has it from
+        the host copy of the counts it chose ``width`` from).
+
+    Returns
+    -------
+    (M + R,) int32 cupy array
+        ``[row_map | backup_rows]``: ``row_map[r]`` is the row's position among
+        the backup rows (rows in order) or -1; ``backup_rows[k]`` is the k-th
+        backup row. Same values as :func:`twellpy.backends.cpu_train.row_maps`.
+    """
+    cp = _cp()
+    counts = cp.ascontiguousarray(counts, dtype=cp.int32)
+    M = int(counts.shape[0])
+    maps = cp.empty(M + int(n_backup), dtype=cp.int32)
+    if M:
+        _registry.get_kernel(SOURCE, "twellpy_train_row_maps")(
+            (1,), (MAP_THREADS,), (counts, maps, _i64(M), _i32(width), _i64(n_backup)))
+    return maps
 
 
 def relu_to_hybrid(z, row_map, width, n_backup):
