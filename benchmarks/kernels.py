@@ -201,13 +201,17 @@ def main(argv=None):
     tc.CONSTRUCT_TILES_PER_WARP = best_tpw
     unroll_sweep, variant_defines = {}, {}
     # label: <loads per lane>u<blocks per SM>b, then p (prefetch: the next group's
-    # loads go out before the current one is packed) and f (two-ballot prefix)
-    for unroll, blocks, prefetch, fast in ((2, 1, 0, 0), (4, 1, 0, 0), (8, 1, 0, 0), (2, 4, 0, 0), (4, 4, 0, 0),
-                                           (2, 6, 0, 0), (2, 1, 0, 1), (2, 1, 1, 1), (2, 4, 1, 1), (1, 4, 1, 1),
-                                           (2, 4, 1, 0), (4, 3, 1, 1), (1, 6, 1, 1)):
+    # loads go out before the current one is packed), f (two-ballot prefix) and
+    # a<depth> (cp.async ring of that many chunks per warp; unroll then unused)
+    for unroll, blocks, prefetch, fast, depth in (
+            (2, 1, 0, 0, 0), (4, 1, 0, 0, 0), (8, 1, 0, 0, 0), (2, 4, 0, 0, 0), (4, 4, 0, 0, 0), (2, 6, 0, 0, 0),
+            (2, 1, 0, 1, 0), (2, 1, 1, 1, 0), (2, 4, 1, 1, 0), (1, 4, 1, 1, 0), (2, 4, 1, 0, 0), (4, 3, 1, 1, 0),
+            (1, 6, 1, 1, 0), (1, 1, 0, 1, 4), (1, 1, 0, 1, 8), (1, 6, 0, 1, 8), (1, 4, 0, 1, 12),
+            (1, 1, 0, 0, 8)):
         tc.CONSTRUCT_DEFINES = {"CONSTRUCT_UNROLL": unroll, "CONSTRUCT_MIN_BLOCKS": blocks,
-                                "CONSTRUCT_PREFETCH": prefetch, "CONSTRUCT_FAST_PREFIX": fast}
-        label = f"{unroll}u{blocks}b" + "p" * prefetch + "f" * fast
+                                "CONSTRUCT_PREFETCH": prefetch, "CONSTRUCT_FAST_PREFIX": fast,
+                                "CONSTRUCT_ASYNC_DEPTH": depth}
+        label = f"{unroll}u{blocks}b" + "p" * prefetch + "f" * fast + (f"a{depth}" if depth else "")
         variant_defines[label] = dict(tc.CONSTRUCT_DEFINES)
         check = tc.dense_to_twell(hb, tile, slots)  # the variant must give the default's bits
         same = [bool((a.view(cp.uint8) == b.view(cp.uint8)).all()) for a, b in zip(check, (vals, idx, counts, row_max))]

@@ -31,12 +31,18 @@
 #ifndef CONSTRUCT_FAST_PREFIX
 #define CONSTRUCT_FAST_PREFIX 0      // 1: slot positions from two ballots when no lane holds two non-zeros of a
 #endif                               // chunk (the usual case at ~1% density), the warp scan otherwise
+#ifndef CONSTRUCT_ASYNC_DEPTH
+#define CONSTRUCT_ASYNC_DEPTH 0      // >= 2: 16-byte vector inputs are read through a per-warp ring of this many
+#endif                               // chunks filled by cp.async (sm_80+), DEPTH - 1 chunks in flight per lane
+                                     // without holding registers; 0: loads into registers (CONSTRUCT_UNROLL)
 #ifndef CONSTRUCT_STREAM_LOADS
 #define CONSTRUCT_STREAM_LOADS 1     // 1: read x with evict-first (ld.global.cs) loads: it is read once,
 #endif                               // and the slots it produces are what should stay in L2
 
 static_assert(CONSTRUCT_WARPS >= 1 && CONSTRUCT_WARPS <= 32, "CONSTRUCT_WARPS out of range");
 static_assert(CONSTRUCT_UNROLL >= 1 && CONSTRUCT_UNROLL <= 16, "CONSTRUCT_UNROLL out of range");
+static_assert(CONSTRUCT_ASYNC_DEPTH == 0 || (CONSTRUCT_ASYNC_DEPTH >= 2 && CONSTRUCT_ASYNC_DEPTH * CONSTRUCT_WARPS <= 96),
+              "CONSTRUCT_ASYNC_DEPTH: 0, or 2.. with the ring (DEPTH * warps * 512 bytes) within 48 KB of static shared memory");
 
 using namespace twellpy;
 
@@ -147,6 +153,90 @@ __device__ __forceinline__ void load_chunks(vec_t<T, VEC> (&buf)[CONSTRUCT_UNROL
     }
 }
 
+// 16-byte global -> shared copy that completes asynchronously (cp.async, sm_80+);
+// `fill` false writes 16 zero bytes and reads nothing. Without __CUDA_ARCH__
+// (the CPU emulation of tests/cuda_emu) it is an ordinary copy.
+__device__ __forceinline__ void copy_async_16(uint4* smem_dst, const void* gmem_src, bool fill) {
+#ifdef __CUDA_ARCH__
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src), "r"(fill ? 16 : 0)
+                 : "memory");
+#else
+    *smem_dst = fill ? *reinterpret_cast<const uint4*>(gmem_src) : make_uint4(0u, 0u, 0u, 0u);
+#endif
+}
+
+__device__ __forceinline__ void copy_async_commit() {
+#ifdef __CUDA_ARCH__
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most PENDING of this thread's committed copy groups are unfinished.
+template <int PENDING>
+__device__ __forceinline__ void copy_async_wait() {
+#ifdef __CUDA_ARCH__
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+#endif
+}
+
+// What a warp carries from chunk to chunk of its span.
+struct PackState {
+    int run;        // non-zeros seen so far in the current tile (true count)
+    int local_max;  // largest true tile count among the warp's tiles
+    bool bad;       // this lane saw a NaN / Inf
+};
+
+// Packs one chunk (this lane's VEC elements of it in `w`) at position `at`.
+template <typename T, int VEC>
+__device__ __forceinline__ void pack_chunk(const vec_t<T, VEC>& w, ChunkPos at, PackState& st, T* __restrict__ values,
+                                           int* __restrict__ indices, int* __restrict__ counts, int row, int tile,
+                                           int slots, int n_tiles, int chunks_per_tile, int lane) {
+    const int col = at.t * tile + at.part * (32 * VEC) + lane * VEC;
+    if (at.part == 0) st.run = 0;
+    // Activations are ~99% zeros: count per lane, one warp prefix count,
+    // then visit only the set bits (most lanes skip the loop). NaN and Inf
+    // are non-zero bit patterns, so the finiteness test runs there too.
+    unsigned bits = nonzero_bits<T, VEC>(w);
+    int pos, total;
+#if CONSTRUCT_FAST_PREFIX
+    const unsigned has = __ballot_sync(FULL_MASK, bits != 0u);
+    if (__ballot_sync(FULL_MASK, (bits & (bits - 1u)) != 0u) == 0u) {  // uniform: one bit per lane at most
+        pos = st.run + __popc(has & lanes_below(lane));
+        total = __popc(has);
+    } else
+#endif
+    {
+        const int mine = __popc(bits);
+        const int incl = warp_inclusive_sum(mine, lane);
+        total = __shfl_sync(FULL_MASK, incl, 31);
+        pos = st.run + incl - mine;
+    }
+    const long long base = ((long long)row * n_tiles + at.t) * slots;
+    while (bits) {
+        const int k = __ffs(bits) - 1;
+        bits &= bits - 1u;
+        const T v = vec_element<T, VEC>(w, k);
+        st.bad |= nonfinite(v);
+        if (pos < slots) {
+            values[base + pos] = v;
+            indices[base + pos] = col + k;
+        }
+        ++pos;
+    }
+    st.run += total;
+    if (at.part == chunks_per_tile - 1) {  // tile finished: padding, count, max
+        const int stored = min(st.run, slots);
+        const T zero = zero_value<T>();
+        for (int s = stored + lane; s < slots; s += 32) {
+            values[base + s] = zero;
+            indices[base + s] = -1;
+        }
+        if (lane == 0) counts[(long long)row * n_tiles + at.t] = stored;
+        st.local_max = max(st.local_max, st.run);
+    }
+}
+
 // ---------------------------------------------------------------------------
 // twellpy_dense_to_twell<T, VEC>: one pass over the dense input.
 //   x        (M, N)             T      dense input, C order
@@ -179,80 +269,72 @@ twellpy_dense_to_twell(const T* __restrict__ x, T* __restrict__ values, int* __r
     const int chunks_per_tile = (tile + chunk - 1) / chunk;
     const int c_begin = t_begin * chunks_per_tile;
     const int c_end = t_end * chunks_per_tile;
-    const T zero = zero_value<T>();
 
-    int run = 0;        // non-zeros seen so far in the current tile (true count)
-    int local_max = 0;  // largest true tile count among this warp's tiles
-    bool bad = false;   // this lane saw a NaN / Inf
-    ChunkPos p = {t_begin, 0};  // position of chunk c0
-    vec_t<T, VEC> buf[CONSTRUCT_UNROLL];
-    load_chunks<T, VEC>(buf, xrow, c_begin, c_end, p, chunks_per_tile, tile, N, lane);
-    for (int c0 = c_begin; c0 < c_end; c0 += CONSTRUCT_UNROLL) {
-#if CONSTRUCT_PREFETCH
-        // The next group's loads go out before this group is packed.
-        ChunkPos p_next = p;
-#pragma unroll
-        for (int u = 0; u < CONSTRUCT_UNROLL; ++u) next_chunk(p_next, chunks_per_tile);
-        vec_t<T, VEC> ahead[CONSTRUCT_UNROLL];
-        load_chunks<T, VEC>(ahead, xrow, c0 + CONSTRUCT_UNROLL, c_end, p_next, chunks_per_tile, tile, N, lane);
-#endif
-#pragma unroll
-        for (int u = 0; u < CONSTRUCT_UNROLL; ++u) {
-            if (c0 + u >= c_end) break;  // uniform
-            const int t = p.t;
-            const int part = p.part;
+    PackState st = {0, 0, false};
+#if CONSTRUCT_ASYNC_DEPTH
+    if constexpr (VEC * sizeof(T) == 16) {
+        // Ring of DEPTH chunks per warp; each lane reads back only the 16 bytes it
+        // copied, so no barrier is needed. Chunk i lives in slot i % DEPTH, and the
+        // copy of chunk i + DEPTH - 1 goes into the slot chunk i - 1 was read from.
+        constexpr int DEPTH = CONSTRUCT_ASYNC_DEPTH;
+        __shared__ uint4 ring[CONSTRUCT_WARPS * DEPTH * 32];
+        uint4* const mine = ring + (threadIdx.x >> 5) * DEPTH * 32 + lane;
+        const int n = c_end - c_begin;
+        ChunkPos p_copy = {t_begin, 0};  // position of the next chunk to copy
+        int i_copy = 0;
+        auto copy_next = [&]() {
+            const int in_tile = p_copy.part * chunk + lane * VEC;
+            const int col = p_copy.t * tile + in_tile;
+            const bool fill = i_copy < n && in_tile < tile && col < N;
+            copy_async_16(mine + (i_copy % DEPTH) * 32, fill ? xrow + col : xrow, fill);
+            copy_async_commit();  // one group per chunk, empty ones too, so the counts below hold
+            next_chunk(p_copy, chunks_per_tile);
+            ++i_copy;
+        };
+        for (int i = 0; i < DEPTH - 1; ++i) copy_next();
+        ChunkPos p = {t_begin, 0};
+        for (int i = 0; i < n; ++i) {
+            copy_async_wait<DEPTH - 2>();  // groups 0..i are complete
+            const uint4 raw = mine[(i % DEPTH) * 32];
+            copy_next();                   // chunk i + DEPTH - 1
+            pack_chunk<T, VEC>(*reinterpret_cast<const vec_t<T, VEC>*>(&raw), p, st, values, indices, counts, row,
+                               tile, slots, n_tiles, chunks_per_tile, lane);
             next_chunk(p, chunks_per_tile);
-            const int col = t * tile + part * chunk + lane * VEC;
-            if (part == 0) run = 0;
-            // Activations are ~99% zeros: count per lane, one warp prefix count,
-            // then visit only the set bits (most lanes skip the loop). NaN and Inf
-            // are non-zero bit patterns, so the finiteness test runs there too.
-            unsigned bits = nonzero_bits<T, VEC>(buf[u]);
-            int pos, total;
-#if CONSTRUCT_FAST_PREFIX
-            const unsigned has = __ballot_sync(FULL_MASK, bits != 0u);
-            if (__ballot_sync(FULL_MASK, (bits & (bits - 1u)) != 0u) == 0u) {  // uniform: one bit per lane at most
-                pos = run + __popc(has & lanes_below(lane));
-                total = __popc(has);
-            } else
-#endif
-            {
-                const int mine = __popc(bits);
-                const int incl = warp_inclusive_sum(mine, lane);
-                total = __shfl_sync(FULL_MASK, incl, 31);
-                pos = run + incl - mine;
-            }
-            const long long base = ((long long)row * n_tiles + t) * slots;
-            while (bits) {
-                const int k = __ffs(bits) - 1;
-                bits &= bits - 1u;
-                const T v = vec_element<T, VEC>(buf[u], k);
-                bad |= nonfinite(v);
-                if (pos < slots) {
-                    values[base + pos] = v;
-                    indices[base + pos] = col + k;
-                }
-                ++pos;
-            }
-            run += total;
-            if (part == chunks_per_tile - 1) {  // tile finished: padding, count, max
-                const int stored = min(run, slots);
-                for (int s = stored + lane; s < slots; s += 32) {
-                    values[base + s] = zero;
-                    indices[base + s] = -1;
-                }
-                if (lane == 0) counts[(long long)row * n_tiles + t] = stored;
-                local_max = max(local_max, run);
-            }
         }
+        copy_async_wait<0>();  // no copy outlives the warp
+    } else
+#endif
+    {
+        ChunkPos p = {t_begin, 0};  // position of chunk c0
+        vec_t<T, VEC> buf[CONSTRUCT_UNROLL];
+        load_chunks<T, VEC>(buf, xrow, c_begin, c_end, p, chunks_per_tile, tile, N, lane);
+        for (int c0 = c_begin; c0 < c_end; c0 += CONSTRUCT_UNROLL) {
+#if CONSTRUCT_PREFETCH
+            // The next group's loads go out before this group is packed.
+            ChunkPos p_next = p;
+#pragma unroll
+            for (int u = 0; u < CONSTRUCT_UNROLL; ++u) next_chunk(p_next, chunks_per_tile);
+            vec_t<T, VEC> ahead[CONSTRUCT_UNROLL];
+            load_chunks<T, VEC>(ahead, xrow, c0 + CONSTRUCT_UNROLL, c_end, p_next, chunks_per_tile, tile, N, lane);
+#endif
+#pragma unroll
+            for (int u = 0; u < CONSTRUCT_UNROLL; ++u) {
+                if (c0 + u >= c_end) break;  // uniform
+                pack_chunk<T, VEC>(buf[u], p, st, values, indices, counts, row, tile, slots, n_tiles,
+                                   chunks_per_tile, lane);
+                next_chunk(p, chunks_per_tile);
+            }
 #if CONSTRUCT_PREFETCH
 #pragma unroll
-        for (int u = 0; u < CONSTRUCT_UNROLL; ++u) buf[u] = ahead[u];
+            for (int u = 0; u < CONSTRUCT_UNROLL; ++u) buf[u] = ahead[u];
 #else
-        if (c0 + CONSTRUCT_UNROLL < c_end)  // p is now the next group's position
-            load_chunks<T, VEC>(buf, xrow, c0 + CONSTRUCT_UNROLL, c_end, p, chunks_per_tile, tile, N, lane);
+            if (c0 + CONSTRUCT_UNROLL < c_end)  // p is now the next group's position
+                load_chunks<T, VEC>(buf, xrow, c0 + CONSTRUCT_UNROLL, c_end, p, chunks_per_tile, tile, N, lane);
 #endif
+        }
     }
+    const int local_max = st.local_max;
+    const bool bad = st.bad;
     const bool warp_bad = __any_sync(FULL_MASK, bad);
     if (lane == 0) {
         if (n_groups == 1) row_max[row] = local_max;

@@ -9,7 +9,11 @@ still checks them on the device.
 
 Kernels covered: ``spmm_resident.cu`` (row totals, TwELL compaction, the
 resident-slice SpMM), with the launch plan of
-:func:`twellpy.backends.cuda.resident_layout`.
+:func:`twellpy.backends.cuda.resident_layout`; the fused FFN's split mode and
+row pack; the training kernels around the backup rows, the tiled transpose,
+the split forward and backward and the row maps; and every loop variant of the
+one-pass dense -> TwELL construction (register groups, prefetch, the cp.async
+ring, whose copies are plain copies here).
 """
 from __future__ import annotations
 
@@ -100,7 +104,10 @@ def _build(tmp_path_factory, cu_name, harness, defines):
     so = d / "harness.so"
     # -ffp-contract=off: the kernels spell every fma that their bits depend on (NVRTC would
     # contract a * b + c by itself; an emulation that does not must not need it)
-    cmd = [GXX, "-std=c++20", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-pthread",
+    # -fno-gnu-unique: a kernel's function-local statics (its __shared__ arrays) stay
+    # private to each library; as GNU unique symbols the dynamic linker would share
+    # them between builds of one kernel with different defines (different sizes)
+    cmd = [GXX, "-std=c++20", "-O1", "-ffp-contract=off", "-fno-gnu-unique", "-shared", "-fPIC", "-pthread",
            f"-I{EMU}", f"-I{d}",
            *(f"-D{k}={v}" for k, v in defines.items()), str(d / "harness.cpp"), "-o", str(so)]
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -827,17 +834,19 @@ TO_TWELL(to_twell_f16_8, __half, 8)
 }
 """
 
-# (loads in flight per lane, prefetch the next group, two-ballot prefix): the
-# default and the variants benchmarks/kernels.py sweeps on the device
-CONSTRUCT_VARIANTS = [(2, 0, 0), (2, 1, 1), (3, 1, 0), (1, 0, 1), (4, 1, 1)]
+# (loads in flight per lane, prefetch the next group, two-ballot prefix, cp.async
+# ring depth): the default and the variants benchmarks/kernels.py sweeps on the
+# device (the ring serves the 16-byte vector cases; scalar ones take the loop)
+CONSTRUCT_VARIANTS = [(2, 0, 0, 0), (2, 1, 1, 0), (3, 1, 0, 0), (1, 0, 1, 0), (4, 1, 1, 0), (2, 0, 1, 2),
+                      (2, 0, 0, 3), (2, 0, 1, 8)]
 
 
-@pytest.fixture(scope="module", params=CONSTRUCT_VARIANTS, ids=lambda v: "u{}p{}f{}".format(*v))
+@pytest.fixture(scope="module", params=CONSTRUCT_VARIANTS, ids=lambda v: "u{}p{}f{}a{}".format(*v))
 def construct_lib(request, tmp_path_factory):
-    unroll, prefetch, fast = request.param
+    unroll, prefetch, fast, depth = request.param
     return _build(tmp_path_factory, "construct.cu", _CONSTRUCT_HARNESS,
                   {"CONSTRUCT_WARPS": 2, "CONSTRUCT_UNROLL": unroll, "CONSTRUCT_PREFETCH": prefetch,
-                   "CONSTRUCT_FAST_PREFIX": fast})
+                   "CONSTRUCT_FAST_PREFIX": fast, "CONSTRUCT_ASYNC_DEPTH": depth})
 
 
 def _emulated_twell(lib, x, tile, slots, tpw, vec):

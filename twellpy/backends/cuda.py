@@ -71,11 +71,18 @@ SPMM_MAX_ITERS = 8
 #: compiles the one kernel needed on first use (benchmarks/kernels.py sweeps them).
 CONSTRUCT_DEFINES: dict = {}
 SPMM_DEFINES: dict = {}
-#: The pipelined construction loop (each lane's next loads go out before it
-#: packs the current chunks; slot positions from two ballots when no lane holds
-#: two non-zeros of a chunk). Declared, so CI compiles it; used when
-#: ``CONSTRUCT_DEFINES`` is set to it. Off by default until measured on the device.
-CONSTRUCT_PIPELINED = {"CONSTRUCT_PREFETCH": 1, "CONSTRUCT_FAST_PREFIX": 1, "CONSTRUCT_MIN_BLOCKS": 4}
+#: Variants of the construction loop (construct.cu), declared so that CI
+#: compiles them, and tested on the GPU; a variant runs when
+#: ``CONSTRUCT_DEFINES`` is set to it. Off by default until benchmarks/kernels.py
+#: has measured them. "prefetch": each lane's next loads go out before it packs
+#: the current chunks; "async-ring": 16-byte inputs stream through a per-warp
+#: ring of 8 chunks filled by cp.async (7 in flight per lane, no registers
+#: held). Both take slot positions from two ballots when no lane holds two
+#: non-zeros of a chunk.
+CONSTRUCT_VARIANTS = {
+    "prefetch": {"CONSTRUCT_PREFETCH": 1, "CONSTRUCT_FAST_PREFIX": 1, "CONSTRUCT_MIN_BLOCKS": 4},
+    "async-ring": {"CONSTRUCT_ASYNC_DEPTH": 8, "CONSTRUCT_FAST_PREFIX": 1},
+}
 #: Grid cap of the grid-stride kernels.
 _MAX_GRID = 1 << 20
 #: Budget of (row chunk, column) counters of the transpose (int32 entries).
@@ -190,8 +197,9 @@ def _declare_all():
         transpose.append(_name_t("transpose_fill", dt))
     transpose += ["twellpy_transpose_count", f"twellpy_transpose_scan<{TRANSPOSE_SCAN_SEGS}>"]
     reg.declare("construct.cu", construct)
-    reg.declare("construct.cu", [_name_dense("dense_to_twell", dt, vec) for dt in FLOAT_DTYPES
-                                 for vec in sorted({1, _vec_width(dt)})], CONSTRUCT_PIPELINED)
+    for variant in CONSTRUCT_VARIANTS.values():
+        reg.declare("construct.cu", [_name_dense("dense_to_twell", dt, vec) for dt in FLOAT_DTYPES
+                                     for vec in sorted({1, _vec_width(dt)})], variant)
     reg.declare("convert.cu", convert)
     reg.declare("spmm.cu", spmm)
     # with the defines twell_spmm looks them up with, so a warm-up compile is the one run time uses
