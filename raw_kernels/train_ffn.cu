@@ -20,11 +20,15 @@
 #ifndef TW_WARPS
 #define TW_WARPS 8  // warps per block of the warp-per-row kernels
 #endif
+#ifndef TW_PACK_UNROLL
+#define TW_PACK_UNROLL 4  // 16-byte loads in flight per lane in relu_to_hybrid's ELL rows (as ffn_rowpack)
+#endif
 #ifndef TW_GATHER_THREADS
 #define TW_GATHER_THREADS 128  // threads per block of the gather (SpMM^T) kernels
 #endif
 
 static_assert(TW_WARPS >= 1 && TW_WARPS <= 32, "TW_WARPS must be in [1, 32]");
+static_assert(TW_PACK_UNROLL >= 1 && TW_PACK_UNROLL <= 8, "TW_PACK_UNROLL must be in [1, 8]");
 static_assert(TW_GATHER_THREADS % 32 == 0 && TW_GATHER_THREADS <= 1024,
               "TW_GATHER_THREADS must be a multiple of 32, at most 1024");
 
@@ -267,32 +271,41 @@ twellpy_train_relu_to_hybrid(const T* __restrict__ z, long long M, int H, int ve
         }
     } else if (vec) {
         constexpr int N = VecN<T>::N;
-        for (int c0 = 0; c0 < H; c0 += 32 * N) {
-            const int c = c0 + lane * N;
-            uint4 raw = make_uint4(0u, 0u, 0u, 0u);
-            unsigned bitsm = 0u;
-            if (c < H) {  // H % N == 0 here, so the whole vector is in range
-                raw = __ldg(reinterpret_cast<const uint4*>(zr + c));
-                const T* e = reinterpret_cast<const T*>(&raw);
+        constexpr int U = TW_PACK_UNROLL;
+        for (int b0 = 0; b0 < H; b0 += 32 * N * U) {
+            // U loads in flight per lane before any is packed (one at a time left
+            // the warp waiting a full memory latency per 512 bytes)
+            uint4 raw[U];
 #pragma unroll
-                for (int i = 0; i < N; ++i) bitsm |= (relu_on(e[i]) ? 1u : 0u) << i;
+            for (int u = 0; u < U; ++u) {
+                const int c = b0 + (u * 32 + lane) * N;  // H % N == 0 here: a vector is all in or all out
+                raw[u] = c < H ? __ldg(reinterpret_cast<const uint4*>(zr + c)) : make_uint4(0u, 0u, 0u, 0u);
             }
-            const int cnt = __popc(bitsm);
-            const int incl = warp_inclusive_sum(cnt, lane);
-            int p = pos + (incl - cnt);
-            const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-            for (int i = 0; i < N; ++i) {
-                if ((bitsm >> i) & 1u) {
-                    if (p < W) {
-                        ell_val[base + p] = e[i];
-                        ell_idx[base + p] = c + i;
-                    }
-                    atomicAdd(neuron_counts + c + i, 1);
-                    ++p;
+            for (int u = 0; u < U; ++u) {
+                const int c = b0 + (u * 32 + lane) * N;
+                const T* e = reinterpret_cast<const T*>(&raw[u]);
+                unsigned bitsm = 0u;
+                if (c < H) {
+#pragma unroll
+                    for (int i = 0; i < N; ++i) bitsm |= (relu_on(e[i]) ? 1u : 0u) << i;
                 }
+                const int cnt = __popc(bitsm);
+                const int incl = warp_inclusive_sum(cnt, lane);
+                int p = pos + (incl - cnt);
+#pragma unroll
+                for (int i = 0; i < N; ++i) {
+                    if ((bitsm >> i) & 1u) {
+                        if (p < W) {
+                            ell_val[base + p] = e[i];
+                            ell_idx[base + p] = c + i;
+                        }
+                        atomicAdd(neuron_counts + c + i, 1);
+                        ++p;
+                    }
+                }
+                pos += __shfl_sync(0xffffffffu, incl, 31);
             }
-            pos += __shfl_sync(0xffffffffu, incl, 31);
         }
     } else {
         const unsigned below = (1u << lane) - 1u;

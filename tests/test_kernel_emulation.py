@@ -309,6 +309,15 @@ void transpose_##SUFFIX(const U* in, U* out, long long rows, long long cols, int
 TRANSPOSE(u16, unsigned short)
 TRANSPOSE(u32, unsigned int)
 TRANSPOSE(u64, unsigned long long)
+#define TO_HYBRID(SUFFIX, T)                                                                          \
+void relu_to_hybrid_##SUFFIX(const T* z, long long M, int H, int vec, int vec_store, const int* row_map, int W, \
+                             T* ell_val, int* ell_idx, int* ell_nnz, T* backup, int* neuron_counts) {       \
+    emu::launch(twellpy_train_relu_to_hybrid<T>, dim3((unsigned)((M + TW_WARPS - 1) / TW_WARPS)),         \
+                dim3(32 * TW_WARPS), 0, z, M, H, vec, vec_store, row_map, W, ell_val, ell_idx, ell_nnz,   \
+                backup, neuron_counts);                                                                \
+}
+TO_HYBRID(f32, float)
+TO_HYBRID(bf16, __nv_bfloat16)
 void row_maps(const int* counts, int* maps, long long M, int W, long long R, int threads) {
     emu::launch(twellpy_train_row_maps, dim3(1), dim3(threads), 0, counts, maps, M, W, R);
 }
@@ -316,9 +325,9 @@ void row_maps(const int* counts, int* maps, long long M, int W, long long R, int
 """
 
 
-@pytest.fixture(scope="module")
-def train_lib(tmp_path_factory):
-    return _build(tmp_path_factory, "train_ffn.cu", _TRAIN_HARNESS, {})
+@pytest.fixture(scope="module", params=[{}, {"TW_WARPS": 2, "TW_PACK_UNROLL": 3}], ids=["default", "2warps-unroll3"])
+def train_lib(request, tmp_path_factory):
+    return _build(tmp_path_factory, "train_ffn.cu", _TRAIN_HARNESS, request.param)
 
 
 def _suffix(dtype, gated=None):
@@ -876,19 +885,23 @@ def _construct_input(rng, dtype, m, n):
     return np.ascontiguousarray(x)
 
 
-@pytest.mark.parametrize("dtype,vec", [(np.dtype(np.float32), 1), (np.dtype(np.float32), 4),
-                                       (bfloat16, 1), (bfloat16, 8), (np.dtype(np.float16), 8)],
-                         ids=["f32-1", "f32-4", "bf16-1", "bf16-8", "f16-8"])
-@pytest.mark.parametrize("m,n,tile,slots,tpw", [
+_TO_TWELL_TYPES = [(np.dtype(np.float32), 1), (np.dtype(np.float32), 4), (bfloat16, 1), (bfloat16, 8),
+                   (np.dtype(np.float16), 8)]
+_TO_TWELL_SHAPES = [
     (9, 1000, 256, 8, 32),     # N not a multiple of the tile, one warp per row
     (7, 1024, 64, 4, 3),       # rows split over warps (row_max by atomicMax)
     (5, 600, 512, 16, 1),      # several chunks per tile
     (1, 264, 8, 2, 5),         # M = 1, tiles narrower than a chunk
     (4, 1001, 256, 8, 32),     # N odd: the scalar path only
-])
+]
+
+
+# the launcher takes the vector path only when tile and N are multiples of VEC
+@pytest.mark.parametrize("dtype,vec,m,n,tile,slots,tpw", [
+    pytest.param(dt, vec, *shape, id=f"{dt}-{vec}-{'-'.join(map(str, shape))}")
+    for dt, vec in _TO_TWELL_TYPES for shape in _TO_TWELL_SHAPES
+    if vec == 1 or (shape[2] % vec == 0 and shape[1] % vec == 0)])
 def test_dense_to_twell_every_variant_matches_numpy(construct_lib, dtype, vec, m, n, tile, slots, tpw):
-    if vec > 1 and (tile % vec or n % vec):
-        pytest.skip("the launcher takes the vector path only when tile and N are multiples of VEC")
     rng = np.random.default_rng(m * 1000 + n + tile)
     x = _construct_input(rng, dtype, m, n)
     *got, finite = _emulated_twell(construct_lib, x, tile, slots, tpw, vec)
@@ -932,3 +945,36 @@ def test_row_maps_kernel_matches_numpy_twin(train_lib, threads, M, W, kind):
         assert R == 0
     if kind == "all wide":
         assert R == M
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
+@pytest.mark.parametrize("M,H,W", [(13, 1000, 6), (5, 2048, 40), (1, 264, 3), (9, 999, 5)])
+def test_relu_to_hybrid_matches_numpy_twin(train_lib, dtype, M, H, W):
+    """The gate output straight into a Hybrid: ELL rows (vector loads in groups,
+    or scalar when H is not a multiple of the vector), backup rows whole, and
+    per-neuron counts, equal to cpu_train.relu_to_hybrid bit for bit."""
+    from twellpy.backends import cpu_train
+
+    rng = np.random.default_rng(M * H + W)
+    z = (rng.standard_normal((M, H)) - 2.2).astype(np.float32)   # about 1% positive
+    z[0, :3] = [np.nan, -0.0, 1e-40]                              # NaN and a denormal count, -0.0 not
+    if M > 2:
+        z[2] = np.abs(z[2]) + 0.5                                 # a row that fires everything
+    z = z.astype(dtype)
+    counts = cpu_train.relu_count(z)
+    R = int(np.count_nonzero(counts > W))
+    row_map = cpu_train.row_maps(counts, W, R)[:M]
+    want = cpu_train.relu_to_hybrid(z, row_map, W, R)
+    vec = int(H % (16 // z.dtype.itemsize) == 0)
+    vals = np.full(M * W + R * H, np.nan, np.float32).astype(dtype)   # poisoned
+    ell_idx = np.full((M, W), -0x5A5A5A5A, np.int32)
+    ell_nnz = np.full(M, -9, np.int32)
+    neuron_counts = np.zeros(H, np.int32)
+    ell_val, backup = cpu_train.split_combined(vals, M, W, R, H)
+    vec_store = int(vec and (M * W * z.dtype.itemsize) % 16 == 0)
+    getattr(train_lib, f"relu_to_hybrid_{_suffix(dtype)}")(
+        _ptr(z), M, H, vec, vec_store, _ptr(row_map), W, _ptr(ell_val), _ptr(ell_idx), _ptr(ell_nnz),
+        _ptr(backup), _ptr(neuron_counts))
+    for got, w, name in zip((vals, ell_idx, ell_nnz, neuron_counts), want, ("vals", "ell_idx", "ell_nnz", "neuron_counts")):
+        np.testing.assert_array_equal(_bits(got) if got.dtype.kind == "f" or got.dtype == bfloat16 else got,
+                                      _bits(w) if w.dtype.kind == "f" or w.dtype == bfloat16 else w, err_msg=name)
