@@ -154,21 +154,45 @@ __device__ __forceinline__ void load_chunks(vec_t<T, VEC> (&buf)[CONSTRUCT_UNROL
 }
 
 // 16-byte global -> shared copy that completes asynchronously (cp.async, sm_80+);
-// `fill` false writes 16 zero bytes and reads nothing. Without __CUDA_ARCH__
-// (the CPU emulation of tests/cuda_emu) it is an ordinary copy.
-__device__ __forceinline__ void copy_async_16(uint4* smem_dst, const void* gmem_src, bool fill) {
+// `fill` false writes 16 zero bytes and reads nothing. `policy` is an L2 cache
+// policy (read_once_policy) or 0 for none. Without __CUDA_ARCH__ (the CPU
+// emulation of tests/cuda_emu) the copy happens at the wait (emu.h), so a
+// read before its wait sees stale data there too.
+__device__ __forceinline__ void copy_async_16(uint4* smem_dst, const void* gmem_src, bool fill,
+                                              unsigned long long policy) {
 #ifdef __CUDA_ARCH__
     const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src), "r"(fill ? 16 : 0)
+    const unsigned long long src = static_cast<unsigned long long>(__cvta_generic_to_global(gmem_src));
+#if CONSTRUCT_STREAM_LOADS
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
+                 "r"(fill ? 16 : 0), "l"(policy)
                  : "memory");
 #else
-    *smem_dst = fill ? *reinterpret_cast<const uint4*>(gmem_src) : make_uint4(0u, 0u, 0u, 0u);
+    (void)policy;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(fill ? 16 : 0)
+                 : "memory");
 #endif
+#else
+    (void)policy;
+    emu::copy_async_16(smem_dst, gmem_src, fill);
+#endif
+}
+
+// Evict-first L2 policy for the input, which is read once (as ld.global.cs does
+// in the register path): the slots it produces are what should stay in L2.
+__device__ __forceinline__ unsigned long long read_once_policy() {
+    unsigned long long p = 0;
+#if defined(__CUDA_ARCH__) && CONSTRUCT_STREAM_LOADS
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
+#endif
+    return p;
 }
 
 __device__ __forceinline__ void copy_async_commit() {
 #ifdef __CUDA_ARCH__
     asm volatile("cp.async.commit_group;\n" ::: "memory");
+#else
+    emu::copy_async_commit();
 #endif
 }
 
@@ -177,6 +201,8 @@ template <int PENDING>
 __device__ __forceinline__ void copy_async_wait() {
 #ifdef __CUDA_ARCH__
     asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+#else
+    emu::copy_async_wait(PENDING);
 #endif
 }
 
@@ -279,24 +305,28 @@ twellpy_dense_to_twell(const T* __restrict__ x, T* __restrict__ values, int* __r
         constexpr int DEPTH = CONSTRUCT_ASYNC_DEPTH;
         __shared__ uint4 ring[CONSTRUCT_WARPS * DEPTH * 32];
         uint4* const mine = ring + (threadIdx.x >> 5) * DEPTH * 32 + lane;
+        const unsigned long long policy = read_once_policy();
         const int n = c_end - c_begin;
         ChunkPos p_copy = {t_begin, 0};  // position of the next chunk to copy
-        int i_copy = 0;
+        int i_copy = 0, slot_copy = 0;   // its index in the span and its slot (i_copy % DEPTH)
         auto copy_next = [&]() {
             const int in_tile = p_copy.part * chunk + lane * VEC;
             const int col = p_copy.t * tile + in_tile;
             const bool fill = i_copy < n && in_tile < tile && col < N;
-            copy_async_16(mine + (i_copy % DEPTH) * 32, fill ? xrow + col : xrow, fill);
+            copy_async_16(mine + slot_copy * 32, fill ? xrow + col : xrow, fill, policy);
             copy_async_commit();  // one group per chunk, empty ones too, so the counts below hold
             next_chunk(p_copy, chunks_per_tile);
             ++i_copy;
+            slot_copy = slot_copy == DEPTH - 1 ? 0 : slot_copy + 1;
         };
         for (int i = 0; i < DEPTH - 1; ++i) copy_next();
         ChunkPos p = {t_begin, 0};
+        int slot_read = 0;  // i % DEPTH
         for (int i = 0; i < n; ++i) {
             copy_async_wait<DEPTH - 2>();  // groups 0..i are complete
-            const uint4 raw = mine[(i % DEPTH) * 32];
-            copy_next();                   // chunk i + DEPTH - 1
+            const uint4 raw = mine[slot_read * 32];
+            slot_read = slot_read == DEPTH - 1 ? 0 : slot_read + 1;
+            copy_next();                   // chunk i + DEPTH - 1, into the slot chunk i - 1 was read from
             pack_chunk<T, VEC>(*reinterpret_cast<const vec_t<T, VEC>*>(&raw), p, st, values, indices, counts, row,
                                tile, slots, n_tiles, chunks_per_tile, lane);
             next_chunk(p, chunks_per_tile);

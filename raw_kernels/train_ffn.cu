@@ -999,43 +999,63 @@ twellpy_train_transpose_dense(const U* __restrict__ in, U* __restrict__ out, lon
 //   maps   (M + R,)  int32  out: [row_map (M,) | backup_rows (R,)]
 //                           row_map[r] = k when row r is the k-th row with
 //                           counts[r] > W (rows in order), -1 otherwise;
-//                           backup_rows[k] = that row, for k < R (R = rows with
-//                           counts > W, known to the caller; larger k are not written)
-// One block of TW_MAP_THREADS threads walks the rows in rounds of blockDim.x:
-// a ballot per warp, a scan of the warp totals, and a carry between rounds,
-// so positions come from prefix counts (deterministic, rows ascending).
+//                           backup_rows[k] = that row. R = rows with counts > W,
+//                           known to the caller from the same counts; a k >= R
+//                           (a caller breaking that) is mapped to -1, never
+//                           written past the buffer.
+// One block of TW_MAP_THREADS threads; each round covers TW_MAP_ROWS
+// consecutive rows per thread: per-thread flags, a warp scan, a scan of the
+// warp totals and a carry between rounds, so positions come from prefix
+// counts (deterministic, rows ascending) and M = 16384 takes two rounds.
 #ifndef TW_MAP_THREADS
 #define TW_MAP_THREADS 1024
 #endif
+#ifndef TW_MAP_ROWS
+#define TW_MAP_ROWS 8
+#endif
+static_assert(TW_MAP_THREADS % 32 == 0 && TW_MAP_THREADS >= 32 && TW_MAP_THREADS <= 1024,
+              "TW_MAP_THREADS must be a multiple of 32 in [32, 1024]");
+static_assert(TW_MAP_ROWS >= 1 && TW_MAP_ROWS <= 32, "TW_MAP_ROWS must be in [1, 32]");
 __global__ void __launch_bounds__(TW_MAP_THREADS)
 twellpy_train_row_maps(const int* __restrict__ counts, int* __restrict__ maps, long long M, int W,
                        long long R) {
     __shared__ int warp_below[32];  // backup rows of lower warps in this round
     __shared__ int round_total;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int n_warps = (blockDim.x + 31) >> 5;
+    const int n_warps = blockDim.x >> 5;
     long long carry = 0;  // backup rows of earlier rounds (the same in every thread)
-    for (long long base = 0; base < M; base += blockDim.x) {
-        const long long r = base + threadIdx.x;
-        const bool wide = r < M && counts[r] > W;
-        const unsigned m = __ballot_sync(FULL_MASK, wide);
-        if (lane == 0) warp_below[warp] = __popc(m);
+    for (long long base = 0; base < M; base += (long long)blockDim.x * TW_MAP_ROWS) {
+        const long long r0 = base + (long long)threadIdx.x * TW_MAP_ROWS;
+        unsigned wide = 0u;  // bit q: row r0 + q has more than W non-zeros
+#pragma unroll
+        for (int q = 0; q < TW_MAP_ROWS; ++q) {
+            const long long r = r0 + q;
+            if (r < M && counts[r] > W) wide |= 1u << q;
+        }
+        const int mine = __popc(wide);
+        const int incl = warp_inclusive_sum(mine, lane);
+        if (lane == 31) warp_below[warp] = incl;
         __syncthreads();
         if (warp == 0) {
             const int v = lane < n_warps ? warp_below[lane] : 0;
-            const int incl = warp_inclusive_sum(v, lane);
+            const int v_incl = warp_inclusive_sum(v, lane);
             __syncwarp();
-            if (lane < n_warps) warp_below[lane] = incl - v;
-            if (lane == 31) round_total = incl;
+            if (lane < n_warps) warp_below[lane] = v_incl - v;
+            if (lane == 31) round_total = v_incl;
         }
         __syncthreads();
-        if (r < M) {
-            if (wide) {
-                const long long k = carry + warp_below[warp] + __popc(m & lanes_below(lane));
-                maps[r] = (int)k;
-                if (k < R) maps[M + k] = (int)r;
-            } else {
-                maps[r] = -1;
+        long long k = carry + warp_below[warp] + (incl - mine);
+#pragma unroll
+        for (int q = 0; q < TW_MAP_ROWS; ++q) {
+            const long long r = r0 + q;
+            if (r < M) {
+                if ((wide >> q) & 1u) {
+                    maps[r] = k < R ? (int)k : -1;
+                    if (k < R) maps[M + k] = (int)r;
+                    ++k;
+                } else {
+                    maps[r] = -1;
+                }
             }
         }
         carry += round_total;

@@ -325,7 +325,8 @@ void row_maps(const int* counts, int* maps, long long M, int W, long long R, int
 """
 
 
-@pytest.fixture(scope="module", params=[{}, {"TW_WARPS": 2, "TW_PACK_UNROLL": 3}], ids=["default", "2warps-unroll3"])
+@pytest.fixture(scope="module", params=[{}, {"TW_WARPS": 2, "TW_PACK_UNROLL": 3, "TW_MAP_ROWS": 3}],
+                ids=["default", "2warps-unroll3-maprows3"])
 def train_lib(request, tmp_path_factory):
     return _build(tmp_path_factory, "train_ffn.cu", _TRAIN_HARNESS, request.param)
 
@@ -926,7 +927,8 @@ def test_dense_to_twell_flags_nonfinite_in_every_variant(construct_lib, bad):
 
 @pytest.mark.parametrize("threads", [32, 96])
 @pytest.mark.parametrize("M,W,kind", [(1, 3, "random"), (95, 30, "random"), (96, 30, "random"), (97, 30, "random"),
-                                      (500, 30, "random"), (300, 1000, "none wide"), (200, 0, "all wide")])
+                                      (500, 30, "random"), (2000, 30, "random"), (300, 1000, "none wide"),
+                                      (200, 0, "all wide")])
 def test_row_maps_kernel_matches_numpy_twin(train_lib, threads, M, W, kind):
     """Rounds of blockDim rows with a carry: counts straddling rounds, a
     partial last round, no wide row and every row wide."""

@@ -385,7 +385,7 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
     # one launch, no host work or upload while the device waits)
     maps = be.row_maps(token_counts, W, R)
     row_map, backup_rows = maps[:M], maps[M:]
-    _mark("width + row maps (host)", xp)
+    _mark("width + row maps", xp)
     if one_chunk:
         gvals, idx, ell_nnz, neuron_counts = be.relu_to_hybrid(z, row_map, W, R)
         del z

@@ -14,6 +14,7 @@
 //   * static __shared__ arrays become function statics (one block at a time),
 //     extern __shared__ the block's dynamic buffer, poisoned with 0xCD bytes;
 //   * a thread that returns early leaves its barriers (arrive_and_drop).
+//   * cp.async copies happen at the wait_group that completes their group;
 // What it does not: -ftz (denormals), memory-model subtleties, timing.
 // The test turns `__shared__` into `static` and `extern __shared__ T x[];`
 // into a pointer to the dynamic buffer before compiling (see the test).
@@ -96,6 +97,31 @@ void launch(F kernel, dim3 grid, dim3 block, size_t smem, Args... args) {
                     });
                 for (auto& th : threads) th.join();
             }
+}
+
+// cp.async (construct.cu's ring): copies are queued per thread and performed
+// when a wait_group leaves their group behind, so a kernel that reads a slot
+// before waiting for it reads stale data here (an earlier chunk), as it may on the GPU.
+struct AsyncCopy {
+    void* dst;
+    const void* src;
+    bool fill;  // false: 16 zero bytes
+};
+inline thread_local std::vector<std::vector<AsyncCopy>> async_groups;  // committed, oldest first
+inline thread_local std::vector<AsyncCopy> async_open;                 // issued since the last commit
+inline void copy_async_16(void* dst, const void* src, bool fill) { async_open.push_back({dst, src, fill}); }
+inline void copy_async_commit() {
+    async_groups.push_back(std::move(async_open));
+    async_open.clear();
+}
+inline void copy_async_wait(int pending) {
+    while ((int)async_groups.size() > pending) {
+        for (const AsyncCopy& c : async_groups.front()) {
+            if (c.fill) std::memcpy(c.dst, c.src, 16);
+            else std::memset(c.dst, 0, 16);
+        }
+        async_groups.erase(async_groups.begin());
+    }
 }
 }  // namespace emu
 
