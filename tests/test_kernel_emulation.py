@@ -980,3 +980,42 @@ def test_relu_to_hybrid_matches_numpy_twin(train_lib, dtype, M, H, W):
     for got, w, name in zip((vals, ell_idx, ell_nnz, neuron_counts), want, ("vals", "ell_idx", "ell_nnz", "neuron_counts")):
         np.testing.assert_array_equal(_bits(got) if got.dtype.kind == "f" or got.dtype == bfloat16 else got,
                                       _bits(w) if w.dtype.kind == "f" or w.dtype == bfloat16 else w, err_msg=name)
+
+
+# ---------------------------------------------------------------------------
+# the emulation itself: a full-mask warp operation after a lane has returned
+# (undefined on a GPU) must stop the run, not pass quietly
+# ---------------------------------------------------------------------------
+_DIVERGENT_HARNESS = r"""
+#include "emu.h"
+#include "kernel_source.cuh"
+
+__global__ void lanes_leave_then_shuffle(int* out) {
+    if (threadIdx.x % 32 >= 16) return;              // half of each warp leaves
+    for (int i = 0; i < 1000000 && emu::warp().gone.load() < 16; ++i) std::this_thread::yield();
+    out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, (int)threadIdx.x, 1);
+}
+__global__ void all_lanes_shuffle(int* out) {
+    out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, (int)threadIdx.x, 1);
+}
+extern "C" {
+void divergent(int* out) { emu::launch(lanes_leave_then_shuffle, dim3(1), dim3(32), 0, out); }
+void converged(int* out) { emu::launch(all_lanes_shuffle, dim3(1), dim3(32), 0, out); }
+}
+"""
+
+
+@pytest.mark.parametrize("entry,ok", [("converged", True), ("divergent", False)])
+def test_emulation_stops_a_full_mask_shuffle_after_lanes_returned(tmp_path_factory, entry, ok):
+    import sys
+
+    lib = _build(tmp_path_factory, "check.cu", _DIVERGENT_HARNESS, {})
+    code = ("import ctypes, numpy as np, sys; lib = ctypes.CDLL(sys.argv[1]); out = np.zeros(32, np.int32); "
+            f"lib.{entry}(ctypes.c_void_p(out.ctypes.data)); "
+            "assert (out == (np.arange(32) ^ 1)).all(), out")
+    r = subprocess.run([sys.executable, "-c", code, lib._name], capture_output=True, text=True, timeout=120)
+    if ok:
+        assert r.returncode == 0, r.stderr[-2000:]
+    else:
+        assert r.returncode != 0
+        assert "__shfl_xor_sync with a full mask" in r.stderr and "a lane has returned" in r.stderr, r.stderr[-2000:]

@@ -15,6 +15,8 @@
 //     extern __shared__ the block's dynamic buffer, poisoned with 0xCD bytes;
 //   * a thread that returns early leaves its barriers (arrive_and_drop).
 //   * cp.async copies happen at the wait_group that completes their group;
+//   * a full-mask warp operation that a returned lane (or a block ending
+//     mid-warp) cannot join stops the test with a message (undefined on a GPU);
 // What it does not: -ftz (denormals), memory-model subtleties, timing.
 // The test turns `__shared__` into `static` and `extern __shared__ T x[];`
 // into a pointer to the dynamic buffer before compiling (see the test).
@@ -24,6 +26,7 @@
 #include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <thread>
@@ -41,7 +44,9 @@ namespace emu {
 struct Warp {
     std::barrier<> bar;
     uint64_t slot[32];
-    explicit Warp(int lanes) : bar(lanes) {}
+    int lanes;                  // threads of the block in this warp (32 unless the block ends mid-warp)
+    std::atomic<int> gone{0};   // lanes that have returned from the kernel
+    explicit Warp(int n) : bar(n), lanes(n) {}
 };
 struct Block {
     std::barrier<> bar;
@@ -57,6 +62,21 @@ inline thread_local int linear = 0;   // x + y * blockDim.x + ...: warps are run
 inline dim3 bdim, gdim;
 inline int lane() { return linear & 31; }
 inline Warp& warp() { return *cur->warps[linear >> 5]; }
+// A full-mask warp operation needs all 32 lanes: one that a lane has left by
+// returning (or that a block ending mid-warp cannot fill) is undefined on the
+// GPU, where it may hang or read garbage. The emulation's barriers would let it
+// through, so it stops here with a message (detected when the lane has already
+// returned by the time another arrives, which is how such a bug usually runs).
+inline void require_full_warp(unsigned mask, const char* op) {
+    Warp& w = warp();
+    if (mask != 0xffffffffu) return;
+    const int gone = w.gone.load(std::memory_order_acquire);
+    if (w.lanes < 32 || gone > 0) {
+        std::fprintf(stderr, "emu: %s with a full mask in block (%u, %u, %u), warp %d: %s\n", op, bidx.x, bidx.y,
+                     bidx.z, linear >> 5, w.lanes < 32 ? "the block ends inside this warp" : "a lane has returned");
+        std::abort();
+    }
+}
 inline void* dynamic_smem() {   // 16-byte aligned start
     auto p = reinterpret_cast<uintptr_t>(cur->dyn.data());
     return reinterpret_cast<void*>((p + 15) & ~uintptr_t(15));
@@ -92,6 +112,7 @@ void launch(F kernel, dim3 grid, dim3 block, size_t smem, Args... args) {
                         tidx = dim3((unsigned)t % block.x, ((unsigned)t / block.x) % block.y,
                                     (unsigned)t / (block.x * block.y));
                         kernel(args...);
+                        warp().gone.fetch_add(1, std::memory_order_release);
                         warp().bar.arrive_and_drop();   // done: later barriers need not wait for it
                         blk.bar.arrive_and_drop();
                     });
@@ -136,17 +157,26 @@ inline void copy_async_wait(int pending) {
 #define __launch_bounds__(...)
 
 inline void __syncthreads() { emu::cur->bar.arrive_and_wait(); }
-inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp().bar.arrive_and_wait(); }
-template <typename T> inline T __shfl_sync(unsigned, T v, int src, int = 32) { return emu::exchange(v, src); }
-template <typename T> inline T __shfl_xor_sync(unsigned, T v, int m, int = 32) {
+inline void __syncwarp(unsigned mask = 0xffffffffu) {
+    emu::require_full_warp(mask, "__syncwarp");
+    emu::warp().bar.arrive_and_wait();
+}
+template <typename T> inline T __shfl_sync(unsigned mask, T v, int src, int = 32) {
+    emu::require_full_warp(mask, "__shfl_sync");
+    return emu::exchange(v, src);
+}
+template <typename T> inline T __shfl_xor_sync(unsigned mask, T v, int m, int = 32) {
+    emu::require_full_warp(mask, "__shfl_xor_sync");
     return emu::exchange(v, emu::lane() ^ m);
 }
-template <typename T> inline T __shfl_up_sync(unsigned, T v, unsigned d, int = 32) {
+template <typename T> inline T __shfl_up_sync(unsigned mask, T v, unsigned d, int = 32) {
+    emu::require_full_warp(mask, "__shfl_up_sync");
     const int src = emu::lane() - (int)d;
     const T got = emu::exchange(v, src < 0 ? emu::lane() : src);
     return src < 0 ? v : got;
 }
-inline unsigned __ballot_sync(unsigned, int pred) {
+inline unsigned __ballot_sync(unsigned mask, int pred) {
+    emu::require_full_warp(mask, "__ballot_sync");
     emu::Warp& w = emu::warp();
     w.slot[emu::lane()] = pred ? 1u : 0u;
     w.bar.arrive_and_wait();
@@ -159,7 +189,8 @@ inline unsigned __ballot_sync(unsigned, int pred) {
 inline int __any_sync(unsigned mask, int pred) { return __ballot_sync(mask, pred) != 0u; }
 inline int __all_sync(unsigned mask, int pred) { return __ballot_sync(mask, pred) == 0xffffffffu; }
 // lanes holding the same value (every lane of the warp takes part)
-template <typename T> inline unsigned __match_any_sync(unsigned, T v) {
+template <typename T> inline unsigned __match_any_sync(unsigned mask, T v) {
+    emu::require_full_warp(mask, "__match_any_sync");
     emu::Warp& w = emu::warp();
     w.slot[emu::lane()] = emu::to_bits(v);
     w.bar.arrive_and_wait();
