@@ -655,6 +655,110 @@ class SparseArray:
             d[k] = d[k].copy()
         return type(self)._init_from_components(d, check=False, check_finite=False)
 
+    # -- row selection -----------------------------------------------------------
+    _BACKUP_NAMES = ("backup", "backup_rows", "row_map")
+
+    def __getitem__(self, key):
+        """Whole rows of the container, as a container of the same format.
+
+        Parameters
+        ----------
+        key : int, slice, integer array or boolean mask
+            Rows to select (numpy, cupy or a list; ``A[rows, :]`` is accepted
+            too). Integer arrays may repeat rows and give them in any order;
+            negative indices count from the end; a mask has one entry per row.
+
+        Returns
+        -------
+        container
+            Shape ``(number of selected rows, N)``, same format and parameters,
+            the selected rows bit for bit in the order given. Rows kept as
+            dense backup rows stay backup rows. An integer selects one row and
+            keeps two dimensions (shape ``(1, N)``), as ``scipy.sparse``
+            matrices do.
+
+        Raises
+        ------
+        TypeError
+            A column selection (``A[:, j]``), a boolean scalar, or indices that
+            are neither integers nor booleans.
+        IndexError
+            A row index out of range, a mask of the wrong length, or an index
+            array that is not one-dimensional.
+        """
+        return self._take_rows(self._row_selection(key))
+
+    def _row_selection(self, key):
+        """``key`` as an int64 array of row ids in [0, M) on the container's device."""
+        xp = self.xp
+        m = self.shape[0]
+        name = type(self).__name__
+        if isinstance(key, tuple):
+            if len(key) == 2 and isinstance(key[1], slice) and key[1] == slice(None):
+                key = key[0]
+            else:
+                raise TypeError(f"{name} indexing selects whole rows only (A[rows] or A[rows, :]), got the "
+                                f"index {key!r}; for columns use A.to_scipy() or A.toarray()")
+        if key is None or key is Ellipsis or isinstance(key, (bool, np.bool_)):
+            raise TypeError(f"{name} row index must be an int, a slice, an integer array or a boolean mask, "
+                            f"got {key!r}")
+        if isinstance(key, numbers.Integral):
+            i = int(key)
+            if not -m <= i < m:
+                raise IndexError(f"row index {i} is out of range for a {name} with {m} rows")
+            return xp.asarray([i % m], dtype=np.int64)
+        if isinstance(key, slice):
+            return xp.arange(*key.indices(m), dtype=np.int64)
+        if isinstance(key, (list, tuple)):
+            key = np.asarray(key)
+        if xp is np:
+            if not isinstance(key, np.ndarray):
+                key = key.get() if hasattr(key, "get") else np.asarray(key)  # e.g. a cupy index array
+        else:
+            key = xp.asarray(key)
+        if key.dtype != np.bool_ and key.dtype.kind not in "iu" and key.size:
+            raise TypeError(f"{name} row indices must be integers or booleans, got dtype {key.dtype}")
+        if key.ndim == 0 and key.dtype != np.bool_:
+            return self._row_selection(int(key))  # a 0-d integer array is one row id
+        if key.ndim != 1:
+            raise IndexError(f"{name} row indices must be one-dimensional, got shape {tuple(key.shape)}")
+        if key.dtype == np.bool_:
+            if key.shape[0] != m:
+                raise IndexError(f"boolean row mask has {key.shape[0]} entries, expected one per row ({m})")
+            return xp.nonzero(key)[0].astype(np.int64)
+        if key.size == 0:
+            return xp.zeros(0, dtype=np.int64)
+        lo, hi = int(key.min()), int(key.max())
+        if lo < -m or hi >= m:
+            bad = lo if lo < -m else hi
+            raise IndexError(f"row index {bad} is out of range for a {name} with {m} rows")
+        key = key.astype(np.int64)
+        return xp.where(key < 0, key + m, key)
+
+    def _take_rows(self, rows):
+        xp = self.xp
+        d = self.components()
+        d["shape"] = (int(rows.shape[0]), self.shape[1])
+
+        def take(a, idx):  # moves bits, so every value (NaN payloads, -0.0) is kept exactly
+            if a.dtype.kind in "iu":
+                return xp.ascontiguousarray(a[idx])
+            return xp.ascontiguousarray(_bits(a)[idx]).view(a.dtype)
+
+        for k in self._array_names:
+            if k not in self._BACKUP_NAMES:
+                d[k] = take(d[k], rows)
+        if "backup" in d:
+            if self.n_backup:
+                pos = self.row_map[rows]                      # backup position of each selected row, or -1
+                picked = xp.nonzero(pos >= 0)[0]              # ascending positions in the selection
+                d["backup"] = take(self.backup, pos[picked])
+                d["backup_rows"] = picked.astype(INDEX_DTYPE)
+            else:
+                d["backup"] = d["backup_rows"] = None
+            d["row_map"] = None                               # rebuilt from backup_rows
+        return type(self)._init_from_components(d, check=False, check_finite=False)
+
     def _map(self, fn):
         b = None if self.backup is None else fn(self.backup)
         return self._with_data(fn(self.values), b)
