@@ -655,6 +655,78 @@ class SparseArray:
             d[k] = d[k].copy()
         return type(self)._init_from_components(d, check=False, check_finite=False)
 
+    # -- reductions ----------------------------------------------------------------
+    def _reduction_axis(self, axis):
+        if axis is None:
+            return None
+        if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, numbers.Integral):
+            raise TypeError(f"axis must be None, 0 or 1, got {axis!r}")
+        if int(axis) not in (-2, -1, 0, 1):
+            raise ValueError(f"axis {int(axis)} is out of range for a 2-D {type(self).__name__}; "
+                             f"expected None, 0 (per column) or 1 (per row)")
+        return int(axis) % 2
+
+    def sum(self, axis=None):
+        """Sum of the values.
+
+        Parameters
+        ----------
+        axis : None, 0 or 1
+            ``None``: one number; ``1``: per row, shape (M,); ``0``: per
+            column, shape (N,). ``-1`` and ``-2`` are accepted.
+
+        Returns
+        -------
+        float or array
+            Accumulated and returned in float32 (float64 for float64 data), as
+            the products are; arrays belong to the container's array module.
+            NaN and Inf propagate as in numpy. The result has the same bits on
+            every run (per-column sums go through the deterministic product
+            ``ones @ A``).
+        """
+        axis = self._reduction_axis(axis)
+        xp = self.xp
+        acc = np.dtype(np.float64) if self.dtype == np.float64 else np.dtype(np.float32)
+        A = self if self.dtype == acc else self.astype(acc)
+        if axis == 0:
+            return (xp.ones((1, self.shape[0]), acc) @ A)[0]
+        vals, _ = A._slots()
+        rows = vals.sum(axis=1, dtype=acc)  # padding slots hold 0
+        if A.n_backup:
+            rows[A.backup_rows] = A.backup.sum(axis=1, dtype=acc)  # their slots are empty
+        return rows if axis == 1 else float(rows.sum(dtype=np.float64))
+
+    def count_nonzero(self, axis=None):
+        """Non-zero values (NaN counts, zeros stored explicitly do not).
+
+        Parameters
+        ----------
+        axis : None, 0 or 1
+            ``None``: one int; ``1``: per row (M,) int64, the active neurons per
+            token of an activation; ``0``: per column (N,) int64, how often each
+            neuron fires.
+
+        Returns
+        -------
+        int or int64 array of the container's array module
+            Unlike :attr:`nnz`, which counts stored entries, an entry whose
+            value is zero (e.g. after ``A * 0``) is not counted, as in
+            ``scipy.sparse``.
+        """
+        axis = self._reduction_axis(axis)
+        xp = self.xp
+        vals, idx = self._slots()
+        live = nonzero_mask(vals) & (idx >= 0)
+        if axis == 0:
+            out = xp.bincount(idx[live].astype(np.int64), minlength=self.shape[1]).astype(np.int64)
+            if self.n_backup:
+                out = out + nonzero_mask(self.backup).sum(axis=0, dtype=np.int64)
+            return out
+        rows = live.sum(axis=1, dtype=np.int64)
+        if self.n_backup:
+            rows[self.backup_rows] = nonzero_mask(self.backup).sum(axis=1, dtype=np.int64)
+        return rows if axis == 1 else int(rows.sum())
+
     # -- row selection -----------------------------------------------------------
     _BACKUP_NAMES = ("backup", "backup_rows", "row_map")
 

@@ -1,0 +1,93 @@
+"""``A.sum(axis)`` and ``A.count_nonzero(axis)`` of every format against float64
+numpy, on both backends: backup rows, NaN/Inf, explicit zeros, empty shapes,
+determinism and bad axes."""
+import numpy as np
+import pytest
+
+import twellpy as tw
+from _containers import FORMATS, bits_equal, host
+from conftest import DTYPES
+from makers import MAKERS, SMALL_MAKERS
+
+FORMATS_AND_BACKUP = dict(FORMATS, twell_backup=(tw.TwELL, {"tile": 64, "slots": 4, "overflow": "backup"}))
+
+
+def _build(xp, x, fmt):
+    cls, params = FORMATS_AND_BACKUP[fmt]
+    return cls.from_dense(xp.asarray(x), **params)
+
+
+def _close(got, x64, axis, acc):
+    """A float32 (float64) running sum is within n * eps of the exact sum, relative
+    to the sum of |x| along the axis (the usual summation error bound)."""
+    got = np.asarray(host(got), np.float64)
+    want = x64.sum() if axis is None else x64.sum(axis=axis)
+    bound = np.abs(x64).sum() if axis is None else np.abs(x64).sum(axis=axis)
+    n = x64.size if axis is None else x64.shape[axis]
+    eps = np.finfo(acc).eps
+    return bool(np.all(np.abs(got - want) <= 2 * max(n, 1) * eps * bound + 1e-300))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fmt", FORMATS_AND_BACKUP)
+@pytest.mark.parametrize("maker", SMALL_MAKERS)
+def test_sum_and_count_match_numpy(backend, xp, maker, fmt, dtype):
+    x = MAKERS[maker](np.random.default_rng(13)).astype(dtype)
+    A = _build(xp, x, fmt)
+    x64 = x.astype(np.float64)
+    acc = np.float64 if np.dtype(dtype) == np.float64 else np.float32
+    s0, s1 = A.sum(axis=0), A.sum(axis=1)
+    assert s0.shape == (x.shape[1],) and s1.shape == (x.shape[0],)
+    assert s0.dtype == acc and s1.dtype == acc and type(s0) is type(xp.zeros(0))
+    assert _close(s0, x64, 0, acc) and _close(s1, x64, 1, acc)
+    assert _close(A.sum(), x64, None, acc) and isinstance(A.sum(), float)
+    assert np.array_equal(host(A.sum(axis=-1)), host(s1)) and np.array_equal(host(A.sum(axis=-2)), host(s0))
+    assert A.count_nonzero() == np.count_nonzero(x64)
+    assert np.array_equal(host(A.count_nonzero(axis=1)), np.count_nonzero(x64, axis=1))
+    assert np.array_equal(host(A.count_nonzero(axis=0)), np.count_nonzero(x64, axis=0))
+    assert host(A.count_nonzero(axis=0)).dtype == np.int64
+
+
+def test_sums_are_the_same_bits_every_run(backend, xp):
+    rng = np.random.default_rng(3)
+    x = np.where(rng.random((300, 2000)) < 0.02, rng.standard_normal((300, 2000)), 0).astype(np.float32)
+    x[7] = rng.standard_normal(2000)                       # a backup row
+    A = _build(xp, x, "twell_backup")
+    for axis in (0, 1):
+        assert bits_equal(A.sum(axis=axis), A.sum(axis=axis))
+    assert A.sum() == A.sum()
+
+
+def test_nan_and_inf_propagate_and_explicit_zeros_are_not_counted(backend, xp):
+    x = np.zeros((4, 300), np.float32)
+    x[0, 3], x[1, 4], x[1, 5], x[2, 6] = np.nan, np.inf, 1.0, -2.0
+    A = tw.ELL.from_dense(xp.asarray(x), check_finite=False)
+    s1 = host(A.sum(axis=1))
+    assert np.isnan(s1[0]) and s1[1] == np.inf and s1[2] == -2.0 and s1[3] == 0.0
+    assert host(A.count_nonzero(axis=1)).tolist() == [1, 2, 1, 0]
+    with np.errstate(invalid="ignore"):
+        Z = A * 0.0                                        # stored entries, zero values
+    assert Z.nnz == A.nnz and Z.count_nonzero() == 2       # NaN * 0 and Inf * 0 are NaN
+    assert host(Z.count_nonzero(axis=0))[[3, 4, 5, 6]].tolist() == [1, 1, 0, 0]
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (0, 0)])
+def test_empty_shapes(backend, xp, shape):
+    A = tw.Hybrid.from_dense(xp.zeros(shape, np.float32))
+    assert A.sum() == 0.0 and A.count_nonzero() == 0
+    assert host(A.sum(axis=0)).shape == (shape[1],) and host(A.sum(axis=1)).shape == (shape[0],)
+    assert host(A.count_nonzero(axis=0)).tolist() == [0] * shape[1]
+
+
+@pytest.mark.parametrize("axis,exc,msg", [
+    (2, ValueError, "axis 2 is out of range for a 2-D ELL; expected None, 0 \\(per column\\) or 1 \\(per row\\)"),
+    (-3, ValueError, "axis -3 is out of range"),
+    (1.0, TypeError, "axis must be None, 0 or 1, got 1.0"),
+    (True, TypeError, "axis must be None, 0 or 1, got True"),
+    ((0, 1), TypeError, "axis must be None, 0 or 1"),
+])
+def test_bad_axis(backend, xp, axis, exc, msg):
+    A = tw.ELL.from_dense(xp.asarray(np.eye(3, 5, dtype=np.float32)))
+    for fn in (A.sum, A.count_nonzero):
+        with pytest.raises(exc, match=msg):
+            fn(axis=axis)
