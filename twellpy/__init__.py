@@ -1,7 +1,8 @@
 """twellpy: activation-sparse computation with TwELL, ELL and Hybrid formats.
 
 The containers :class:`ELL`, :class:`TwELL` and :class:`Hybrid`, the
-:class:`TileOverflowError` and :func:`save`/:func:`load` are imported eagerly.
+:class:`TileOverflowError`, :func:`vstack` and :func:`save`/:func:`load` are
+imported eagerly.
 The optional areas ``twellpy.ops``, ``twellpy.ffn``, ``twellpy.stats``,
 ``twellpy.plot`` and ``twellpy.dask`` are imported on first attribute access,
 so a missing optional dependency never breaks ``import twellpy``.
@@ -15,12 +16,13 @@ __version__ = "0.1.0"
 from ._base import SparseArray, TileOverflowError
 from .ell import ELL
 from .hybrid import Hybrid
+from ._stack import vstack
 from .io import load, save
 from .twell import TwELL
 
 _LAZY = ("ops", "ffn", "stats", "plot", "dask")
 
-__all__ = ["ELL", "TwELL", "Hybrid", "SparseArray", "TileOverflowError", "save", "load",
+__all__ = ["ELL", "TwELL", "Hybrid", "SparseArray", "TileOverflowError", "vstack", "save", "load",
            "__version__", *_LAZY]
 
 

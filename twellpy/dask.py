@@ -261,32 +261,11 @@ def _array_meta(x, dtype):
 # ----------------------------------------------------------------------------
 # row-wise concatenation of containers (registered with dask)
 # ----------------------------------------------------------------------------
-def _pad_last(xp, arr, width, fill):
-    """Pad the last axis of ``arr`` to ``width`` with ``fill``."""
-    extra = width - arr.shape[-1]
-    if extra == 0:
-        return arr
-    pad = xp.full(arr.shape[:-1] + (extra,), fill, dtype=arr.dtype)
-    return xp.concatenate([arr, pad], axis=-1)
-
-
-def _stack_backup(xp, parts, n_cols, dtype):
-    """Concatenate the dense backup rows of row chunks, offsetting their row ids."""
-    backups, rows = [], []
-    offset = 0
-    for p in parts:
-        backups.append(p.backup)
-        rows.append(p.backup_rows.astype(np.int64) + offset)
-        offset += p.shape[0]
-    if offset > np.iinfo(np.int32).max:
-        raise ValueError(f"concatenated container would have {offset} rows, more than int32 allows")
-    backup = xp.concatenate(backups, axis=0) if backups else xp.zeros((0, n_cols), dtype)
-    backup_rows = xp.concatenate(rows).astype(np.int32) if rows else xp.zeros((0,), np.int32)
-    return backup, backup_rows
-
-
 def concatenate(parts, axis=0):
     """Concatenate twellpy containers along rows, keeping every stored entry.
+
+    Dask's concatenation of container chunks: :func:`twellpy.vstack`, except
+    that a single part is returned unchanged for any axis (Dask asks for that).
 
     Parameters
     ----------
@@ -294,16 +273,15 @@ def concatenate(parts, axis=0):
         Containers of one format, one dtype, one device and one column count
         (and, for TwELL, one tile size).
     axis : int
-        Must be 0 (or -2): containers are row chunks. A single part is
-        returned unchanged for any axis (Dask asks for that).
+        Must be 0 (or -2): containers are row chunks.
 
     Returns
     -------
     TwELL, ELL or Hybrid
-        The rows of all parts, in order. Slot widths that differ between parts
-        (ELL/Hybrid width W, TwELL slots S) are padded to the widest part with
-        value 0 and index -1; rows kept in dense backup stay in backup.
+        The rows of all parts, in order (see :func:`twellpy.vstack`).
     """
+    from ._stack import vstack
+
     parts = list(parts)
     if not parts:
         raise ValueError("parts is empty; need at least one container to concatenate")
@@ -311,45 +289,7 @@ def concatenate(parts, axis=0):
         return parts[0]
     if axis not in (0, -2):
         raise ValueError(f"axis must be 0 (row chunks), got {axis!r}")
-    first = parts[0]
-    classes = _container_classes()
-    for i, p in enumerate(parts):
-        if not isinstance(p, classes):
-            raise TypeError(f"parts[{i}] is a {type(p).__name__}, expected a twellpy container")
-        if p.format != first.format:
-            raise TypeError(f"parts[{i}] has format {p.format!r}, expected {first.format!r}")
-        if p.dtype != first.dtype:
-            raise TypeError(f"parts[{i}] has dtype {p.dtype}, expected {first.dtype}")
-        if p.shape[1] != first.shape[1]:
-            raise ValueError(f"parts[{i}] has {p.shape[1]} columns, expected {first.shape[1]}")
-        if p.device != first.device:
-            raise ValueError(f"parts[{i}] is on {p.device}, expected {first.device}")
-    xp = first.xp
-    n_rows = sum(p.shape[0] for p in parts)
-    n_cols = first.shape[1]
-    shape = (n_rows, n_cols)
-    cls = type(first)
-    if first.format == "twell":
-        for i, p in enumerate(parts):
-            if p.tile != first.tile:
-                raise ValueError(f"parts[{i}] has tile {p.tile}, expected {first.tile}")
-        slots = max(p.values.shape[2] for p in parts)
-        values = xp.concatenate([_pad_last(xp, p.values, slots, 0) for p in parts], axis=0)
-        indices = xp.concatenate([_pad_last(xp, p.indices, slots, -1) for p in parts], axis=0)
-        counts = xp.concatenate([p.counts for p in parts], axis=0)
-        backup, backup_rows = _stack_backup(xp, parts, n_cols, first.dtype)
-        # check_finite=False: the parts were validated (or built with check_finite=False) already
-        return cls(values, indices, counts, shape=shape, tile=first.tile, backup=backup,
-                   backup_rows=backup_rows, check_finite=False)
-    width = max(p.values.shape[1] for p in parts)
-    values = xp.concatenate([_pad_last(xp, p.values, width, 0) for p in parts], axis=0)
-    indices = xp.concatenate([_pad_last(xp, p.indices, width, -1) for p in parts], axis=0)
-    row_nnz = xp.concatenate([p.row_nnz for p in parts], axis=0)
-    if first.format == "ell":
-        return cls(values, indices, row_nnz, shape=shape, check_finite=False)
-    backup, backup_rows = _stack_backup(xp, parts, n_cols, first.dtype)
-    return cls(values, indices, row_nnz, shape=shape, backup=backup, backup_rows=backup_rows,
-               width_strategy=first.width_strategy, check_finite=False)
+    return vstack(parts)
 
 
 def _product_dtype(a, b):

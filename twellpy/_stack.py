@@ -1,0 +1,114 @@
+"""Row-wise stacking of containers: :func:`twellpy.vstack`.
+
+TwELL, ELL and Hybrid are row formats, so stacking moves each part's row
+arrays and offsets the ids of its dense backup rows; nothing is rebuilt and
+every stored entry keeps its bits. ``twellpy.dask`` registers the same
+operation as Dask's concatenation of container chunks.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._base import SparseArray
+
+
+def _pad_last(xp, arr, width, fill):
+    """Pad the last axis of ``arr`` to ``width`` with ``fill``."""
+    extra = width - arr.shape[-1]
+    if extra == 0:
+        return arr
+    pad = xp.full(arr.shape[:-1] + (extra,), fill, dtype=arr.dtype)
+    return xp.concatenate([arr, pad], axis=-1)
+
+
+def _stack_backup(xp, parts, n_cols, dtype):
+    """Concatenate the dense backup rows of the parts, offsetting their row ids."""
+    backups, rows = [], []
+    offset = 0
+    for p in parts:
+        backups.append(p.backup)
+        rows.append(p.backup_rows.astype(np.int64) + offset)
+        offset += p.shape[0]
+    backup = xp.concatenate(backups, axis=0) if backups else xp.zeros((0, n_cols), dtype)
+    backup_rows = xp.concatenate(rows).astype(np.int32) if rows else xp.zeros((0,), np.int32)
+    return backup, backup_rows
+
+
+def _check_parts(parts):
+    parts = list(parts)
+    if not parts:
+        raise ValueError("parts is empty; need at least one container to stack")
+    first = parts[0]
+    for i, p in enumerate(parts):
+        if not isinstance(p, SparseArray):
+            raise TypeError(f"parts[{i}] is a {type(p).__name__}, expected a twellpy container "
+                            f"(TwELL, ELL or Hybrid)")
+        if p.format != first.format:
+            raise TypeError(f"parts[{i}] has format {p.format!r}, expected {first.format!r} (the format of "
+                            f"parts[0]); convert with parts[{i}].asformat({first.format!r})")
+        if p.dtype != first.dtype:
+            raise TypeError(f"parts[{i}] has dtype {p.dtype}, expected {first.dtype} (the dtype of parts[0]); "
+                            f"convert with .astype()")
+        if p.shape[1] != first.shape[1]:
+            raise ValueError(f"parts[{i}] has {p.shape[1]} columns, expected {first.shape[1]} (parts[0])")
+        if p.device != first.device:
+            raise ValueError(f"parts[{i}] is on {p.device}, expected {first.device} (parts[0]); "
+                             f"move it with .to_device()")
+        if first.format == "twell" and p.tile != first.tile:
+            raise ValueError(f"parts[{i}] has tile {p.tile}, expected {first.tile} (parts[0])")
+    n_rows = sum(p.shape[0] for p in parts)
+    if n_rows > np.iinfo(np.int32).max:
+        raise ValueError(f"the stacked container would have {n_rows} rows, more than int32 row ids allow")
+    return parts
+
+
+def vstack(parts):
+    """Stack containers of one format on top of each other (row-wise).
+
+    Parameters
+    ----------
+    parts : sequence of TwELL, ELL or Hybrid
+        Containers of one format, dtype, device and column count (and, for
+        TwELL, tile width).
+
+    Returns
+    -------
+    TwELL, ELL or Hybrid
+        A new container holding the rows of all parts in order, bit for bit.
+        Slot counts that differ between parts (TwELL ``slots``, ELL/Hybrid
+        width) are padded to the widest with value 0 and index -1; rows kept as
+        dense backup rows stay backup rows. A single part is copied.
+
+    Raises
+    ------
+    TypeError
+        A part that is not a container, or parts of different formats or dtypes.
+    ValueError
+        No parts, different column counts, devices or TwELL tiles, or more than
+        2**31 - 1 rows in all.
+    """
+    parts = _check_parts(parts)
+    if len(parts) == 1:
+        return parts[0].copy()
+    first = parts[0]
+    xp = first.xp
+    shape = (sum(p.shape[0] for p in parts), first.shape[1])
+    cls = type(first)
+    # check_finite=False: every part was validated (or built without the check) already
+    if first.format == "twell":
+        slots = max(p.values.shape[2] for p in parts)
+        values = xp.concatenate([_pad_last(xp, p.values, slots, 0) for p in parts], axis=0)
+        indices = xp.concatenate([_pad_last(xp, p.indices, slots, -1) for p in parts], axis=0)
+        counts = xp.concatenate([p.counts for p in parts], axis=0)
+        backup, backup_rows = _stack_backup(xp, parts, shape[1], first.dtype)
+        return cls(values, indices, counts, shape=shape, tile=first.tile, backup=backup,
+                   backup_rows=backup_rows, check_finite=False)
+    width = max(p.values.shape[1] for p in parts)
+    values = xp.concatenate([_pad_last(xp, p.values, width, 0) for p in parts], axis=0)
+    indices = xp.concatenate([_pad_last(xp, p.indices, width, -1) for p in parts], axis=0)
+    row_nnz = xp.concatenate([p.row_nnz for p in parts], axis=0)
+    if first.format == "ell":
+        return cls(values, indices, row_nnz, shape=shape, check_finite=False)
+    backup, backup_rows = _stack_backup(xp, parts, shape[1], first.dtype)
+    return cls(values, indices, row_nnz, shape=shape, backup=backup, backup_rows=backup_rows,
+               width_strategy=first.width_strategy, check_finite=False)
