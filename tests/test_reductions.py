@@ -91,3 +91,43 @@ def test_bad_axis(backend, xp, axis, exc, msg):
     for fn in (A.sum, A.count_nonzero):
         with pytest.raises(exc, match=msg):
             fn(axis=axis)
+
+
+# ---------------------------------------------------------------------------
+# multiply: element-wise with a dense array, keeping the pattern
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("other_shape", ["full", "row", "vector", "column", "one"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fmt", FORMATS_AND_BACKUP)
+def test_multiply_by_dense_keeps_the_pattern(backend, xp, fmt, dtype, other_shape):
+    rng = np.random.default_rng(23)
+    m, n = 30, 600
+    x = np.where(rng.random((m, n)) < 0.03, rng.standard_normal((m, n)), 0).astype(dtype)
+    x[4] = rng.standard_normal(n).astype(dtype)           # a backup row where the format keeps them
+    d = rng.standard_normal((m, n)).astype(np.float32)
+    d[0] = np.inf                                          # Inf where row 0 holds zeros stays out
+    d[5, ::2] = np.nan
+    other = {"full": d, "row": d[:1], "vector": d[1], "column": d[:, :1], "one": d[:1, :1]}[other_shape]
+    A = _build(xp, x, fmt)
+    B = A.multiply(xp.asarray(other))
+    res = np.result_type(np.float32, np.dtype(dtype)) if np.dtype(dtype) != np.float16 else np.dtype(np.float32)
+    assert type(B) is type(A) and B.dtype == res and B.shape == A.shape
+    x64 = host(A.toarray()).astype(np.float64)
+    d64 = np.broadcast_to(np.asarray(other, np.float64).reshape(-1, other.shape[-1]), (m, n))
+    with np.errstate(invalid="ignore"):
+        want = (np.where(x64 != 0, x64 * d64, 0) + 0.0).astype(res)
+    assert bits_equal(B.toarray(), want)                   # one rounding: the same bits as float64 rounded
+    B.check_format(full_check=True, check_finite=False)   # NaN from other's NaN is a value like any other
+
+
+def test_multiply_by_scalar_and_container_and_bad_others(backend, xp):
+    x = np.eye(4, 8, dtype=np.float32) * 3
+    A = tw.Hybrid.from_dense(xp.asarray(x))
+    assert bits_equal(A.multiply(2.0).toarray(), x * 2)
+    assert bits_equal(A.multiply(A).toarray(), x * x)
+    with pytest.raises(ValueError, match=r"other has shape \(4, 7\), expected \(4, 8\) or a shape that broadcasts"):
+        A.multiply(xp.ones((4, 7), np.float32))
+    with pytest.raises(ValueError, match=r"other has shape \(2, 2, 8\)"):
+        A.multiply(xp.ones((2, 2, 8), np.float32))
+    with pytest.raises(TypeError, match="other"):
+        A.multiply(xp.ones((4, 8), np.int32))

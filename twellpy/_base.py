@@ -884,6 +884,64 @@ class SparseArray:
             return self * (1.0 / float(other))
         return NotImplemented
 
+    def multiply(self, other):
+        """Element-wise product that keeps the sparsity pattern.
+
+        Parameters
+        ----------
+        other : scalar, container or dense array
+            A scalar, a container with this one's pattern (as ``self * other``),
+            or a dense float array on this container's device of shape (M, N)
+            or one that broadcasts to it: (1, N), (N,), (M, 1) or (1, 1).
+
+        Returns
+        -------
+        container
+            Same format and pattern; each stored entry becomes
+            ``self[r, c] * other[r, c]`` in the promoted dtype (computed in
+            float32, float64 for float64, and rounded once). Entries that are
+            not stored stay zero whatever ``other`` holds there, Inf and NaN
+            included, as ``scipy.sparse`` does.
+
+        Raises
+        ------
+        ValueError
+            ``other`` has a shape that does not broadcast to (M, N), or lives on
+            another device.
+        TypeError
+            ``other`` is not a float array.
+        """
+        if isinstance(other, (SparseArray, numbers.Number)):
+            return self * other
+        arr, _ = _array.as_array(other, "other")
+        _array.check_float(arr, "other")
+        _array.same_device([("other", arr), ("A", self.values)])
+        m, n = self.shape
+        d2 = arr.reshape(1, -1) if arr.ndim == 1 else arr
+        if d2.ndim != 2 or d2.shape[0] not in (1, m) or d2.shape[1] not in (1, n):
+            raise ValueError(f"other has shape {tuple(arr.shape)}, expected ({m}, {n}) or a shape that "
+                             f"broadcasts to it: (1, {n}), ({n},), ({m}, 1) or (1, 1)")
+        xp = self.xp
+        res = result_dtype(self.dtype, arr.dtype)
+        acc = _acc(res)
+        dense = cast(xp.ascontiguousarray(d2), acc)
+        vals, idx = self._slots()
+        r_idx = xp.arange(m, dtype=np.int64)[:, None] if dense.shape[0] == m else xp.zeros((m, 1), np.int64)
+        c_idx = xp.maximum(idx, 0).astype(np.int64) if dense.shape[1] == n else xp.zeros_like(idx, np.int64)
+        # padding slots and the zeros of backup rows meet other's values too (0 * Inf is
+        # NaN there); they are set back to zero below, so numpy need not warn about them
+        with np.errstate(invalid="ignore"):
+            # + 0: an entry whose product is -0.0 is stored as +0.0, as the other products do
+            prod = cast(cast(vals, acc) * dense[r_idx, c_idx] + acc.type(0), res).reshape(self.values.shape)
+            backup = None
+            if self.backup is not None:
+                rows = self.backup_rows
+                db = dense[rows] if dense.shape[0] == m else xp.broadcast_to(dense, (rows.shape[0], dense.shape[1]))
+                pb = cast(self.backup, acc) * db + acc.type(0)
+                pb = xp.where(nonzero_mask(self.backup), pb, acc.type(0))  # the zeros of a backup row stay zero
+                backup = cast(xp.ascontiguousarray(pb), res)
+        return self._with_data(prod, backup)  # re-zeroes the padding slots
+
     def _mul_same_pattern(self, other):
         if other.format != self.format or other.shape != self.shape:
             raise ValueError(f"other must have the same format and shape: got {other.format!r} "
