@@ -12,9 +12,8 @@ from makers import MAKERS, SMALL_MAKERS
 
 # every kind of key, as a function of the number of rows m (m >= 1)
 KEYS = {
-    "int": lambda m: m // 2,
-    "negative int": lambda m: -1,
-    "numpy int": lambda m: np.int32(m - 1),
+    "one row": lambda m: [m // 2],
+    "one row, negative": lambda m: slice(-1, None),
     "slice": lambda m: slice(1, None, 2),
     "reversed slice": lambda m: slice(None, None, -1),
     "empty slice": lambda m: slice(m, m),
@@ -24,14 +23,13 @@ KEYS = {
     "mask": lambda m: np.arange(m) % 3 != 1,
     "empty list": lambda m: [],
     "rows and all columns": lambda m: (slice(0, m, 2), slice(None)),
+    "rows and an explicit full column slice": lambda m: ([0], slice(0, None, 1)),
 }
 
 
 def _dense_rows(dense, key):
     """What A[key] must hold: the container's dense form indexed the numpy way."""
     k = key[0] if isinstance(key, tuple) else key
-    if isinstance(k, (int, np.integer)):
-        return dense[[int(k)]]
     if isinstance(k, list) and not k:
         return dense[np.zeros(0, np.int64)]
     return dense[k]
@@ -68,7 +66,7 @@ def test_rows_of_an_empty_container(backend, xp):
         B = A[key]
         assert B.shape == (0, 300)
     with pytest.raises(IndexError, match="row index 0 is out of range for a TwELL with 0 rows"):
-        A[0]
+        A[[0]]
 
 
 @pytest.mark.parametrize("fmt", ["twell_backup", "hybrid_narrow"])
@@ -117,15 +115,19 @@ def test_index_arrays_from_the_other_device():
 @pytest.mark.parametrize("key,exc,msg", [
     ((slice(None), 3), TypeError, r"selects whole rows only \(A\[rows\] or A\[rows, :\]\)"),
     ((1, 2), TypeError, "selects whole rows only"),
-    (8, IndexError, "row index 8 is out of range for a ELL with 8 rows"),
-    (-9, IndexError, "row index -9 is out of range"),
-    ([0, 8], IndexError, "row index 8 is out of range"),
+    (3, TypeError, r"ELL has no 1-D rows: select row 3 as A\[\[3\]\] or A\[3:4\] \(shape \(1, N\)\)"),
+    (np.int64(-1), TypeError, r"select row -1 as A\[\[-1\]\] or A\[-1:\]"),
+    (np.array(2), TypeError, r"got a 0-d array \(int64\); select one row as A\[\[i\]\]"),
+    (np.array(True), TypeError, "got a 0-d array"),
+    ((slice(None), slice(0, 19)), TypeError, "selects whole rows only"),
+    ([0, 8], IndexError, "row index 8 is out of range for a ELL with 8 rows"),
     ([-9, 0], IndexError, "row index -9 is out of range"),
     (np.ones(7, bool), IndexError, "boolean row mask has 7 entries, expected one per row \\(8\\)"),
     (np.zeros((2, 2), np.int64), IndexError, "row indices must be one-dimensional, got shape \\(2, 2\\)"),
     (1.5, TypeError, "row indices must be integers or booleans, got dtype float64"),
     ([0.5, 1.0], TypeError, "got dtype float64"),
-    (True, TypeError, "row index must be an int, a slice, an integer array or a boolean mask, got True"),
+    (True, TypeError, "row index must be a slice, an integer array or a boolean mask, got True"),
+    ({"a": 1}, TypeError, "row indices must be integers or booleans, got dtype object"),
     (None, TypeError, "got None"),
     (Ellipsis, TypeError, "got Ellipsis"),
 ])
@@ -171,3 +173,11 @@ def test_selection_matches_numpy_rows(sel, fmt, dtype):
     assert B.shape == want.shape
     B.check_format(full_check=True)
     assert bits_equal(B.toarray(), want)
+
+
+def test_containers_are_not_iterable(backend, xp):
+    A = tw.ELL.from_dense(xp.asarray(np.eye(3, 5, dtype=np.float32)))
+    with pytest.raises(TypeError, match="ELL is not iterable; select rows with A\\[i:j\\]"):
+        list(A)
+    with pytest.raises(TypeError, match="'in' is not defined for a ELL"):
+        5 in A

@@ -301,6 +301,14 @@ class SparseArray:
     def __len__(self):
         raise TypeError(f"len() of a {type(self).__name__} is ambiguous; use .shape")
 
+    def __iter__(self):
+        # without this, Python would iterate through __getitem__ with 0, 1, 2, ...
+        raise TypeError(f"a {type(self).__name__} is not iterable; select rows with A[i:j] or A[[i, j]], "
+                        f"or convert with A.toarray()")
+
+    def __contains__(self, item):
+        raise TypeError(f"'in' is not defined for a {type(self).__name__}; compare A.toarray() instead")
+
     # -- components / construction ------------------------------------------
     def components(self) -> dict:
         """Component arrays and parameters.
@@ -718,7 +726,7 @@ class SparseArray:
         vals, idx = self._slots()
         live = nonzero_mask(vals) & (idx >= 0)
         if axis == 0:
-            out = xp.bincount(idx[live].astype(np.int64), minlength=self.shape[1]).astype(np.int64)
+            out = _array.count_in_range(idx[live], self.shape[1]).astype(np.int64)
             if self.n_backup:
                 out = out + nonzero_mask(self.backup).sum(axis=0, dtype=np.int64)
             return out
@@ -735,25 +743,25 @@ class SparseArray:
 
         Parameters
         ----------
-        key : int, slice, integer array or boolean mask
+        key : slice, integer array or boolean mask
             Rows to select (numpy, cupy or a list; ``A[rows, :]`` is accepted
             too). Integer arrays may repeat rows and give them in any order;
             negative indices count from the end; a mask has one entry per row.
+            A single row is ``A[[i]]`` or ``A[i:i + 1]``: containers are 2-D,
+            so a bare integer, which would drop a dimension, is refused.
 
         Returns
         -------
         container
             Shape ``(number of selected rows, N)``, same format and parameters,
             the selected rows bit for bit in the order given. Rows kept as
-            dense backup rows stay backup rows. An integer selects one row and
-            keeps two dimensions (shape ``(1, N)``), as ``scipy.sparse``
-            matrices do.
+            dense backup rows stay backup rows.
 
         Raises
         ------
         TypeError
-            A column selection (``A[:, j]``), a boolean scalar, or indices that
-            are neither integers nor booleans.
+            A column selection (``A[:, j]``), a bare integer or boolean scalar,
+            or indices that are neither integers nor booleans.
         IndexError
             A row index out of range, a mask of the wrong length, or an index
             array that is not one-dimensional.
@@ -766,32 +774,34 @@ class SparseArray:
         m = self.shape[0]
         name = type(self).__name__
         if isinstance(key, tuple):
-            if len(key) == 2 and isinstance(key[1], slice) and key[1] == slice(None):
+            if len(key) == 2 and isinstance(key[1], slice) and key[1].indices(self.shape[1]) == (0, self.shape[1], 1):
                 key = key[0]
             else:
                 raise TypeError(f"{name} indexing selects whole rows only (A[rows] or A[rows, :]), got the "
                                 f"index {key!r}; for columns use A.to_scipy() or A.toarray()")
         if key is None or key is Ellipsis or isinstance(key, (bool, np.bool_)):
-            raise TypeError(f"{name} row index must be an int, a slice, an integer array or a boolean mask, "
+            raise TypeError(f"{name} row index must be a slice, an integer array or a boolean mask, "
                             f"got {key!r}")
         if isinstance(key, numbers.Integral):
-            i = int(key)
-            if not -m <= i < m:
-                raise IndexError(f"row index {i} is out of range for a {name} with {m} rows")
-            return xp.asarray([i % m], dtype=np.int64)
+            raise TypeError(f"{name} has no 1-D rows: select row {int(key)} as A[[{int(key)}]] or "
+                            f"A[{int(key)}:{int(key) + 1 if int(key) != -1 else ''}] (shape (1, N))")
         if isinstance(key, slice):
             return xp.arange(*key.indices(m), dtype=np.int64)
         if isinstance(key, (list, tuple)):
             key = np.asarray(key)
         if xp is np:
             if not isinstance(key, np.ndarray):
-                key = key.get() if hasattr(key, "get") else np.asarray(key)  # e.g. a cupy index array
+                key = key.get() if _array.is_cupy(key) else np.asarray(key)
+        elif _array.is_cupy(key) and key.device != self.values.device:
+            with self.values.device:
+                key = xp.array(key)  # an index array on another GPU: copied here
         else:
             key = xp.asarray(key)
         if key.dtype != np.bool_ and key.dtype.kind not in "iu" and key.size:
             raise TypeError(f"{name} row indices must be integers or booleans, got dtype {key.dtype}")
-        if key.ndim == 0 and key.dtype != np.bool_:
-            return self._row_selection(int(key))  # a 0-d integer array is one row id
+        if key.ndim == 0:
+            raise TypeError(f"{name} row index must be a slice, an integer array or a boolean mask, "
+                            f"got a 0-d array ({key.dtype}); select one row as A[[i]]")
         if key.ndim != 1:
             raise IndexError(f"{name} row indices must be one-dimensional, got shape {tuple(key.shape)}")
         if key.dtype == np.bool_:
@@ -924,7 +934,7 @@ class SparseArray:
         xp = self.xp
         res = result_dtype(self.dtype, arr.dtype)
         acc = _acc(res)
-        dense = cast(xp.ascontiguousarray(d2), acc)
+        dense = cast(d2, acc)
         vals, idx = self._slots()
         r_idx = xp.arange(m, dtype=np.int64)[:, None] if dense.shape[0] == m else xp.zeros((m, 1), np.int64)
         c_idx = xp.maximum(idx, 0).astype(np.int64) if dense.shape[1] == n else xp.zeros_like(idx, np.int64)

@@ -9,16 +9,26 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._base import SparseArray
+from ._base import SparseArray, _bits
 
 
 def _pad_last(xp, arr, width, fill):
-    """Pad the last axis of ``arr`` to ``width`` with ``fill``."""
+    """Pad the last axis of ``arr`` to ``width`` with ``fill`` (0 for value arrays)."""
     extra = width - arr.shape[-1]
     if extra == 0:
         return arr
-    pad = xp.full(arr.shape[:-1] + (extra,), fill, dtype=arr.dtype)
-    return xp.concatenate([arr, pad], axis=-1)
+    if arr.dtype.kind in "iu":
+        pad = xp.full(arr.shape[:-1] + (extra,), fill, dtype=arr.dtype)
+        return xp.concatenate([arr, pad], axis=-1)
+    # values move as bits: no 16-bit float kernels (CuPy's bfloat16 support is minimal)
+    bits = _bits(arr)
+    pad = xp.zeros(arr.shape[:-1] + (extra,), dtype=bits.dtype)
+    return xp.concatenate([bits, pad], axis=-1).view(arr.dtype)
+
+
+def _concat_values(xp, arrays, axis):
+    """Concatenate float arrays through their bit patterns."""
+    return xp.concatenate([_bits(a) for a in arrays], axis=axis).view(arrays[0].dtype)
 
 
 def _stack_backup(xp, parts, n_cols, dtype):
@@ -29,7 +39,7 @@ def _stack_backup(xp, parts, n_cols, dtype):
         backups.append(p.backup)
         rows.append(p.backup_rows.astype(np.int64) + offset)
         offset += p.shape[0]
-    backup = xp.concatenate(backups, axis=0) if backups else xp.zeros((0, n_cols), dtype)
+    backup = _concat_values(xp, backups, 0) if backups else xp.zeros((0, n_cols), dtype)
     backup_rows = xp.concatenate(rows).astype(np.int32) if rows else xp.zeros((0,), np.int32)
     return backup, backup_rows
 
@@ -97,14 +107,14 @@ def vstack(parts):
     # check_finite=False: every part was validated (or built without the check) already
     if first.format == "twell":
         slots = max(p.values.shape[2] for p in parts)
-        values = xp.concatenate([_pad_last(xp, p.values, slots, 0) for p in parts], axis=0)
+        values = _concat_values(xp, [_pad_last(xp, p.values, slots, 0) for p in parts], 0)
         indices = xp.concatenate([_pad_last(xp, p.indices, slots, -1) for p in parts], axis=0)
         counts = xp.concatenate([p.counts for p in parts], axis=0)
         backup, backup_rows = _stack_backup(xp, parts, shape[1], first.dtype)
         return cls(values, indices, counts, shape=shape, tile=first.tile, backup=backup,
                    backup_rows=backup_rows, check_finite=False)
     width = max(p.values.shape[1] for p in parts)
-    values = xp.concatenate([_pad_last(xp, p.values, width, 0) for p in parts], axis=0)
+    values = _concat_values(xp, [_pad_last(xp, p.values, width, 0) for p in parts], 0)
     indices = xp.concatenate([_pad_last(xp, p.indices, width, -1) for p in parts], axis=0)
     row_nnz = xp.concatenate([p.row_nnz for p in parts], axis=0)
     if first.format == "ell":

@@ -614,8 +614,8 @@ class SparseDaskArray:
         self._meta = None
         try:
             # A zero-row container describes the chunks. Dask's meta_from_array
-            # would turn it into a numpy array (containers cannot be sliced),
-            # so it is set on the dask array directly.
+            # would turn it into a numpy array (it slices columns, which
+            # containers refuse), so it is set on the dask array directly.
             empty = xp_of(array_meta).zeros((0, blocks.shape[1]), dtype=array_meta.dtype)
             self._meta = _container_class(fmt).from_dense(empty, **self.params)
             blocks._meta = self._meta
