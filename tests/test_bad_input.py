@@ -395,6 +395,16 @@ for _gated, _name in ((True, "gated_backward"), (False, "relu_backward")):
                    bad_shape=lambda: _W()["dy"][:, :3].copy())})
 ENTRIES["save"] = Entry(lambda a: tw.save(os.devnull, a["A"]),
                         {"A": Arg(lambda: _cont("hybrid"), kind="container")})
+for _fmt, _cls in (("twell", tw.TwELL), ("ell", tw.ELL), ("hybrid", tw.Hybrid)):
+    ENTRIES[f"{_cls.__name__}.multiply"] = Entry(
+        lambda a: a["A"].multiply(a["other"]),
+        {"A": Arg(lambda f=_fmt: _cont(f), kind="fixed"),
+         "other": Arg(lambda: np.full((4, 6), 1.5, np.float32), bad_ndim=lambda: np.ones((4, 6, 1), np.float32),
+                      bad_shape=lambda: np.ones((4, 5), np.float32), finite=False)})
+ENTRIES["vstack"] = Entry(
+    lambda a: tw.vstack(a["parts"]),
+    {"parts": Arg(lambda: [_cont("hybrid"), _cont("hybrid")], kind="container",
+                  bad_shape=lambda: [_cont("hybrid"), tw.Hybrid.from_dense(np.eye(4, 7, dtype=np.float32))])})
 
 
 def _nonfinite(a, value):
@@ -528,6 +538,17 @@ PARAM_CASES = [
     ("ffn.gated_backward", "dy", lambda: tw.ffn.gated_backward(_train_ctx(True), _W()["dy"].astype(np.float64)),
      TypeError),
     ("load", "device", lambda: _saved_then_load(device="tpu"), ValueError),
+    ("__getitem__", "row", lambda: _A_TW()[1.5], TypeError),
+    ("__getitem__", "row", lambda: _A_TW()[2], TypeError),
+    ("__getitem__", "row", lambda: _A_TW()[[0, 9]], IndexError),
+    ("__getitem__", "rows", lambda: _A_TW()[:, 1], TypeError),
+    ("__getitem__", "row", lambda: _A_TW()[np.ones(3, bool)], IndexError),
+    ("sum", "axis", lambda: _A_TW().sum(axis=3), ValueError),
+    ("sum", "axis", lambda: _A_TW().sum(axis="rows"), TypeError),
+    ("count_nonzero", "axis", lambda: _A_TW().count_nonzero(axis=-3), ValueError),
+    ("vstack", "parts", lambda: tw.vstack(_A_TW()), TypeError),
+    ("vstack", "parts", lambda: tw.vstack(None), TypeError),
+    ("vstack", "parts", lambda: tw.vstack([_A_TW(), _A_TW().astype("float64")]), TypeError),
 ]
 
 
@@ -600,6 +621,8 @@ STRIDED = {
     "A @ W": (lambda a: _cont("hybrid") @ a["W"], {"W": _RNG.standard_normal((6, 3)).astype(np.float32)}),
     "W @ A": (lambda a: a["W"] @ _cont("twell"), {"W": _RNG.standard_normal((3, 4)).astype(np.float32)}),
     "ops.spmm": (lambda a: tw.ops.spmm(_cont("ell"), a["B"]), {"B": _RNG.standard_normal((6, 3)).astype(np.float32)}),
+    "multiply": (lambda a: _cont("hybrid").multiply(a["other"]),
+                 {"other": _RNG.standard_normal((4, 6)).astype(np.float32)}),
     "ops.spmm_t": (lambda a: tw.ops.spmm_t(_cont("twell"), a["B"]),
                    {"B": _RNG.standard_normal((4, 3)).astype(np.float32)}),
     "ops.sddmm": (lambda a: tw.ops.sddmm(a["X"], a["Y"], _cont("twell")),
@@ -759,6 +782,8 @@ def _to_gpu_value(v):
 
     if isinstance(v, tw.SparseArray):
         return v.to_device("cuda")
+    if isinstance(v, list):  # vstack's parts
+        return [_to_gpu_value(x) for x in v]
     return cupy.asarray(v)
 
 

@@ -45,7 +45,12 @@ def _stack_backup(xp, parts, n_cols, dtype):
 
 
 def _check_parts(parts):
-    parts = list(parts)
+    if isinstance(parts, SparseArray) or parts is None or isinstance(parts, (str, bytes)):
+        raise TypeError(f"parts must be a sequence of containers (e.g. [A, B]), got {type(parts).__name__}")
+    try:
+        parts = list(parts)
+    except TypeError:
+        raise TypeError(f"parts must be a sequence of containers (e.g. [A, B]), got {type(parts).__name__}") from None
     if not parts:
         raise ValueError("parts is empty; need at least one container to stack")
     first = parts[0]
