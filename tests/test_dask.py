@@ -642,3 +642,33 @@ def test_example_runs_on_gpu(tmp_path):
     r = _run_example(tmp_path, "cuda")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1] == "dask_ffn OK"
+
+
+@pytest.mark.parametrize("fmt,params", FORMAT_PARAMS)
+def test_reductions_over_row_chunks(client, fmt, params):
+    """sum / count_nonzero of the collection: per row equal to the chunk containers'
+    own (same bits), per column and in all within float32 summation error of float64."""
+    x = sparse_rows(91, 48, seed=8)
+    A = twd.from_dask(da.from_array(x, chunks=(20, 48)), fmt, **params)
+    cls = type(A.compute())
+    x64 = x.astype(np.float64)
+    s1 = A.sum(axis=1)
+    assert s1.shape == (91,) and s1.chunks == ((20, 20, 20, 20, 11),) and s1.dtype == np.float32
+    want = np.concatenate([cls.from_dense(x[s:s + 20], **params).sum(axis=1) for s in range(0, 91, 20)])
+    np.testing.assert_array_equal(s1.compute(), want)
+    s0 = A.sum(axis=0).compute()
+    bound = 2 * 91 * np.finfo(np.float32).eps * np.abs(x64).sum(axis=0)
+    assert s0.shape == (48,) and s0.dtype == np.float32 and (np.abs(s0 - x64.sum(axis=0)) <= bound).all()
+    assert abs(float(A.sum().compute()) - x64.sum()) <= 2 * x.size * np.finfo(np.float32).eps * np.abs(x64).sum()
+    np.testing.assert_array_equal(A.count_nonzero(axis=0).compute(), np.count_nonzero(x, axis=0))
+    np.testing.assert_array_equal(A.count_nonzero(axis=1).compute(), np.count_nonzero(x, axis=1))
+    assert int(A.count_nonzero().compute()) == np.count_nonzero(x)
+    assert bits_equal_arrays(A.sum(axis=0).compute(), s0)       # the same bits on a second run
+    with pytest.raises(ValueError, match="axis 2 is out of range for a 2-D SparseDaskArray"):
+        A.sum(axis=2)
+    with pytest.raises(TypeError, match="axis must be None, 0 or 1"):
+        A.count_nonzero(axis="rows")
+
+
+def bits_equal_arrays(a, b):
+    return a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8))

@@ -55,6 +55,19 @@ def _bits(a):
     return a.view(_BITS[a.dtype.itemsize])
 
 
+def reduction_axis(axis, what):
+    """``axis`` of a 2-D reduction as None, 0 or 1 (-2 and -1 accepted), or a
+    TypeError/ValueError naming it; ``what`` names the collection."""
+    if axis is None:
+        return None
+    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, numbers.Integral):
+        raise TypeError(f"axis must be None, 0 or 1, got {axis!r}")
+    if int(axis) not in (-2, -1, 0, 1):
+        raise ValueError(f"axis {int(axis)} is out of range for a 2-D {what}; "
+                         f"expected None, 0 (per column) or 1 (per row)")
+    return int(axis) % 2
+
+
 def nonzero_mask(a):
     """Boolean array: ``a != 0`` on the bit pattern (NaN true, -0.0 false)."""
     b = _bits(a)
@@ -665,14 +678,7 @@ class SparseArray:
 
     # -- reductions ----------------------------------------------------------------
     def _reduction_axis(self, axis):
-        if axis is None:
-            return None
-        if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, numbers.Integral):
-            raise TypeError(f"axis must be None, 0 or 1, got {axis!r}")
-        if int(axis) not in (-2, -1, 0, 1):
-            raise ValueError(f"axis {int(axis)} is out of range for a 2-D {type(self).__name__}; "
-                             f"expected None, 0 (per column) or 1 (per row)")
-        return int(axis) % 2
+        return reduction_axis(axis, type(self).__name__)
 
     def sum(self, axis=None):
         """Sum of the values.

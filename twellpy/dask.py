@@ -493,6 +493,13 @@ def _to_scipy_chunk(chunk, fmt):
     return chunk.to_scipy(fmt)
 
 
+def _reduce_chunk(chunk, op, axis):
+    """``chunk.sum(axis)`` or ``chunk.count_nonzero(axis)``; per-column results
+    get a leading axis of length 1 (one row per chunk, summed by dask)."""
+    out = getattr(chunk, op)(axis=axis)
+    return out[None, :] if axis == 0 else out
+
+
 def _matmul_chunk(chunk, w, w_dtype=None):
     if w_dtype is not None:
         w = _restore_dtype(w, _dtype_named(w_dtype))
@@ -730,6 +737,59 @@ class SparseDaskArray:
             raise TypeError(f"fmt must be a scipy.sparse format name, got {type(fmt).__name__}")
         to_scipy = dask.delayed(_to_scipy_chunk, pure=True)
         return [to_scipy(d, fmt) for d in self.to_delayed()]
+
+    # ---- reductions --------------------------------------------------------
+    def _reduce(self, op, axis, dtype):
+        from ._base import reduction_axis
+
+        axis = reduction_axis(axis, type(self).__name__)
+        xp = xp_of(self._array_meta)
+        meta = xp.zeros(0, dtype=dtype)
+        if axis == 1 or axis is None:
+            rows = self.blocks.map_blocks(_reduce_chunk, op, 1, dtype=dtype, drop_axis=1, meta=meta,
+                                          token=f"twellpy-{op}-rows")
+            if axis == 1:
+                return rows
+            # one number: the row results summed in float64 (ints for counts), as a container does
+            return rows.sum(dtype=np.float64 if dtype.kind == "f" else np.int64)
+        per_chunk = self.blocks.map_blocks(_reduce_chunk, op, 0, dtype=dtype,
+                                           chunks=((1,) * self.numblocks[0], (self.shape[1],)),
+                                           meta=xp.zeros((0, 0), dtype=dtype), token=f"twellpy-{op}-cols")
+        return per_chunk.sum(axis=0, dtype=dtype)
+
+    def sum(self, axis=None):
+        """Lazy sum of the values (:meth:`twellpy.SparseArray.sum` per chunk).
+
+        Parameters
+        ----------
+        axis : None, 0 or 1
+            ``1``: per row, a dask array (M,) chunked like the rows; ``0``: per
+            column, (N,), the chunks' sums added; ``None``: a 0-d dask array.
+
+        Returns
+        -------
+        dask.array.Array
+            float32 (float64 for float64 data); the chunks are combined in a
+            fixed order, so the same bits every run.
+        """
+        acc = np.dtype(np.float64) if self.dtype == np.float64 else np.dtype(np.float32)
+        return self._reduce("sum", axis, acc)
+
+    def count_nonzero(self, axis=None):
+        """Lazy non-zero counts (:meth:`twellpy.SparseArray.count_nonzero` per chunk).
+
+        Parameters
+        ----------
+        axis : None, 0 or 1
+            ``0``: how often each column (neuron) fires over every row (token)
+            of the collection, (N,); ``1``: per row, (M,); ``None``: 0-d.
+
+        Returns
+        -------
+        dask.array.Array
+            int64.
+        """
+        return self._reduce("count_nonzero", axis, np.dtype(np.int64))
 
     # ---- products ----------------------------------------------------------
     def matmul(self, w, *, client=None, broadcast=True):
