@@ -663,6 +663,8 @@ def test_reductions_over_row_chunks(client, fmt, params):
     np.testing.assert_array_equal(A.count_nonzero(axis=0).compute(), np.count_nonzero(x, axis=0))
     np.testing.assert_array_equal(A.count_nonzero(axis=1).compute(), np.count_nonzero(x, axis=1))
     assert int(A.count_nonzero().compute()) == np.count_nonzero(x)
+    np.testing.assert_array_equal(A.mean(axis=1).compute(), want / np.float32(48))
+    assert abs(float(A.mean().compute()) - x64.mean()) <= 2 * np.finfo(np.float32).eps * np.abs(x64).mean()
     assert bits_equal_arrays(A.sum(axis=0).compute(), s0)       # the same bits on a second run
     with pytest.raises(ValueError, match="axis 2 is out of range for a 2-D SparseDaskArray"):
         A.sum(axis=2)

@@ -131,3 +131,17 @@ def test_multiply_by_scalar_and_container_and_bad_others(backend, xp):
         A.multiply(xp.ones((2, 2, 8), np.float32))
     with pytest.raises(TypeError, match="other"):
         A.multiply(xp.ones((4, 8), np.int32))
+
+
+@pytest.mark.parametrize("fmt", FORMATS_AND_BACKUP)
+def test_mean_is_the_sum_over_the_element_count(backend, xp, fmt):
+    rng = np.random.default_rng(29)
+    x = np.where(rng.random((25, 300)) < 0.05, rng.standard_normal((25, 300)), 0).astype(np.float32)
+    x[2] = rng.standard_normal(300).astype(np.float32)
+    A = _build(xp, x, fmt)
+    assert bits_equal(A.mean(axis=1), host(A.sum(axis=1)) / np.float32(300))
+    assert bits_equal(A.mean(axis=0), host(A.sum(axis=0)) / np.float32(25))
+    assert A.mean() == A.sum() / x.size
+    assert _close(A.mean(axis=0), x.astype(np.float64) / 25, 0, np.float32)
+    E = tw.ELL.from_dense(xp.zeros((0, 4), np.float32))
+    assert np.isnan(E.mean()) and np.isnan(host(E.mean(axis=0))).all() and host(E.mean(axis=1)).shape == (0,)

@@ -710,6 +710,29 @@ class SparseArray:
             rows[A.backup_rows] = A.backup.sum(axis=1, dtype=acc)  # their slots are empty
         return rows if axis == 1 else float(rows.sum(dtype=np.float64))
 
+    def mean(self, axis=None):
+        """Mean over the stored values and the zeros: :meth:`sum` divided by the
+        number of elements along ``axis`` (M, N or M * N).
+
+        Parameters
+        ----------
+        axis : None, 0 or 1
+            As for :meth:`sum`.
+
+        Returns
+        -------
+        float or array
+            float32 (float64 for float64 data); NaN for an empty axis, as numpy gives.
+        """
+        axis = self._reduction_axis(axis)
+        m, n = self.shape
+        total = self.sum(axis=axis)
+        count = m * n if axis is None else (m if axis == 0 else n)
+        if axis is None:
+            return total / count if count else float("nan")
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return total / total.dtype.type(count) if count else total * total.dtype.type(np.nan)
+
     def count_nonzero(self, axis=None):
         """Non-zero values (NaN counts, zeros stored explicitly do not).
 

@@ -775,6 +775,22 @@ class SparseDaskArray:
         acc = np.dtype(np.float64) if self.dtype == np.float64 else np.dtype(np.float32)
         return self._reduce("sum", axis, acc)
 
+    def mean(self, axis=None):
+        """Lazy mean: :meth:`sum` divided by the number of elements along ``axis``.
+
+        Returns
+        -------
+        dask.array.Array
+            float32 (float64 for float64 data), like :meth:`twellpy.SparseArray.mean`.
+        """
+        from ._base import reduction_axis
+
+        axis = reduction_axis(axis, type(self).__name__)
+        m, n = self.shape
+        total = self.sum(axis=axis)
+        count = m * n if axis is None else (m if axis == 0 else n)
+        return total / (total.dtype.type(count) if axis is not None else count)
+
     def count_nonzero(self, axis=None):
         """Lazy non-zero counts (:meth:`twellpy.SparseArray.count_nonzero` per chunk).
 
