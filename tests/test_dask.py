@@ -674,3 +674,22 @@ def test_reductions_over_row_chunks(client, fmt, params):
 
 def bits_equal_arrays(a, b):
     return a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def test_row_slices_of_the_collection(client):
+    x = sparse_rows(91, 48, seed=9)
+    A = twd.from_dask(da.from_array(x, chunks=(20, 48)), "twell", tile=16, slots=4)
+    for key in (slice(10, 50), slice(None, None, 3), slice(80, 5, -2), slice(200, 300), (slice(5, 25), slice(None))):
+        B = A[key]
+        assert isinstance(B, twd.SparseDaskArray) and B.format == "twell"
+        k = key[0] if isinstance(key, tuple) else key
+        got = B.compute()
+        assert got.shape == x[k].shape
+        np.testing.assert_array_equal(got.toarray(), x[k])
+        np.testing.assert_array_equal(B.sum(axis=1).compute().shape, (x[k].shape[0],))
+    with pytest.raises(TypeError, match="rows are selected by a slice"):
+        A[[1, 2]]
+    with pytest.raises(TypeError, match="rows are selected by a slice"):
+        A[3]
+    with pytest.raises(TypeError, match="selects whole rows only"):
+        A[:, 1:3]

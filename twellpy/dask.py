@@ -738,6 +738,41 @@ class SparseDaskArray:
         to_scipy = dask.delayed(_to_scipy_chunk, pure=True)
         return [to_scipy(d, fmt) for d in self.to_delayed()]
 
+    # ---- row slices --------------------------------------------------------
+    def __getitem__(self, key):
+        """Rows of the collection by a slice, lazily.
+
+        Parameters
+        ----------
+        key : slice
+            ``A[a:b]``, ``A[a:b:k]`` (negative steps too), or with every column
+            ``A[a:b, :]``.
+
+        Returns
+        -------
+        SparseDaskArray
+            Same format and parameters; each chunk is the row selection of a
+            container chunk (:meth:`twellpy.SparseArray.__getitem__`), so the
+            entries keep their bits.
+
+        Raises
+        ------
+        TypeError
+            A key that is not a row slice (an int, an index array, a mask, a
+            column selection): compute the collection, or the slice, and index
+            the container.
+        """
+        n = self.shape[1]
+        if isinstance(key, tuple):
+            if len(key) == 2 and isinstance(key[1], slice) and key[1].indices(n) == (0, n, 1):
+                key = key[0]
+            else:
+                raise TypeError(f"SparseDaskArray selects whole rows only (A[a:b] or A[a:b, :]), got {key!r}")
+        if not isinstance(key, slice):
+            raise TypeError(f"SparseDaskArray rows are selected by a slice (A[a:b] or A[a:b:k]), got "
+                            f"{type(key).__name__}; for index arrays or masks index a computed container")
+        return SparseDaskArray(self.blocks[key, :], self.format, self.params, self._array_meta)
+
     # ---- reductions --------------------------------------------------------
     def _reduce(self, op, axis, dtype):
         from ._base import reduction_axis
