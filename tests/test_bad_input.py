@@ -546,6 +546,8 @@ PARAM_CASES = [
     ("sum", "axis", lambda: _A_TW().sum(axis=3), ValueError),
     ("sum", "axis", lambda: _A_TW().sum(axis="rows"), TypeError),
     ("count_nonzero", "axis", lambda: _A_TW().count_nonzero(axis=-3), ValueError),
+    ("max", "axis", lambda: _A_TW().max(axis=2), ValueError),
+    ("min", "axis", lambda: tw.ELL.from_dense(np.zeros((0, 3), np.float32)).min(), ValueError),
     ("vstack", "parts", lambda: tw.vstack(_A_TW()), TypeError),
     ("vstack", "parts", lambda: tw.vstack(None), TypeError),
     ("vstack", "parts", lambda: tw.vstack([_A_TW(), _A_TW().astype("float64")]), TypeError),

@@ -145,3 +145,42 @@ def test_mean_is_the_sum_over_the_element_count(backend, xp, fmt):
     assert _close(A.mean(axis=0), x.astype(np.float64) / 25, 0, np.float32)
     E = tw.ELL.from_dense(xp.zeros((0, 4), np.float32))
     assert np.isnan(E.mean()) and np.isnan(host(E.mean(axis=0))).all() and host(E.mean(axis=1)).shape == (0,)
+
+
+# ---------------------------------------------------------------------------
+# max / min: the zeros that are not stored count, NaN wins, exact
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fmt", FORMATS_AND_BACKUP)
+@pytest.mark.parametrize("maker", [k for k in SMALL_MAKERS if k != "empty"])
+def test_max_and_min_match_numpy(backend, xp, maker, fmt, dtype):
+    x = MAKERS[maker](np.random.default_rng(31)).astype(dtype)
+    A = _build(xp, x, fmt)
+    dense = host(A.toarray())
+    for op in ("max", "min"):
+        f = getattr(np, op)
+        for axis in (0, 1):
+            if dense.shape[1 - axis] == 0:
+                continue
+            got = getattr(A, op)(axis=axis)
+            assert type(got) is type(xp.zeros(0)) and got.dtype == A.dtype, (op, axis)
+            assert bits_equal(host(got) + np.zeros((), dense.dtype), f(dense, axis=axis) + np.zeros((), dense.dtype)), (op, axis)
+        if dense.size:
+            assert getattr(A, op)() == float(f(dense.astype(np.float64)))
+
+
+def test_max_min_nan_full_rows_and_empty_axes(backend, xp):
+    x = np.zeros((4, 3), np.float32)
+    x[0] = [1.0, 2.0, 3.0]                                 # full: no implicit zero
+    x[1, 1] = -5.0
+    x[2, 0] = np.nan
+    A = tw.Hybrid.from_dense(xp.asarray(x), check_finite=False)
+    assert host(A.max(axis=1)).tolist()[:2] == [3.0, 0.0] and np.isnan(host(A.max(axis=1))[2])
+    assert host(A.min(axis=1)).tolist()[:2] == [1.0, -5.0] and host(A.min(axis=1))[3] == 0.0  # row 0 is full
+    assert np.isnan(A.max()) and np.isnan(host(A.min(axis=0))[0]) and host(A.min(axis=0))[1] == -5.0
+    E = tw.ELL.from_dense(xp.zeros((0, 3), np.float32))
+    assert host(E.max(axis=1)).shape == (0,)
+    with pytest.raises(ValueError, match=r"max\(\) of a ELL of shape \(0, 3\) along axis None reduces over zero"):
+        E.max()
+    with pytest.raises(ValueError, match="along axis 0 reduces over zero elements"):
+        E.min(axis=0)

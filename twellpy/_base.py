@@ -733,6 +733,63 @@ class SparseArray:
         with np.errstate(invalid="ignore", divide="ignore"):
             return total / total.dtype.type(count) if count else total * total.dtype.type(np.nan)
 
+    def max(self, axis=None):
+        """Largest element, the zeros that are not stored included (as ``scipy.sparse``).
+
+        Parameters
+        ----------
+        axis : None, 0 or 1
+            ``None``: one number; ``1``: per row (M,); ``0``: per column (N,).
+
+        Returns
+        -------
+        float or array
+            In the container's dtype (exact: no rounding). A NaN in a row or
+            column makes its result NaN, as ``numpy.max`` does.
+
+        Raises
+        ------
+        ValueError
+            The reduction is over an empty axis (no identity), e.g. ``max()``
+            of a container with no elements.
+        """
+        return self._extreme("max", axis)
+
+    def min(self, axis=None):
+        """Smallest element, the zeros that are not stored included; as :meth:`max`."""
+        return self._extreme("min", axis)
+
+    def _extreme(self, op, axis):
+        axis = self._reduction_axis(axis)
+        m, n = self.shape
+        if (axis is None and m * n == 0) or (axis == 1 and n == 0 and m) or (axis == 0 and m == 0 and n):
+            raise ValueError(f"{op}() of a {type(self).__name__} of shape {self.shape} along axis {axis} "
+                             f"reduces over zero elements, which has no identity")
+        if axis == 0:
+            # columns are the rows of the (deterministic) transpose; through a Hybrid, whose
+            # width strategy keeps a popular column (thousands of rows) in one dense backup row
+            # instead of widening every row as an ELL transpose would
+            hybrid = self if self.format == "hybrid" else self.asformat("hybrid")
+            return hybrid.T._extreme(op, 1)
+        xp = self.xp
+        acc = np.dtype(np.float64) if self.dtype == np.float64 else np.dtype(np.float32)
+        A = self if self.dtype == acc else self.astype(acc)  # widening is exact
+        vals, idx = A._slots()
+        reduce, pair = (xp.max, xp.maximum) if op == "max" else (xp.min, xp.minimum)
+        fill = acc.type(-np.inf if op == "max" else np.inf)
+        stored = idx >= 0
+        if vals.shape[1]:
+            rows = reduce(xp.where(stored, vals, fill), axis=1)
+        else:
+            rows = xp.full(m, fill, acc)
+        # a row with fewer stored entries than columns holds zeros too (NaN still wins: IEEE max/min)
+        rows = xp.where(stored.sum(axis=1) < n, pair(rows, acc.type(0)), rows)
+        if A.n_backup:
+            rows[A.backup_rows] = reduce(A.backup, axis=1)  # dense rows: their zeros are there
+        if axis == 1:
+            return cast(rows, self.dtype)
+        return float(reduce(rows))
+
     def count_nonzero(self, axis=None):
         """Non-zero values (NaN counts, zeros stored explicitly do not).
 
