@@ -11,7 +11,8 @@ Kernels covered: ``spmm_resident.cu`` (row totals, TwELL compaction, the
 resident-slice SpMM), with the launch plan of
 :func:`twellpy.backends.cuda.resident_layout`; the fused FFN's split mode and
 row pack; the training kernels around the backup rows, the tiled transpose,
-the split forward and backward and the row maps; and every loop variant of the
+the split forward and backward and the row maps; the row-block SpMM behind
+``TwELL @ W`` (``twellpy_twell_spmm_rows``); and every loop variant of the
 one-pass dense -> TwELL construction (register groups, prefetch, the cp.async
 ring, whose copies are plain copies here).
 """
@@ -1019,3 +1020,79 @@ def test_emulation_stops_a_full_mask_shuffle_after_lanes_returned(tmp_path_facto
     else:
         assert r.returncode != 0
         assert "__shfl_xor_sync with a full mask" in r.stderr and "a lane has returned" in r.stderr, r.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------
+# spmm.cu: twellpy_twell_spmm_rows, the row-block kernel behind TwELL @ W
+# (a block-wide prefix of the tile counts lists each row's entries in shared
+# memory, in rounds when a row holds more than the list)
+# ---------------------------------------------------------------------------
+_SPMM_ROWS_HARNESS = r"""
+#include "emu.h"
+#include "kernel_source.cuh"
+
+extern "C" {
+#define ROWS(NAME, T, VEC, NV, KB)                                                                    \
+void NAME(const T* v, const int* i, const int* c, const T* B, T* out, int M, int n_tiles, int slots,  \
+          int N, int K, int gx, int gy) {                                                             \
+    emu::launch(twellpy_twell_spmm_rows<T, VEC, NV, KB>, dim3(gx, gy), dim3(SPMM_ROWS_THREADS), 0,     \
+                v, i, c, B, out, M, n_tiles, slots, N, K);                                            \
+}
+ROWS(rows_f32_1, float, 1, 2, 2)
+ROWS(rows_f32_4, float, 4, 1, 4)
+ROWS(rows_bf16_8, __nv_bfloat16, 8, 2, 2)
+ROWS(rows_bf16_1, __nv_bfloat16, 1, 1, 3)
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def rows_lib(tmp_path_factory):
+    # 64 threads (two warps in the block prefix) and a 64-entry list: long rows run in rounds
+    return _build(tmp_path_factory, "spmm.cu", _SPMM_ROWS_HARNESS,
+                  {"SPMM_ROWS_THREADS": 64, "SPMM_ROWS_LIST": 64, "SPMM_ROWS_MIN_BLOCKS": 1})
+
+
+@pytest.mark.parametrize("name,dtype,vec,nv", [("rows_f32_1", np.dtype(np.float32), 1, 2),
+                                               ("rows_f32_4", np.dtype(np.float32), 4, 1),
+                                               ("rows_bf16_8", bfloat16, 8, 2),
+                                               ("rows_bf16_1", bfloat16, 1, 1)])
+@pytest.mark.parametrize("k_cols", [8, 136, 1032])
+def test_twell_spmm_rows_matches_sequential_fma(rows_lib, name, dtype, vec, nv, k_cols):
+    """Rows of more entries than the list (rounds), more tiles than threads,
+    empty rows, out-of-range and padding indices skipped, counts clamped, K not
+    a multiple of a block's columns: the kernel's bits are an fp32 fma over
+    the entries in (tile, slot) order."""
+    rng = np.random.default_rng(k_cols + vec)
+    m, n, tile, slots = 23, 5000, 64, 8                    # 79 tiles: more than the 64 threads
+    x = random_sparse(rng, m, n, 20)
+    x[2] = np.where(rng.random(n) < 0.1, rng.standard_normal(n), 0)   # ~500 entries, capped per tile
+    x[[0, m - 1]] = 0.0
+    x = x.astype(dtype)
+    vals, idx, counts, _ = cpu.dense_to_twell(x, tile, slots)
+    vals, idx, counts = (np.ascontiguousarray(a) for a in (vals, idx, counts))
+    idx[5, 3, 0] = n + 7                                   # out of range: skipped (listed as -1)
+    counts[6, 1] = slots + 5                               # clamped to the slots
+    counts[7, 2] = -3                                      # clamped to 0
+    b = (rng.standard_normal((n, k_cols)) / 4).astype(dtype)
+    cbw = 64 * vec * nv
+    gy = -(-k_cols // cbw)
+    out = np.full((m, k_cols), np.nan, np.float32).astype(dtype)   # poisoned
+    getattr(rows_lib, name)(_ptr(vals), _ptr(idx), _ptr(counts), _ptr(b), _ptr(out), m, counts.shape[1],
+                            slots, n, k_cols, 5, gy)       # 5 row blocks: rows r, r + 5, ...
+    want = np.zeros((m, k_cols), np.float64)
+    bf = b.astype(np.float32).astype(np.float64)
+    for r in range(m):
+        acc = np.zeros(k_cols, np.float32)
+        for t in range(counts.shape[1]):
+            for s in range(min(max(int(counts[r, t]), 0), slots)):
+                j = int(idx[r, t, s])
+                if 0 <= j < n:
+                    acc = (np.float64(np.float32(vals[r, t, s])) * bf[j] + acc).astype(np.float32)
+        want[r] = acc
+    got = out.astype(np.float64)
+    assert not np.isnan(got).any(), "an output element was never written"
+    if dtype == np.float32:
+        assert np.array_equal(got, want)                   # float64 product + add, rounded: the fma here
+    else:
+        assert np.array_equal(got, want.astype(np.float32).astype(dtype).astype(np.float64))
