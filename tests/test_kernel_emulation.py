@@ -12,7 +12,8 @@ resident-slice SpMM), with the launch plan of
 :func:`twellpy.backends.cuda.resident_layout`; the fused FFN's split mode and
 row pack; the training kernels around the backup rows, the tiled transpose,
 the split forward and backward and the row maps; the row-block SpMM behind
-``TwELL @ W`` (``twellpy_twell_spmm_rows``); and every loop variant of the
+``TwELL @ W`` (``twellpy_twell_spmm_rows``); the NaN/Inf count of every checked
+call (``check.cu``); and every loop variant of the
 one-pass dense -> TwELL construction (register groups, prefetch, the cp.async
 ring, whose copies are plain copies here).
 """
@@ -1096,3 +1097,56 @@ def test_twell_spmm_rows_matches_sequential_fma(rows_lib, name, dtype, vec, nv, 
         assert np.array_equal(got, want)                   # float64 product + add, rounded: the fma here
     else:
         assert np.array_equal(got, want.astype(np.float32).astype(dtype).astype(np.float64))
+
+
+# ---------------------------------------------------------------------------
+# check.cu: twellpy_count_nonfinite, the NaN/Inf count of every checked call
+# ---------------------------------------------------------------------------
+_CHECK_HARNESS = r"""
+#include "emu.h"
+#include "kernel_source.cuh"
+
+extern "C" {
+#define COUNT(NAME, U)                                                                                \
+void NAME(const U* data, long long n, unsigned long long exp_mask, int aligned, unsigned long long* count, \
+          int grid) {                                                                                 \
+    emu::launch(twellpy_count_nonfinite<U>, dim3(grid), dim3(CHECK_BLOCK), 0, data, n, exp_mask, aligned, count); \
+}
+COUNT(count_u16, unsigned short)
+COUNT(count_u32, unsigned int)
+COUNT(count_u64, unsigned long long)
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def check_lib(tmp_path_factory):
+    return _build(tmp_path_factory, "check.cu", _CHECK_HARNESS, {"CHECK_BLOCK": 64})
+
+
+@pytest.mark.parametrize("dtype", [bfloat16, np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)],
+                         ids=str)
+@pytest.mark.parametrize("n,offset", [(1000, 0), (1001, 1), (7, 0), (0, 0), (4099, 3)])
+def test_count_nonfinite_counts_every_nan_and_inf(check_lib, dtype, n, offset):
+    """Vector bulk plus scalar tail, aligned and misaligned starts, any grid:
+    the count equals numpy's, for NaN payloads, +-Inf, and finite extremes."""
+    lib = check_lib
+    rng = np.random.default_rng(n + offset)
+    base = rng.standard_normal(n + offset + 8).astype(np.float32).astype(dtype)
+    x = base[offset:offset + n]
+    if n:
+        spots = rng.choice(n, size=min(n, 9), replace=False)
+        fill = np.array([np.nan, np.inf, -np.inf, -np.nan, np.nan, np.inf, 1e4, -1e4, 0.0], np.float64)
+        x[spots] = fill[:spots.size].astype(dtype)
+        x[0] = np.finfo(np.float16).max if dtype == np.float16 else x[0]   # largest finite: not counted
+    width = np.dtype(dtype).itemsize
+    utype = {2: np.uint16, 4: np.uint32, 8: np.uint64}[width]
+    exp_mask = {2: 0x7C00 if dtype == np.float16 else 0x7F80, 4: 0x7F800000, 8: 0x7FF0000000000000}[width]
+    bits = x.view(utype)
+    aligned = int(bits.ctypes.data % 16 == 0)
+    want = int(np.count_nonzero(~np.isfinite(x.astype(np.float64))))
+    for grid in (1, 3):
+        count = np.zeros(1, np.uint64)
+        getattr(lib, f"count_u{8 * width}")(_ptr(bits), ctypes.c_longlong(n), ctypes.c_ulonglong(exp_mask),
+                                            aligned, _ptr(count), grid)
+        assert int(count[0]) == want, (grid, aligned)
