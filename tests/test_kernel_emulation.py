@@ -13,7 +13,8 @@ resident-slice SpMM), with the launch plan of
 row pack; the training kernels around the backup rows, the tiled transpose,
 the split forward and backward and the row maps; the row-block SpMM behind
 ``TwELL @ W`` (``twellpy_twell_spmm_rows``); the NaN/Inf count of every checked
-call (``check.cu``); and every loop variant of the
+call (``check.cu``); the counting-sort transpose (``transpose.cu``); and
+every loop variant of the
 one-pass dense -> TwELL construction (register groups, prefetch, the cp.async
 ring, whose copies are plain copies here).
 """
@@ -1150,3 +1151,79 @@ def test_count_nonfinite_counts_every_nan_and_inf(check_lib, dtype, n, offset):
         getattr(lib, f"count_u{8 * width}")(_ptr(bits), ctypes.c_longlong(n), ctypes.c_ulonglong(exp_mask),
                                             aligned, _ptr(count), grid)
         assert int(count[0]) == want, (grid, aligned)
+
+
+# ---------------------------------------------------------------------------
+# transpose.cu: the deterministic counting-sort transpose behind A.T on the GPU
+# (column histograms per row chunk, the cursor scan, the in-order fill)
+# ---------------------------------------------------------------------------
+_TRANSPOSE_HARNESS = r"""
+#include "emu.h"
+#include "kernel_source.cuh"
+
+extern "C" {
+void tr_count(const int* idx, int* chunk_counts, long long M, int K, int n_cols, int chunk_rows, int grid) {
+    emu::launch(twellpy_transpose_count, dim3(grid), dim3(TRANSPOSE_BLOCK), 0, idx, chunk_counts, M, K, n_cols,
+                chunk_rows);
+}
+void tr_scan(const int* counts, const int* indptr, int nb, int N, int* cursor) {
+    emu::launch(twellpy_transpose_scan<4>, dim3((N + 31) / 32), dim3(32 * 4), 0, counts, indptr, nb, N, cursor);
+}
+void tr_fill_f32(const float* v, const int* idx, int* cursor, int* out_col, float* out_data, int M, int K,
+                 int n_cols, int chunk_rows, int n_chunks) {
+    emu::launch(twellpy_transpose_fill<float>, dim3(n_chunks), dim3(TRANSPOSE_BLOCK), 0, v, idx, cursor, out_col,
+                out_data, M, K, n_cols, chunk_rows);
+}
+void tr_fill_bf16(const __nv_bfloat16* v, const int* idx, int* cursor, int* out_col, __nv_bfloat16* out_data,
+                  int M, int K, int n_cols, int chunk_rows, int n_chunks) {
+    emu::launch(twellpy_transpose_fill<__nv_bfloat16>, dim3(n_chunks), dim3(TRANSPOSE_BLOCK), 0, v, idx, cursor,
+                out_col, out_data, M, K, n_cols, chunk_rows);
+}
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def transpose_lib(tmp_path_factory):
+    return _build(tmp_path_factory, "transpose.cu", _TRANSPOSE_HARNESS, {"TRANSPOSE_BLOCK": 64})
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
+@pytest.mark.parametrize("m,n,chunk_rows", [(40, 300, 7), (9, 50, 9), (1, 5, 1), (70, 3, 16)])
+def test_counting_sort_transpose_matches_scipy(transpose_lib, dtype, m, n, chunk_rows):
+    """Chunk histograms, the cursor scan over more chunks than scan segments,
+    and the in-order fill give scipy's CSR of the transpose: rows ascending
+    inside each output row, values bit for bit; padding and out-of-range
+    indices skipped."""
+    import scipy.sparse as sp
+
+    import twellpy as tw
+
+    lib = transpose_lib
+    rng = np.random.default_rng(m * n + chunk_rows)
+    x = random_sparse(rng, m, n, 6).astype(dtype)
+    if m > 3:
+        x[2] = rng.standard_normal(n).astype(dtype)         # a full row
+    E = tw.ELL.from_dense(x)
+    vals, idx = np.ascontiguousarray(E.values), np.ascontiguousarray(E.indices)
+    k = idx.shape[1]
+    if m * k:
+        idx.reshape(-1)[rng.integers(m * k)] = n + 3        # an out-of-range index is skipped
+    n_chunks = -(-m // chunk_rows)
+    counts = np.zeros((n_chunks, n), np.int32)
+    lib.tr_count(_ptr(idx), _ptr(counts), m, k, n, chunk_rows, 3)
+    indptr = np.concatenate([[0], np.cumsum(counts.sum(axis=0))]).astype(np.int32)
+    cursor = np.full((n_chunks, n), -7, np.int32)
+    lib.tr_scan(_ptr(counts), _ptr(indptr), n_chunks, n, _ptr(cursor))
+    nnz = int(indptr[-1])
+    out_col = np.full(max(nnz, 1), -9, np.int32)
+    out_data = np.full(max(nnz, 1), np.nan, np.float32).astype(dtype)
+    fill = lib.tr_fill_f32 if dtype == np.float32 else lib.tr_fill_bf16
+    fill(_ptr(vals), _ptr(idx), _ptr(cursor), _ptr(out_col), _ptr(out_data), m, k, n, chunk_rows, n_chunks)
+    keep = (idx >= 0) & (idx < n)
+    rows = np.repeat(np.arange(m), k).reshape(m, k)[keep]
+    ref = sp.csr_array((np.arange(rows.size), (idx[keep], rows)), shape=(n, m))
+    ref.sort_indices()
+    np.testing.assert_array_equal(indptr, ref.indptr)
+    np.testing.assert_array_equal(out_col[:nnz], ref.indices)
+    np.testing.assert_array_equal(_bits(out_data[:nnz]), _bits(vals[keep][ref.data]))
