@@ -133,6 +133,15 @@ __device__ __forceinline__ void next_chunk(ChunkPos& p, int chunks_per_tile) {
     }
 }
 
+// Column of this lane's first element of the chunk at `p`; false when the
+// vector lies past the tile's end or past N (it is then not read).
+template <int VEC>
+__device__ __forceinline__ bool lane_column(ChunkPos p, int lane, int tile, int N, int& col) {
+    const int in_tile = p.part * (32 * VEC) + lane * VEC;
+    col = p.t * tile + in_tile;
+    return in_tile < tile && col < N;
+}
+
 // Loads chunks [c, c + CONSTRUCT_UNROLL) of the span (zeros past c_end, past the
 // tile's end and past N); `p` is the position of chunk c.
 template <typename T, int VEC>
@@ -141,9 +150,8 @@ __device__ __forceinline__ void load_chunks(vec_t<T, VEC> (&buf)[CONSTRUCT_UNROL
                                             int lane) {
 #pragma unroll
     for (int u = 0; u < CONSTRUCT_UNROLL; ++u) {
-        const int in_tile = p.part * (32 * VEC) + lane * VEC;
-        const int col = p.t * tile + in_tile;
-        if (c + u < c_end && in_tile < tile && col < N) {
+        int col;
+        if (c + u < c_end && lane_column<VEC>(p, lane, tile, N, col)) {
             buf[u] = load_stream<T, VEC>(xrow + col);
         } else {
 #pragma unroll
@@ -310,9 +318,8 @@ twellpy_dense_to_twell(const T* __restrict__ x, T* __restrict__ values, int* __r
         ChunkPos p_copy = {t_begin, 0};  // position of the next chunk to copy
         int i_copy = 0, slot_copy = 0;   // its index in the span and its slot (i_copy % DEPTH)
         auto copy_next = [&]() {
-            const int in_tile = p_copy.part * chunk + lane * VEC;
-            const int col = p_copy.t * tile + in_tile;
-            const bool fill = i_copy < n && in_tile < tile && col < N;
+            int col = 0;
+            const bool fill = i_copy < n && lane_column<VEC>(p_copy, lane, tile, N, col);
             copy_async_16(mine + slot_copy * 32, fill ? xrow + col : xrow, fill, policy);
             copy_async_commit();  // one group per chunk, empty ones too, so the counts below hold
             next_chunk(p_copy, chunks_per_tile);

@@ -68,6 +68,18 @@ def reduction_axis(axis, what):
     return int(axis) % 2
 
 
+def whole_rows_key(key, n_cols, what):
+    """The row part of an index that selects whole rows (``key`` or
+    ``(key, <a slice over all n_cols columns>)``); TypeError for anything that
+    selects columns. ``what`` names the collection."""
+    if not isinstance(key, tuple):
+        return key
+    if len(key) == 2 and isinstance(key[1], slice) and key[1].indices(n_cols) == (0, n_cols, 1):
+        return key[0]
+    raise TypeError(f"{what} indexing selects whole rows only (A[rows] or A[rows, :]), got the "
+                    f"index {key!r}; for columns use A.to_scipy() or A.toarray()")
+
+
 def nonzero_mask(a):
     """Boolean array: ``a != 0`` on the bit pattern (NaN true, -0.0 false)."""
     b = _bits(a)
@@ -700,7 +712,7 @@ class SparseArray:
         """
         axis = self._reduction_axis(axis)
         xp = self.xp
-        acc = np.dtype(np.float64) if self.dtype == np.float64 else np.dtype(np.float32)
+        acc = _acc(self.dtype)
         A = self if self.dtype == acc else self.astype(acc)
         if axis == 0:
             return (xp.ones((1, self.shape[0]), acc) @ A)[0]
@@ -772,7 +784,7 @@ class SparseArray:
             hybrid = self if self.format == "hybrid" else self.asformat("hybrid")
             return hybrid.T._extreme(op, 1)
         xp = self.xp
-        acc = np.dtype(np.float64) if self.dtype == np.float64 else np.dtype(np.float32)
+        acc = _acc(self.dtype)
         A = self if self.dtype == acc else self.astype(acc)  # widening is exact
         vals, idx = A._slots()
         reduce, pair = (xp.max, xp.maximum) if op == "max" else (xp.min, xp.minimum)
@@ -859,12 +871,7 @@ class SparseArray:
         xp = self.xp
         m = self.shape[0]
         name = type(self).__name__
-        if isinstance(key, tuple):
-            if len(key) == 2 and isinstance(key[1], slice) and key[1].indices(self.shape[1]) == (0, self.shape[1], 1):
-                key = key[0]
-            else:
-                raise TypeError(f"{name} indexing selects whole rows only (A[rows] or A[rows, :]), got the "
-                                f"index {key!r}; for columns use A.to_scipy() or A.toarray()")
+        key = whole_rows_key(key, self.shape[1], name)
         if key is None or key is Ellipsis or isinstance(key, (bool, np.bool_)):
             raise TypeError(f"{name} row index must be a slice, an integer array or a boolean mask, "
                             f"got {key!r}")

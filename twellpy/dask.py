@@ -56,7 +56,7 @@ from dask.array.core import concatenate_lookup, tensordot_lookup
 from dask.array.utils import meta_from_array
 from dask.base import tokenize
 
-from ._array import FLOAT_DTYPES, as_array, check_float, is_cupy, xp_of
+from ._array import FLOAT_DTYPES, accum_dtype, as_array, check_float, is_cupy, xp_of
 
 __all__ = [
     "SparseDaskArray",
@@ -762,12 +762,9 @@ class SparseDaskArray:
             column selection): compute the collection, or the slice, and index
             the container.
         """
-        n = self.shape[1]
-        if isinstance(key, tuple):
-            if len(key) == 2 and isinstance(key[1], slice) and key[1].indices(n) == (0, n, 1):
-                key = key[0]
-            else:
-                raise TypeError(f"SparseDaskArray selects whole rows only (A[a:b] or A[a:b, :]), got {key!r}")
+        from ._base import whole_rows_key
+
+        key = whole_rows_key(key, self.shape[1], type(self).__name__)
         if not isinstance(key, slice):
             raise TypeError(f"SparseDaskArray rows are selected by a slice (A[a:b] or A[a:b:k]), got "
                             f"{type(key).__name__}; for index arrays or masks index a computed container")
@@ -807,8 +804,7 @@ class SparseDaskArray:
             float32 (float64 for float64 data); the chunks are combined in a
             fixed order, so the same bits every run.
         """
-        acc = np.dtype(np.float64) if self.dtype == np.float64 else np.dtype(np.float32)
-        return self._reduce("sum", axis, acc)
+        return self._reduce("sum", axis, accum_dtype(self.dtype))
 
     def mean(self, axis=None):
         """Lazy mean: :meth:`sum` divided by the number of elements along ``axis``.
