@@ -1045,21 +1045,22 @@ class SparseArray:
                 backup = cast(xp.ascontiguousarray(pb), res)
         return self._with_data(prod, backup)  # re-zeroes the padding slots
 
-    def _mul_same_pattern(self, other):
+    def _mul_same_pattern(self, other, name="other"):
+        """``self * other`` for a container ``other`` (called ``name`` in errors) on self's pattern."""
         if other.format != self.format or other.shape != self.shape:
-            raise ValueError(f"other must have the same format and shape: got {other.format!r} "
+            raise ValueError(f"{name} must have the same format and shape: got {other.format!r} "
                              f"{other.shape}, expected {self.format!r} {self.shape}")
-        _array.same_device([("other", other.values), ("self", self.values)])
+        _array.same_device([(name, other.values), ("self", self.values)])
         xp = self.xp
         for k in self._array_names:
             if k in ("values", "backup"):
                 continue
             a, b = getattr(self, k), getattr(other, k)
             if a.shape != b.shape or not bool(xp.array_equal(a, b)):
-                raise ValueError(f"other has a different sparsity pattern ({k} differ); "
+                raise ValueError(f"{name} has a different sparsity pattern ({k} differ); "
                                  f"element-wise products need identical patterns")
         if self._params() != other._params():
-            raise ValueError(f"other has parameters {other._params()}, expected {self._params()}")
+            raise ValueError(f"{name} has parameters {other._params()}, expected {self._params()}")
         res = result_dtype(self.dtype, other.dtype)
         acc = _acc(res)
 

@@ -271,23 +271,4 @@ def multiply(A, B):
     """
     A = _container(A, "A")
     B = _container(B, "B")
-    if A.format != B.format or A.shape != B.shape:
-        raise ValueError(f"B must have A's format and shape: got {B.format!r} {B.shape}, "
-                         f"expected {A.format!r} {A.shape}")
-    _array.same_device([("B", B.values), ("A", A.values)])
-    xp = A.xp
-    for k in A._array_names:
-        if k in ("values", "backup"):
-            continue
-        a, b = getattr(A, k), getattr(B, k)
-        if a.shape != b.shape or not bool(xp.array_equal(a, b)):
-            raise ValueError(f"B has a different sparsity pattern than A ({k} differ); "
-                             f"element-wise products need one shared pattern")
-    dt = _promote(A.dtype, B.dtype)
-    be = backends.get(A.values, "train")
-
-    def prod(a, b):
-        return be.from_acc(be.to_acc(a) * be.to_acc(b), dt)
-
-    backup = prod(A.backup, B.backup) if A.backup is not None else None
-    return _same_pattern(A, prod(A.values, B.values), backup)
+    return A._mul_same_pattern(B, "B")
