@@ -73,6 +73,21 @@ def _contig(be, a):
     return be.bits(xp.ascontiguousarray(be.bits(a))).view(a.dtype)
 
 
+def _dense_rhs(A, B, transposed):
+    """Checked operands of ``A @ B`` (or ``A.T @ B``): the container, B as 2-D, whether B was
+    1-D, B's caller kind and the result dtype."""
+    A = _container(A, "A")
+    b, kind = _dense(B, "B", (1, 2))
+    _array.same_device([("B", b), ("A", A.values)])
+    m, n = A.shape
+    vec = b.ndim == 1
+    b2 = b[:, None] if vec else b
+    rows, what = (m, "A.T with A") if transposed else (n, "A")
+    if b2.shape[0] != rows:
+        raise ValueError(f"B has shape {tuple(b.shape)}, expected ({rows}, K) for {what} of shape {(m, n)}")
+    return A, b2, vec, kind, _promote(A.dtype, b.dtype)
+
+
 def spmm(A, B):
     """``A @ B`` for a sparse ``A`` (M, N) and a dense ``B`` (N,) or (N, K).
 
@@ -87,15 +102,7 @@ def spmm(A, B):
     array, shape (M,) or (M, K)
         Promoted dtype of A and B, float32 accumulation, the caller's array type.
     """
-    A = _container(A, "A")
-    b, kind = _dense(B, "B", (1, 2))
-    _array.same_device([("B", b), ("A", A.values)])
-    m, n = A.shape
-    vec = b.ndim == 1
-    b2 = b[:, None] if vec else b
-    if b2.shape[0] != n:
-        raise ValueError(f"B has shape {tuple(b.shape)}, expected ({n}, K) for A of shape {(m, n)}")
-    dt = _promote(A.dtype, b.dtype)
+    A, b2, vec, kind, dt = _dense_rhs(A, B, transposed=False)
     be = backends.get(b2, "train")
     b2 = be.from_acc(_contig(be, b2), dt)
     vals, idx, backup, backup_rows, _ = _parts(A)
@@ -130,18 +137,10 @@ def spmm_t(A, B):
     array, shape (N,) or (N, K)
         Promoted dtype, float32 accumulation, the caller's array type.
     """
-    A = _container(A, "A")
-    b, kind = _dense(B, "B", (1, 2))
-    _array.same_device([("B", b), ("A", A.values)])
-    m, n = A.shape
-    vec = b.ndim == 1
-    b2 = b[:, None] if vec else b
-    if b2.shape[0] != m:
-        raise ValueError(f"B has shape {tuple(b.shape)}, expected ({m}, K) for A.T with A of shape {(m, n)}")
-    dt = _promote(A.dtype, b.dtype)
+    A, b2, vec, kind, dt = _dense_rhs(A, B, transposed=True)
     be, indptr, rows, pos, combined = _transposed(A)
     b2 = be.from_acc(_contig(be, b2), dt)
-    out = be.gather_t(indptr, rows, pos, be.from_acc(combined, dt), b2, n)
+    out = be.gather_t(indptr, rows, pos, be.from_acc(combined, dt), b2, A.shape[1])
     if vec:
         out = out[:, 0]
     return _array.to_caller(out, kind)
