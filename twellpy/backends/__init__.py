@@ -25,3 +25,24 @@ def get(arr, area: str = ""):
     base = "cuda" if is_cupy(arr) else "cpu"
     name = f"{base}_{area}" if area else base
     return importlib.import_module(f"twellpy.backends.{name}")
+
+
+def overflow_rows_to_backup(xp, h, values, indices, counts, row_max, slots):
+    """Move the rows of a packed activation whose fullest tile overflowed into dense backup.
+
+    ``row_max`` holds each row's largest tile count (before clipping to ``slots``). Those rows
+    keep their dense row of ``h`` in ``backup`` and become empty in the slots (counts 0,
+    padding), so nothing is lost. Shared by the CPU and CUDA packers (``xp`` numpy or cupy).
+
+    Returns
+    -------
+    backup : (R, N) array of h's dtype
+    backup_rows : (R,) int32
+    """
+    backup_rows = xp.nonzero(row_max > slots)[0].astype(xp.int32)
+    if not backup_rows.size:
+        return xp.empty((0, h.shape[1]), h.dtype), backup_rows
+    values[backup_rows] = 0
+    indices[backup_rows] = -1
+    counts[backup_rows] = 0
+    return h[backup_rows], backup_rows

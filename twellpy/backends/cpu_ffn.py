@@ -16,6 +16,7 @@ import numba
 import numpy as np
 
 from .._array import check_finite
+from . import overflow_rows_to_backup
 
 #: rows per chunk: one BLAS gate GEMM and one parallel Numba call per chunk
 #: (few switches between BLAS and Numba threads, which compete for the cores);
@@ -123,14 +124,7 @@ def pack_activation(h, tile, slots):
     if M and n_tiles:
         _pack_rows(work, tile, slots, vals, indices, counts, row_max)
     values = vals.astype(h.dtype)
-    backup_rows = np.nonzero(row_max > slots)[0].astype(np.int32)
-    if backup_rows.size:
-        backup = h[backup_rows]
-        values[backup_rows] = 0
-        indices[backup_rows] = -1
-        counts[backup_rows] = 0
-    else:
-        backup = np.empty((0, N), h.dtype)
+    backup, backup_rows = overflow_rows_to_backup(np, h, values, indices, counts, row_max, slots)
     return values, indices, counts, backup, backup_rows
 
 

@@ -46,6 +46,7 @@ import numpy as np
 
 from .._array import bfloat16, cupy_module, raise_nonfinite
 from . import _registry
+from . import overflow_rows_to_backup
 from .cuda import PendingCount, launch_count_nonfinite
 
 _SPARSE_FILE = "ffn_sparse.cu"
@@ -316,14 +317,7 @@ def pack_activation(h, tile, slots):
         k = _registry.get_kernel(_PACK_FILE, f"twellpy_ffn_pack<{_registry.ctype(h.dtype)}>")
         k(grid, (warps * 32,), (h, np.int64(N), np.int32(M), np.int32(N), np.int32(tile),
                                 np.int32(slots), np.int32(n_tiles), values, indices, counts, row_max))
-    backup_rows = cp.nonzero(row_max > slots)[0].astype(np.int32)
-    if backup_rows.size:
-        backup = h[backup_rows]
-        values[backup_rows] = 0
-        indices[backup_rows] = -1
-        counts[backup_rows] = 0
-    else:
-        backup = cp.empty((0, N), h.dtype)
+    backup, backup_rows = overflow_rows_to_backup(cp, h, values, indices, counts, row_max, slots)
     return values, indices, counts, backup, backup_rows
 
 
