@@ -898,3 +898,20 @@ def test_check_finite_counts_planted_values(dtype):
     with pytest.raises(ValueError, match=want):
         check_finite(view, "view")  # a strided view: counted on its own elements only
     assert check_finite(np.arange(6), "ints") is not None  # integers are always finite
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_sparse_operand_of_a_dense_product_is_named(backend, xp, cls):
+    # one operand check serves A @ W, W @ A and the ops functions: each names its own argument
+    A = cls.from_dense(xp.eye(4, 8, dtype=np.float32))
+    S = cls.from_dense(xp.eye(8, 3, dtype=np.float32))
+    with pytest.raises(TypeError, match=r"W must be a dense array, got a sparse .*\.toarray\(\)"):
+        A @ S
+    with pytest.raises(TypeError, match=r"W must be a dense array, got a sparse"):
+        S.__rmatmul__(A)
+    with pytest.raises(TypeError, match=r"B must be a dense array, got a sparse"):
+        tw.ops.spmm(A, S)
+    with pytest.raises(TypeError, match=r"B must be a dense array, got a sparse"):
+        tw.ops.spmm_t(A, S)
+    with pytest.raises(ValueError, match=r"W must be 1-D or 2-D, got 3-D"):
+        A @ xp.zeros((8, 2, 2), np.float32)

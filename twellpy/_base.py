@@ -252,6 +252,23 @@ def _prepare_scipy(m, name="m"):
 # ----------------------------------------------------------------------------
 # the base class
 # ----------------------------------------------------------------------------
+def dense_operand(x, name, ndim_ok=(2,)):
+    """``x`` as a float array of one of the dimensions ``ndim_ok``, and its caller kind.
+
+    The one operand check of every sparse-dense product (``A @ W``, ``W @ A``,
+    :func:`twellpy.ops.spmm`, :func:`twellpy.ops.sddmm` ...); it names ``name`` in its errors.
+    """
+    if isinstance(x, SparseArray):
+        raise TypeError(f"{name} must be a dense array, got a sparse {type(x).__name__}; sparse @ sparse "
+                        f"is not supported (convert one side with .toarray())")
+    arr, kind = _array.as_array(x, name)
+    if arr.ndim not in ndim_ok:
+        want = " or ".join(f"{d}-D" for d in ndim_ok)
+        raise ValueError(f"{name} must be {want}, got {arr.ndim}-D array of shape {tuple(arr.shape)}")
+    _array.check_float(arr, name)
+    return arr, kind
+
+
 class SparseArray:
     """Base of :class:`twellpy.ELL`, :class:`twellpy.TwELL` and :class:`twellpy.Hybrid`.
 
@@ -1072,13 +1089,7 @@ class SparseArray:
 
     # -- products with dense arrays -------------------------------------------
     def _dense_operand(self, w, name):
-        if isinstance(w, SparseArray):
-            raise TypeError(f"{name} must be a dense array; sparse @ sparse is not supported "
-                            f"(convert one side with .toarray())")
-        arr, kind = _array.as_array(w, name)
-        if arr.ndim not in (1, 2):
-            raise ValueError(f"{name} must be 1-D or 2-D, got {arr.ndim}-D array of shape {tuple(arr.shape)}")
-        _array.check_float(arr, name)
+        arr, kind = dense_operand(w, name, (1, 2))
         _array.same_device([(name, arr), ("A", self.values)])
         return arr, kind
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _array, backends
-from ._base import SparseArray, nonzero_mask
+from ._base import SparseArray, dense_operand as _dense, nonzero_mask
 
 __all__ = ["spmm", "spmm_t", "sddmm", "transpose", "multiply"]
 
@@ -26,17 +26,6 @@ def _container(A, name):
         raise TypeError(f"{name} must be a twellpy ELL, TwELL or Hybrid container, got "
                         f"{type(A).__module__}.{type(A).__name__}")
     return A
-
-
-def _dense(B, name, ndim_ok=(2,)):
-    if isinstance(B, SparseArray):
-        raise TypeError(f"{name} must be a dense array, got a sparse {type(B).__name__}")
-    arr, kind = _array.as_array(B, name)
-    if arr.ndim not in ndim_ok:
-        want = " or ".join(f"{d}-D" for d in ndim_ok)
-        raise ValueError(f"{name} must be {want}, got {arr.ndim}-D array of shape {tuple(arr.shape)}")
-    _array.check_float(arr, name)
-    return arr, kind
 
 
 def _promote(*dtypes):
