@@ -39,6 +39,12 @@
 #define CONSTRUCT_STREAM_LOADS 1     // 1: read x with evict-first (ld.global.cs) loads: it is read once,
 #endif                               // and the slots it produces are what should stay in L2
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+// cp.async and L2 cache policies are sm_80+: older GPUs run the register path whatever the variant asks
+#undef CONSTRUCT_ASYNC_DEPTH
+#define CONSTRUCT_ASYNC_DEPTH 0
+#endif
+
 static_assert(CONSTRUCT_WARPS >= 1 && CONSTRUCT_WARPS <= 32, "CONSTRUCT_WARPS out of range");
 static_assert(CONSTRUCT_UNROLL >= 1 && CONSTRUCT_UNROLL <= 16, "CONSTRUCT_UNROLL out of range");
 static_assert(CONSTRUCT_ASYNC_DEPTH == 0 || (CONSTRUCT_ASYNC_DEPTH >= 2 && CONSTRUCT_ASYNC_DEPTH * CONSTRUCT_WARPS <= 96),

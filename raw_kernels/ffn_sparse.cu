@@ -48,6 +48,10 @@
 #ifndef FFN_L2_EVICT_LAST
 #define FFN_L2_EVICT_LAST 0
 #endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#undef FFN_L2_EVICT_LAST
+#define FFN_L2_EVICT_LAST 0  // L2 cache policies are sm_80+: plain read-only loads there
+#endif
 
 namespace twellpy_ffn {
 using namespace twellpy;

@@ -476,7 +476,8 @@ twellpy_train_bwd(const T* __restrict__ dy, const T* __restrict__ w_downT, const
         A dh = warp_dot<T, A>(dyr, w_downT + (long long)k * D, D, vec, lane);
         const T g = gval[base + s];
         const T u = GATED ? uval[base + s] : g;
-        dh += A(l1s) * sign_of<A>(h_value<T, A, GATED>(g, u));
+        // as the backup-row kernel and the numpy twin: no L1 term (not 0 * sign, NaN for a NaN h) when l1 = 0
+        if (l1s != 0.0) dh += A(l1s) * sign_of<A>(h_value<T, A, GATED>(g, u));
         if (lane == 0) {
             if (GATED) {
                 da[base + s] = from_acc<T, A>(dh * to_acc<A, T>(g));

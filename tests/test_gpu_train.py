@@ -568,6 +568,43 @@ def test_split_training_step_gives_the_fused_bits(monkeypatch, case, dtype, gate
         assert bool((cp.asarray(a).view(u) == cp.asarray(b).view(u)).all())
 
 
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_split_training_step_with_no_model_dimension(monkeypatch, gated):
+    """D = 0 with the split forced on: the width is still 1, so the resident plan is asked
+    for a 0-column product and must decline (it divided by its 0 slices before)."""
+    import cupy as cp
+
+    from twellpy.backends import cuda_train
+
+    monkeypatch.setattr(cuda_train, "SPLIT", True)
+    M, H = 7, 16
+    x = cp.zeros((M, 0), np.float32)
+    w_gate, w_up, w_down = cp.zeros((H, 0), np.float32), cp.zeros((H, 0), np.float32), cp.zeros((0, H), np.float32)
+    if gated:
+        y, ctx = T.gated_forward_train(x, w_gate, w_up, w_down, l1=0.05)
+        grads = T.gated_backward(ctx, cp.zeros((M, 0), np.float32))
+        assert [g.shape for g in grads] == [(M, 0), (H, 0), (H, 0), (0, H)]
+    else:
+        y, ctx = T.relu_forward_train(x, w_up, w_down, l1=0.05)
+        grads = T.relu_backward(ctx, cp.zeros((M, 0), np.float32))
+        assert [g.shape for g in grads] == [(M, 0), (H, 0), (0, H)]
+    assert y.shape == (M, 0)
+    for g in grads:
+        assert not bool(cp.isnan(g).any())
+
+
+def test_resident_spmm_with_no_output_columns(monkeypatch):
+    """ops.spmm with B of 0 columns and the resident kernel forced on: a (M, 0) result."""
+    import cupy as cp
+
+    from twellpy.backends import cuda
+
+    monkeypatch.setattr(cuda, "SPMM_RESIDENT", True)
+    A = tw.TwELL.from_dense(cp.eye(64, 256, dtype=np.float32))
+    out = ops.spmm(A, cp.zeros((256, 0), np.float32))
+    assert out.shape == (64, 0)
+
 def test_split_backward_fits_the_reference_shape():
     """Two bf16 slices of a 5632-row weight (W1's w_up and w_gate) fit this GPU's
     shared memory, so the benchmark's split backward really runs split."""

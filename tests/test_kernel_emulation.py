@@ -261,6 +261,11 @@ def test_resident_spmm_every_slice_width_and_tiny_shapes(lib):
 
 def test_resident_layout_limits():
     """The plan's arithmetic without a device."""
+    from twellpy.backends import cuda
+
+    # a product with no output columns has no slices: no plan (the gather kernel writes the empty result)
+    assert cuda._resident_plan(4096, 10, 0, 0, np.float32, mode=True) is None
+    assert resident_layout(4096, 10, 0, 4, 132, 232448, 512, 256, 128) is None
     # W1's h @ w_down on an H200: slices of 2 vectors (16 columns), two row chunks
     assert resident_layout(16384, 5632, 2048, 2, 132, 232448, 512, 256, 128) == (2, 223232, 128, 2, 8192)
     # narrow outputs still give every SM a block: 4 slices x 32 chunks of 128 rows
@@ -717,6 +722,44 @@ def test_split_training_backward_gives_the_fused_bits(bwd_lib, dtype, gated, vec
                 want[r] += db[r, s] * w_b[idx[r, s]].astype(np.float64)
     assert np.linalg.norm(dx - want) <= (1e-5 if dtype == np.float32 else 1e-2) * np.linalg.norm(want)
 
+
+
+@pytest.mark.parametrize("dtype", [bfloat16, np.dtype(np.float32)], ids=str)
+@pytest.mark.parametrize("l1", [0.0, 0.01])
+def test_training_backward_l1_term_matches_numpy_twin_on_nan_h(bwd_lib, dtype, l1):
+    """With l1 = 0 the ELL backward adds no L1 term at all, as the backup-row kernel and
+    the numpy twin do: a slot whose h is NaN (g = Inf, u = 0, e.g. an fp16 overflow next to
+    a zero-initialised w_up) keeps a finite dg = dh * u instead of 0 * sign(NaN) = NaN."""
+    from twellpy.backends import cpu_train
+
+    M, W, H, D = 3, 4, 16, 32
+    rng = np.random.default_rng(5)
+    nnz = np.array([2, 4, 0], np.int32)
+    idx = np.array([[1, 5, -1, -1], [0, 2, 9, 15], [-1] * 4], np.int32)
+    gval = np.zeros((M, W), np.float32)
+    uval = np.zeros((M, W), np.float32)
+    gval[0, :2], uval[0, :2] = [np.inf, 0.5], [0.0, -1.0]     # slot (0, 0): h = Inf * 0 = NaN
+    gval[1], uval[1] = [1.0, 2.0, 0.25, 3.0], [1.0, -2.0, 0.5, 0.0]
+    gval, uval = gval.astype(dtype), uval.astype(dtype)
+    dy = rng.standard_normal((M, D)).astype(dtype)
+    w_downT, w_a, w_b = ((rng.standard_normal((H, D)) / 8).astype(dtype) for _ in range(3))
+    sfx = "bf16" if dtype == bfloat16 else "f32"
+    da = np.full((M, W), np.nan, np.float32).astype(dtype)
+    db = np.full((M, W), np.nan, np.float32).astype(dtype)
+    dx = np.full((M, D), np.nan, np.float32).astype(dtype)
+    getattr(bwd_lib, f"bwd_{sfx}")(1, 1, _ptr(dy), _ptr(w_downT), _ptr(w_a), _ptr(w_b), _ptr(idx), _ptr(nnz),
+                                  _ptr(gval), _ptr(uval), _ptr(da), _ptr(db), _ptr(dx), ctypes.c_longlong(M), W, D,
+                                  ctypes.c_double(l1), 1)
+    want_da, want_db = np.zeros_like(da), np.zeros_like(db)
+    cpu_train.ffn_backward_ell(dy, w_downT, w_a, w_b, idx, nnz, gval, uval, l1, True, want_da, want_db)
+    for name, got, want in (("da", da, want_da), ("db", db, want_db)):
+        got, want = got.astype(np.float64), want.astype(np.float64)
+        on = idx >= 0
+        np.testing.assert_array_equal(np.isnan(got[on]), np.isnan(want[on]), err_msg=name)
+        ok = on & np.isfinite(want)
+        np.testing.assert_allclose(got[ok], want[ok], rtol=2e-2 if dtype == bfloat16 else 1e-5, atol=1e-6,
+                                   err_msg=name)
+    assert (db[0, 0] == 0) == (l1 == 0.0)   # the NaN h: finite dg only without the L1 term
 
 _FWD_HARNESS = r"""
 #include "emu.h"

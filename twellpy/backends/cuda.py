@@ -895,7 +895,7 @@ def _resident_plan(m, n_rows_b, k_cols, n_slots_per_row, dtype, *arrays, mode=No
     if mode is False or (mode == "auto" and m < RESIDENT_MIN_ROWS):
         return None
     dt = np.dtype(dtype)
-    if m == 0 or n_rows_b == 0 or k_cols % _vec_width(dt) or not _aligned(*arrays):
+    if m == 0 or n_rows_b == 0 or k_cols == 0 or k_cols % _vec_width(dt) or not _aligned(*arrays):
         return None
     if m * n_slots_per_row * (4 + dt.itemsize) > _RESIDENT_COMPACT_BUDGET:
         return None
@@ -909,7 +909,7 @@ def resident_layout(m, n_rows_b, k_cols, itemsize, n_sm, smem_limit, threads, st
     """Grid and shared memory of ``twellpy_spmm_resident`` (no device needed).
 
     Returns ``(lpr, smem_bytes, n_slices, n_chunks, rows_per_chunk)``, or None
-    when no slice fits ``smem_limit``. A slice is ``lpr`` 16-byte vectors
+    when no slice fits ``smem_limit`` (or ``k_cols`` is 0). A slice is ``lpr`` 16-byte vectors
     (``lpr * 16 / itemsize`` columns) of every row of B: the widest of
     ``_RESIDENT_LPR`` whose slice plus the warps' staging areas fit, without
     being wider than needed for ``k_cols``. Row chunks give every one of the
@@ -917,6 +917,8 @@ def resident_layout(m, n_rows_b, k_cols, itemsize, n_sm, smem_limit, threads, st
     ``min_chunk_rows`` rows (each chunk reloads its slice). ``dual``: two
     operands' slices and two values per staged entry.
     """
+    if k_cols <= 0:
+        return None  # no columns, no slices
     vec = 16 // itemsize
     warps = threads // 32
     nb = 2 if dual else 1
