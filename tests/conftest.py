@@ -24,6 +24,8 @@ import pytest
 from twellpy._array import bfloat16, gpu_available
 
 HAS_GPU = gpu_available()
+#: GPUs this process sees (tests of calls across devices need two)
+GPU_COUNT = __import__("cupy").cuda.runtime.getDeviceCount() if HAS_GPU else 0
 if HAS_GPU and SANITIZE:
     import cupy
 

@@ -280,3 +280,35 @@ def test_auto_probe_is_a_cuda_setting():
     assert ffn.auto_probe is None
     with pytest.raises(AttributeError, match="CUDA backend only"):
         ffn.auto_probe = "always"
+
+
+def test_auto_takes_a_count_that_landed_by_the_end_of_a_call(monkeypatch):
+    """The CUDA plan's "auto" bookkeeping (no device: fake copies): a count that was still
+    in flight when a call began but has landed by its end decides the next call, instead
+    of being read and dropped (the next call would then decide from an older count)."""
+    from twellpy.backends import cuda_ffn
+
+    class Copy:
+        def __init__(self, count, landed):
+            self.count, self.landed, self.was_read = count, landed, False
+
+        def arrived(self):
+            return self.landed
+
+        def read(self):
+            self.was_read = True
+            return self.count
+
+    queued = []
+    monkeypatch.setattr(cuda_ffn, "PendingCount",
+                        lambda counters, stream, host, event: queued.append(Copy(None, False)) or queued[-1])
+    plan = object.__new__(cuda_ffn.FFNPlan)
+    plan.auto_probe = "first"
+    plan._density_mean, plan._density_rows, plan._density_slot = 10.0, 100, ("host", "event")
+    plan._density_copy = in_flight = Copy(3000, landed=False)
+    assert plan._earlier_density() == (10.0, "earlier decision")   # still in flight: the old mean
+    in_flight.landed = True                                          # lands during the call
+    plan._remember_density([0, 0, 0], rows=200, stream=None)
+    assert in_flight.was_read and plan._density_mean == 30.0        # 3000 active over its 100 rows
+    assert plan._density_copy is queued[-1] and plan._density_rows == 200
+    assert plan._earlier_density() == (30.0, "earlier decision")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from conftest import DTYPES, HAS_GPU, RTOL, rel_err
+from conftest import DTYPES, GPU_COUNT, HAS_GPU, RTOL, rel_err
 from makers import MAKERS, SMALL_MAKERS, random_sparse
 from twellpy._array import bfloat16
 from twellpy.backends import cpu
@@ -816,3 +816,24 @@ def test_bad_input_errors_name_the_argument():
         cuda.dense_to_ell(cp.zeros((2, 3), np.float32), 2, cp.zeros(3, np.int32))
     with pytest.raises(TypeError, match="dtype is int64"):
         cuda.astype(cp.zeros(3, np.float32), np.int64)
+
+
+@pytest.mark.skipif(GPU_COUNT < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("fmt", ["twell", "ell", "hybrid"])
+def test_vstack_on_the_second_gpu_with_the_first_current(fmt):
+    """Parts on cuda:1 stack on cuda:1 whatever device is current."""
+    import cupy as cp
+
+    import twellpy as tw
+
+    cls = {"twell": tw.TwELL, "ell": tw.ELL, "hybrid": tw.Hybrid}[fmt]
+    rng = np.random.default_rng(3)
+    a, b = (np.where(rng.random((n, 300)) < 0.05, rng.standard_normal((n, 300)), 0).astype(np.float32)
+            for n in (37, 50))
+    with cp.cuda.Device(1):
+        A, B = cls.from_dense(cp.asarray(a)), cls.from_dense(cp.asarray(b))
+    with cp.cuda.Device(0):
+        S = tw.vstack([A, B])
+    assert S.values.device.id == 1
+    with cp.cuda.Device(1):
+        np.testing.assert_array_equal(cp.asnumpy(S.toarray()), np.vstack([a, b]))

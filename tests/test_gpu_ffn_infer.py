@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from benchmarks.workloads import make_ffn, reference_ffn
-from conftest import rel_err
+from conftest import GPU_COUNT, rel_err
 from twellpy._array import bfloat16
 from twellpy._ffn_infer import GatedFFN, ReluFFN, gated_forward, relu_forward
 
@@ -595,3 +595,49 @@ def test_split_mode_choice():
     plan.split_down = True
     assert plan._split_plan(3, y[:3], 0) is not None
     assert plan._split_plan(3, y[:3], None) is None        # no row lists: nothing to split
+
+
+def test_dropping_an_ffn_waits_for_its_last_call_on_another_stream():
+    """A plan dropped while its last call (on another stream) still runs waits for that call:
+    its workspaces go back to the free list of the stream that allocated them, where the next
+    allocation could take them while the other stream's kernels still write them."""
+    import gc
+    import threading
+
+    from _stream_hold import StreamHold
+
+    w = make_ffn(600, 128, 512, 10, dtype=np.float32, xp=cp, seed=36)
+    ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"])
+    ffn(w["x"], mode="sparse")  # workspaces allocated on the current stream
+    cp.cuda.Device().synchronize()
+    hold = StreamHold()
+    other = cp.cuda.Stream(non_blocking=True)
+    with other:
+        hold.enqueue(other)
+        ffn(w["x"], mode="sparse")  # queued behind the hold
+    done = ffn._plan._done
+    assert not done.done, "the held call finished early: the test proves nothing"
+    release = threading.Timer(0.3, hold.release)
+    release.start()
+    del ffn
+    gc.collect()  # in case a reference cycle keeps the plan alive past the del
+    assert done.done, "the dropped plan did not wait for its last call"
+    release.join()
+    cp.cuda.Device().synchronize()
+
+
+@pytest.mark.skipif(GPU_COUNT < 2, reason="needs two GPUs")
+def test_ffn_on_the_second_gpu_with_the_first_current():
+    """Weights and x on cuda:1 while cuda:0 is current: the call runs on cuda:1 (its events,
+    streams and workspaces are the plan's device's), y lands there and matches float64."""
+    with cp.cuda.Device(1):
+        w = to_gpu(make_ffn(700, 128, 512, 10, dtype=np.float32, xp=np, seed=37))
+        ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"])
+    with cp.cuda.Device(0):
+        for mode in ("sparse", "auto", "auto"):
+            y = ffn(w["x"], mode=mode)
+            assert y.device.id == 1
+        act = ffn.activity()
+    assert act["mean_active"] is not None
+    with cp.cuda.Device(1):
+        assert rel_err(y, ref64(w)) <= TOL[np.dtype(np.float32)]

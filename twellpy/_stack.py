@@ -106,6 +106,15 @@ def vstack(parts):
     if len(parts) == 1:
         return parts[0].copy()
     first = parts[0]
+    if first.xp is not np:
+        with first.values.device:  # the result lives where the parts do, whatever device is current
+            return _vstack(parts)
+    return _vstack(parts)
+
+
+def _vstack(parts):
+    """:func:`vstack` of checked parts (two or more), on the current device."""
+    first = parts[0]
     xp = first.xp
     shape = (sum(p.shape[0] for p in parts), first.shape[1])
     cls = type(first)

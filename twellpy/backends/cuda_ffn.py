@@ -403,6 +403,15 @@ class FFNPlan:
         #: since a call returns before its kernels finish and the workspaces are shared
         self._done = None
 
+    def __del__(self):
+        # The workspaces go back to the free list of the stream they were allocated on,
+        # which may be idle while a later call on another stream still writes them.
+        try:
+            if self._done is not None:
+                self._done.synchronize()
+        except Exception:  # noqa: BLE001 - interpreter shutdown or a lost device
+            pass
+
     # ---- configuration ------------------------------------------------------
     def _choose_config(self):
         vec = 16 // self.dtype.itemsize
@@ -437,7 +446,8 @@ class FFNPlan:
 
     def _before_replacing_buffers(self):
         """Wait for the previous call's kernels: calls return before they finish,
-        and CuPy's pool may hand a freed buffer to another stream at once
+        and a freed buffer goes back to the free list of the stream that allocated
+        it, which may be idle while a later call on another stream still uses it
         (growth is rare, so this wait is too)."""
         if self._done is not None:
             self._done.synchronize()
@@ -628,10 +638,11 @@ class FFNPlan:
         if "counters" not in ws or self._last_rows == 0:
             return {"mean_active": None, "heavy_rows": 0}
         cp = cupy_module()
-        stream = cp.cuda.get_current_stream()
-        if self._done is not None:
-            stream.wait_event(self._done)  # the last call may have run on another stream
-        seen, n_heavy = (int(v) for v in ws["counters"].get(stream=stream)[:2])
+        with cp.cuda.Device(self.device_id):
+            stream = cp.cuda.get_current_stream()
+            if self._done is not None:
+                stream.wait_event(self._done)  # the last call may have run on another stream
+            seen, n_heavy = (int(v) for v in ws["counters"].get(stream=stream)[:2])
         return {"mean_active": seen / self._last_sparse_rows if self._last_sparse_rows else None,
                 "heavy_rows": n_heavy}
 
@@ -677,7 +688,8 @@ class FFNPlan:
                 # past every later query (a host that runs calls ahead would never see
                 # a count arrive); a later call takes the next one
                 return
-            self._density_copy.read()  # landed: free its slot (no wait)
+            # landed (no wait): it is the freshest count there is
+            self._density_mean = self._density_copy.read() / self._density_rows
         if self._density_slot is None:
             self._density_slot = self._host_slot()
         host, event = self._density_slot
@@ -721,7 +733,13 @@ class FFNPlan:
         """Run the FFN on ``x`` (M, D) cupy; see :meth:`_forward`. A call that fails
         midway waits for the work it queued before the error propagates, since
         the next call may run on another stream and reuse the workspaces."""
+        cp = cupy_module()
         try:
+            if cp.cuda.runtime.getDevice() != self.device_id:
+                # streams, events, workspaces and cuBLAS handles all belong to the plan's device
+                with cp.cuda.Device(self.device_id):
+                    return self._forward(x, mode=mode, return_activations=return_activations,
+                                         chunk_rows=chunk_rows, check_x=check_x)
             return self._forward(x, mode=mode, return_activations=return_activations, chunk_rows=chunk_rows,
                                  check_x=check_x)
         except BaseException:
