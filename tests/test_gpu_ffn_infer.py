@@ -611,11 +611,21 @@ def test_dropping_an_ffn_waits_for_its_last_call_on_another_stream():
     ffn(w["x"], mode="sparse")  # workspaces allocated on the current stream
     cp.cuda.Device().synchronize()
     hold = StreamHold()
+    plan = ffn._plan
+    launch_rowpack = plan._launch_rowpack
+
+    def held_rowpack(g, buf, stream, *args, **kwargs):
+        # after the NaN/Inf count the call waits for: the call returns while this is held
+        hold.enqueue(stream)
+        return launch_rowpack(g, buf, stream, *args, **kwargs)
+
+    plan._launch_rowpack = held_rowpack
     other = cp.cuda.Stream(non_blocking=True)
     with other:
-        hold.enqueue(other)
-        ffn(w["x"], mode="sparse")  # queued behind the hold
-    done = ffn._plan._done
+        ffn(w["x"], mode="sparse")
+    done = plan._done
+    del plan._launch_rowpack  # the class's method again: no reference cycle keeps the plan alive
+    del plan, launch_rowpack, held_rowpack
     assert not done.done, "the held call finished early: the test proves nothing"
     release = threading.Timer(0.3, hold.release)
     release.start()

@@ -385,7 +385,11 @@ def test_backup_row_kernels_match_cpu(dtype, gated, R, H):
     if gated:
         outs += [("u", u_d, u_c), ("db", db_d, db_c)]
     for name, got, want in outs:
-        np.testing.assert_array_equal(_bits_of(_host(got)), _bits_of(want), err_msg=name)
+        got = _host(got)
+        nan = np.isnan(want.astype(np.float64))
+        np.testing.assert_array_equal(np.isnan(got.astype(np.float64)), nan, err_msg=name)
+        # a NaN that arithmetic makes is the GPU's canonical NaN; numpy keeps the operand's payload
+        np.testing.assert_array_equal(_bits_of(got)[~nan], _bits_of(want)[~nan], err_msg=name)
     # |h| sums: only the backup rows are written; the order of the sum differs
     got = habs_d.get()
     others = np.setdiff1d(np.arange(M), rows)

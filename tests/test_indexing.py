@@ -30,6 +30,7 @@ KEYS = {
 def _dense_rows(dense, key):
     """What A[key] must hold: the container's dense form indexed the numpy way."""
     k = key[0] if isinstance(key, tuple) else key
+    k = host(k) if hasattr(k, "get") else k  # a device mask indexes the host copy
     if isinstance(k, list) and not k:
         return dense[np.zeros(0, np.int64)]
     return dense[k]

@@ -897,18 +897,18 @@ class SparseArray:
                             f"A[{int(key)}:{int(key) + 1 if int(key) != -1 else ''}] (shape (1, N))")
         if isinstance(key, slice):
             return xp.arange(*key.indices(m), dtype=np.int64)
-        if isinstance(key, (list, tuple)):
-            key = np.asarray(key)
-        if xp is np:
-            if not isinstance(key, np.ndarray):
-                key = key.get() if _array.is_cupy(key) else np.asarray(key)
-        elif _array.is_cupy(key) and key.device != self.values.device:
-            with self.values.device:
-                key = xp.array(key)  # an index array on another GPU: copied here
-        else:
-            key = xp.asarray(key)
+        on_device = _array.is_cupy(key)
+        if not on_device:
+            key = np.asarray(key)  # dtype checked before any copy: cupy cannot hold an object array
         if key.dtype != np.bool_ and key.dtype.kind not in "iu" and key.size:
             raise TypeError(f"{name} row indices must be integers or booleans, got dtype {key.dtype}")
+        if xp is np:
+            key = key.get() if on_device else key
+        elif not on_device:
+            key = xp.asarray(key)
+        elif key.device != self.values.device:
+            with self.values.device:
+                key = xp.array(key)  # an index array on another GPU: copied here
         if key.ndim == 0:
             raise TypeError(f"{name} row index must be a slice, an integer array or a boolean mask, "
                             f"got a 0-d array ({key.dtype}); select one row as A[[i]]")
