@@ -1,0 +1,94 @@
+"""Where a decode-sized FFN call spends its time (issue 4, W4: never slower than dense).
+
+For M in 1, 16 and 128 at W1's D and H, it times, back to back and one call at
+a time (synchronised), the dense FFN (three cuBLAS GEMMs through CuPy) and the
+twellpy call unchecked, ``mode="auto"`` and with the default NaN/Inf check, then
+profiles the checked call with cProfile (host functions by own time). A call
+that costs more host time than GPU time is host-bound: that is what decides
+decode speed.
+
+Usage (device): ``python benchmarks/decode_probe.py``
+"""
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from benchmarks.workloads import make_ffn  # noqa: E402
+from twellpy._array import bfloat16  # noqa: E402
+from twellpy._ffn_infer import GatedFFN  # noqa: E402
+
+
+def per_call_ms(fn, calls, sync):
+    """Host milliseconds a call: back to back (sync once) and one at a time (sync each)."""
+    for _ in range(5):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    stream = (time.perf_counter() - t0) / calls * 1e3
+    ts = []
+    for _ in range(calls // 4):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        ts.append(time.perf_counter() - t0)
+    return stream, float(np.median(ts)) * 1e3
+
+
+def main():
+    import cupy as cp
+
+    sync = cp.cuda.get_current_stream().synchronize
+    print(f"device {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
+    print(f"{'M':>4s} {'variant':>14s} {'stream ms':>10s} {'synced ms':>10s} {'x dense':>8s}")
+    profiled = None
+    for M in (1, 16, 128):
+        w = make_ffn(M, 2048, 5632, 30, dtype=bfloat16, xp=cp, seed=1)
+        x, wg, wu, wd = w["x"], w["w_gate"], w["w_up"], w["w_down"]
+        wgT, wuT, wdT = (cp.ascontiguousarray(a.T) for a in (wg, wu, wd))
+
+        def dense():
+            return (cp.maximum(x @ wgT, 0) * (x @ wuT)) @ wdT
+
+        ffn = GatedFFN(wg, wu, wd)
+        variants = {
+            "dense": dense,
+            "sparse": lambda: ffn(x, mode="sparse", check_finite=False),
+            "auto": lambda: ffn(x, check_finite=False),
+            "auto checked": lambda: ffn(x),
+        }
+        base = None
+        for name, fn in variants.items():
+            stream, synced = per_call_ms(fn, 400, sync)
+            base = stream if base is None else base
+            print(f"{M:4d} {name:>14s} {stream:10.4f} {synced:10.4f} {base / stream:8.2f}")
+        if M == 1:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(300):
+                ffn(x)
+            sync()
+            prof.disable()
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(14)
+            profiled = out.getvalue()
+    print("\ncProfile of 300 checked calls at M = 1 (own time):")
+    lines = [ln for ln in profiled.splitlines() if ln.strip()]
+    start = next(i for i, ln in enumerate(lines) if "ncalls" in ln)
+    for ln in lines[start:start + 15]:
+        print(ln[:150])
+
+
+if __name__ == "__main__":
+    main()
