@@ -73,8 +73,10 @@ CONSTRUCT_DEFINES: dict = {}
 SPMM_DEFINES: dict = {}
 #: Variants of the construction loop (construct.cu), declared so that CI
 #: compiles them, and tested on the GPU; a variant runs when
-#: ``CONSTRUCT_DEFINES`` is set to it. Off by default until benchmarks/kernels.py
-#: has measured them. "prefetch": each lane's next loads go out before it packs
+#: ``CONSTRUCT_DEFINES`` is set to it. Off by default until they have run under
+#: memcheck and racecheck: on W1 (2026-12-05) the ring took the default's 56% of
+#: the copy bandwidth to 62% on an H200 (72% to 77% on an H100), below the 70%
+#: target. "prefetch": each lane's next loads go out before it packs
 #: the current chunks; "async-ring": 16-byte inputs stream through a per-warp
 #: ring of 8 chunks filled by cp.async (7 in flight per lane, no registers
 #: held). Both take slot positions from two ballots when no lane holds two
@@ -110,8 +112,8 @@ _SPMM_ROWS_NV = (1, 2)
 #: streams A's rows past it, so B is read once per slice instead of once per
 #: entry. "auto": for calls of at least RESIDENT_MIN_ROWS rows when a slice
 #: fits the device's shared memory; True: whenever it fits; False: never.
-#: False until benchmarks/kernels.py has measured it against the gather
-#: kernel on a GPU (it gives the same bits either way).
+#: False: measured slower than the row-block gather kernel (W1 on an H200,
+#: 2026-12-05: 0.52 ms against 0.26 ms), though it gives the same bits.
 SPMM_RESIDENT = False
 RESIDENT_MIN_ROWS = 4096
 #: threads per block of the resident kernel (one block per SM) and entries of

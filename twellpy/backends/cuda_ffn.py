@@ -374,7 +374,8 @@ class FFNPlan:
         #: slice of w_downT in each block's shared memory (w_downT read once per
         #: slice instead of once per active neuron). "auto": calls of at least
         #: cuda.RESIDENT_MIN_ROWS rows whose slice fits. Same bits either way.
-        #: Off (0) until benchmarks/ffn.py has measured it on a GPU.
+        #: Off (0): measured slower (W1-16k on an H200, 2026-12-05: 1.93 ms against
+        #: 1.19 ms fused; re-reading the row lists per slice costs more than it saves).
         env_split = os.environ.get("TWELLPY_FFN_SPLIT", "0")
         if env_split not in ("auto", "0", "1"):
             raise ValueError(f"TWELLPY_FFN_SPLIT must be auto, 0 or 1, got {env_split!r}")
