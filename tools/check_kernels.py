@@ -3,10 +3,11 @@
 Run by CI (``.ci/run``). For each ``raw_kernels/*.cu`` file it compiles every
 instantiation declared through ``twellpy.backends._registry.declare`` (files
 with no declaration are compiled bare, which still catches syntax errors) for
-sm_90a and sm_80, with the same options the run-time registry uses. Any
-compile error makes the script exit 1; register spills are reported.
+sm_90a, sm_80 and sm_75 (Turing, where the sm_80+ load paths switch off),
+with the same options the run-time registry uses. Any compile error makes the
+script exit 1; register spills are reported.
 
-Usage: ``python tools/check_kernels.py [--arch 90a 80] [--strict-spills]``
+Usage: ``python tools/check_kernels.py [--arch 90a 80 75] [--strict-spills]``
 """
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ def compile_one(nvrtc, source, filename, names, options):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", nargs="+", default=["90a", "80"])
+    ap.add_argument("--arch", nargs="+", default=["90a", "80", "75"])
     ap.add_argument("--strict-spills", action="store_true", help="fail on any register spill")
     args = ap.parse_args(argv)
 
