@@ -1,0 +1,148 @@
+"""Decide which passed tests a memcheck pass vouches for.
+
+Usage::
+
+    python3 benchmarks/memcheck_triage.py TIMED_LOG TIMES_DIR LEDGER [--slack S]
+
+- ``TIMED_LOG``: the pass's output as written by ``timestamp_lines.py`` (``time\\tline``);
+- ``TIMES_DIR``: the ``times_*.tsv`` files of ``run_times.py`` (``node id\\tstart\\tstop``);
+- ``LEDGER``: the pass's ledger (``# code <hash>`` then ``ok <node id>\\t<seconds>`` lines).
+
+Every sanitizer report found anywhere in a line (reports often follow pytest's progress dots
+on the same line) is an error event at the time its line appeared. A passed test is suspect
+when it was running at most ``S`` seconds (default 30) before some event. The ledger keeps the
+other tests; the suspect ones move to ``LEDGER.rejected``. Before this script the whole ledger
+was rejected on any report: on 2026-12-05 one out-of-memory cascade late in a call threw away
+904 passes.
+
+The whole ledger is still rejected when an error cannot be placed in time: a line without a
+timestamp, an ``ERROR SUMMARY`` counting more errors than were printed (``--print-limit``
+hides the rest), or a report printed while no test ran.
+
+Exit status: 0 no error, 1 some tests rejected, 2 the whole ledger rejected, 3 bad input.
+"""
+
+import argparse
+import glob
+import os
+import re
+import sys
+
+# the headers compute-sanitizer prints for a finding, and for its own failures; "Internal
+# Sanitizer Error ... didn't track the launch" means a launch went unchecked, so it counts
+REPORT = re.compile(
+    r"========= (Invalid |Program hit |Error|Internal Sanitizer Error|Uninitialized |Misaligned |"
+    r"Out-of-range |Malloc|Free |Leaked |Race |Barrier |Warning|Unused memory|Potential )"
+)
+# numba's CUDA driver setup (entered by distributed's cupy deserialiser in the Dask tests)
+# probes driver entry points and handles CUDA_ERROR_INVALID_VALUE; memcheck reports each probe
+PROBE = re.compile(r"Program hit CUDA_ERROR_INVALID_VALUE .*cuGetProcAddress")
+# the sanitizer's note that the target exited non-zero: pytest's exit status, which the caller reads
+EXIT_NOTE = re.compile(r"process didn't terminate successfully|Target application returned an error")
+SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error")
+
+
+def read_events(timed_log):
+    """(times of error reports, number of probes, errors counted by ERROR SUMMARY lines, untimed lines)."""
+    events, probes, summarised, untimed = [], 0, 0, 0
+    with open(timed_log, errors="replace") as f:
+        for raw in f:
+            stamp, sep, line = raw.rstrip("\n").partition("\t")
+            try:
+                t = float(stamp) if sep else None
+            except ValueError:
+                t = None
+            if t is None:
+                line = raw.rstrip("\n")
+            for match in REPORT.finditer(line):
+                rest = line[match.start():]
+                if EXIT_NOTE.search(rest):
+                    continue
+                if PROBE.search(rest):
+                    probes += 1
+                elif t is None:
+                    untimed += 1
+                else:
+                    events.append(t)
+            for match in SUMMARY.finditer(line):
+                summarised += int(match.group(1))
+    return events, probes, summarised, untimed
+
+
+def read_times(times_dir):
+    spans = {}
+    for name in glob.glob(os.path.join(times_dir, "times_*.tsv")):
+        with open(name) as f:
+            for line in f:
+                parts = line.rstrip("\n").split("\t")
+                if len(parts) == 3:
+                    node, start, stop = parts
+                    spans.setdefault(node, []).append((float(start), float(stop)))
+    return spans
+
+
+def triage(timed_log, times_dir, ledger, slack=30.0):
+    """Split ``ledger`` in place; return (exit status, one-line verdict)."""
+    events, probes, summarised, untimed = read_events(timed_log)
+    spans = read_times(times_dir)
+    with open(ledger) as f:
+        lines = f.read().splitlines()
+    header = [ln for ln in lines if not ln.startswith("ok ")]
+    passed = [ln for ln in lines if ln.startswith("ok ")]
+    node_of = {ln: ln[3:].split("\t", 1)[0] for ln in passed}
+    note = f"{len(events)} sanitizer reports, {probes} numba driver probes (not counted)"
+
+    def write(keep, reject):
+        with open(ledger, "w") as f:
+            f.write("\n".join(header + keep) + "\n")
+        if reject:
+            with open(ledger + ".rejected", "w") as f:
+                f.write("\n".join(header + reject) + "\n")
+
+    whole = None
+    if untimed:
+        whole = f"{untimed} reports without a time"
+    elif summarised > len(events) + probes:
+        whole = f"ERROR SUMMARY counts {summarised} errors, {len(events) + probes} were printed"
+    elif events and not spans:
+        whole = "no test times were recorded"
+    else:
+        running = [t for t in events
+                   if any(start <= t and stop >= t - slack for ss in spans.values() for start, stop in ss)]
+        if len(running) < len(events):
+            whole = f"{len(events) - len(running)} reports while no test ran"
+    if whole:
+        write([], passed)
+        return 2, f"{note}; whole ledger rejected: {whole}"
+    if not events:
+        return 0, f"{note}; all {len(passed)} passes kept"
+
+    def suspect(node):
+        return any(start <= t and stop >= t - slack for start, stop in spans.get(node, [(0.0, float("inf"))])
+                   for t in events)
+
+    keep = [ln for ln in passed if not suspect(node_of[ln])]
+    reject = [ln for ln in passed if suspect(node_of[ln])]
+    write(keep, reject)
+    first, last = min(events), max(events)
+    return 1, (f"{note}, between t={first:.0f} and t={last:.0f}; {len(keep)} passes kept, "
+               f"{len(reject)} rejected (running within {slack:g} s before a report)")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("timed_log")
+    parser.add_argument("times_dir")
+    parser.add_argument("ledger")
+    parser.add_argument("--slack", type=float, default=30.0)
+    args = parser.parse_args(argv)
+    if not os.path.isfile(args.timed_log) or not os.path.isfile(args.ledger):
+        print(f"memcheck_triage: missing {args.timed_log if not os.path.isfile(args.timed_log) else args.ledger}")
+        return 3
+    status, verdict = triage(args.timed_log, args.times_dir, args.ledger, args.slack)
+    print(f"memcheck triage: {verdict}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
