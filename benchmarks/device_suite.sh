@@ -68,7 +68,8 @@ memcheck_resume_pass() {  # memcheck_resume_pass MARK WORKERS TIMEOUT_S TAG [-k 
   echo "[$tag] -m \"$mark\", $workers workers, ${limit} s, xdist scheduling: ${XDIST_DIST:-load (default)}"
   # every line of the pass's output gets the time it appeared, and every test its start and stop,
   # so that a sanitizer report rejects only the tests running near it (memcheck_triage.py)
-  : > "$log"; python3 benchmarks/timestamp_lines.py "$log" "$times/timed.tsv" & local follower=$!
+  echo "[$tag] pass starts" > "$log"  # its time stamp is the pass's start (memcheck_triage.py's time budget)
+  python3 benchmarks/timestamp_lines.py "$log" "$times/timed.tsv" & local follower=$!
   # gpu_memory_hygiene: every worker gives its cached GPU memory back after each test; without it
   # (2026-12-05, H100) idle workers' pools held 10-15 GiB while an exclusive large-shape test ran,
   # and the sanitizer itself then failed to allocate ("Internal Sanitizer Error ... didn't track")

@@ -81,6 +81,37 @@ def read_times(times_dir):
     return spans
 
 
+def time_budget(timed_log, times_dir):
+    """One line on where a pass's time went: per worker process, the start-up before its
+    first test, the time inside tests and the gaps between them (from the test times and
+    the first timestamped line of the log)."""
+    try:
+        with open(timed_log, errors="replace") as f:
+            first = next((float(ln.split("\t", 1)[0]) for ln in f if "\t" in ln), None)
+    except (OSError, ValueError):
+        first = None
+    workers = []
+    for name in glob.glob(os.path.join(times_dir, "times_*.tsv")):
+        spans = []
+        with open(name) as f:
+            for line in f:
+                parts = line.rstrip("\n").split("\t")
+                if len(parts) == 3:
+                    spans.append((float(parts[1]), float(parts[2])))
+        if spans:
+            spans.sort()
+            busy = sum(b - a for a, b in spans)
+            workers.append((spans[0][0], spans[-1][1], busy, len(spans)))
+    if not workers or first is None:
+        return "time budget: no test times"
+    start_up = sorted(w[0] - first for w in workers)
+    busy = sum(w[2] for w in workers)
+    span = sum(w[1] - w[0] for w in workers)
+    return (f"time budget: {len(workers)} workers; start-up before the first test "
+            f"{start_up[0]:.0f}-{start_up[-1]:.0f} s; inside tests {busy:.0f} s, between tests "
+            f"{span - busy:.0f} s (worker-seconds); {sum(w[3] for w in workers)} tests run")
+
+
 def triage(timed_log, times_dir, ledger, slack=30.0):
     """Split ``ledger`` in place; return (exit status, one-line verdict)."""
     events, probes, summarised, untimed = read_events(timed_log)
@@ -141,6 +172,7 @@ def main(argv=None):
         return 3
     status, verdict = triage(args.timed_log, args.times_dir, args.ledger, args.slack)
     print(f"memcheck triage: {verdict}")
+    print(f"memcheck {time_budget(args.timed_log, args.times_dir)}")
     return status
 
 
