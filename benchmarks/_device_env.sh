@@ -2,6 +2,12 @@
 # benchmarks/fetch_dask_wheels.sh (carry=[".whl"]), because the device has no package index.
 # Sets PYTHONPATH to the source tree, with the installed wheels in front when there are any.
 export PYTHONPATH=. PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_cache}
+# A fresh machine compiles every kernel again (about a minute, several under a sanitizer).
+# `device_suite.sh warm` returns CuPy's cache as $OUT/cupy_cache.tgz; unpacked here as
+# .cupy_cache/ (git-ignored) and passed with carry=[".cupy_cache"], it seeds the cache.
+if [[ -d .cupy_cache && ! -e $CUPY_CACHE_DIR ]]; then
+  mkdir -p "$CUPY_CACHE_DIR" && cp -r .cupy_cache/. "$CUPY_CACHE_DIR/"
+fi
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:. || echo "Dask wheels did not install"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU test suite, sanitizers, and every benchmark.
-# Usage on the H200 (from the repo root):  bash benchmarks/device_suite.sh [tests|sanitize|race|memcheck K/N|memcheck-resume|memcheck-finish|profile|bench|all]
+# Usage on the H200 (from the repo root):  bash benchmarks/device_suite.sh [tests|warm|sanitize|race|memcheck K/N|memcheck-resume|memcheck-finish|profile|bench|all]
 #   memcheck K/N: shard K of N of the whole GPU suite under memcheck (8 xdist workers). Measured
 #   2026-12-02: a third of the suite takes > 560 s with every kernel checked and 300-450 s with
 #   MEMCHECK_KERNELS=kns=twellpy_ (twellpy's kernels only), so the whole suite needs ~4-5 calls.
@@ -30,6 +30,12 @@ if [[ $what == tests || $what == all ]]; then
   [[ ${PIPESTATUS[0]} == 0 ]] || status=1
   kill $watcher 2>/dev/null
   tar czf "$OUT/gpu_tests.tgz" -C "$T" .
+fi
+if [[ $what == warm ]]; then
+  # compile every declared kernel instantiation into CuPy's cache and return the cache
+  # (see _device_env.sh), so that later fresh machines, and sanitizer workers, skip compiling
+  python -m twellpy info --compile 2>&1 | tail -3
+  tar czf "$OUT/cupy_cache.tgz" -C "$CUPY_CACHE_DIR" . && ls -l "$OUT/cupy_cache.tgz" | awk '{print "cupy cache:", $5, "bytes"}'
 fi
 if [[ $what == memcheck ]]; then
   shard=${2:?usage: device_suite.sh memcheck K/N}
