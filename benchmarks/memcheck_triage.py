@@ -69,7 +69,8 @@ def read_events(timed_log):
     return events, probes, summarised, untimed
 
 
-def read_times(times_dir):
+def read_times(times_dir, by="test"):
+    """``{node id: [(start, stop), ...]}``, or with ``by="worker"`` ``{file: [...]}``."""
     spans = {}
     for name in glob.glob(os.path.join(times_dir, "times_*.tsv")):
         with open(name) as f:
@@ -77,7 +78,7 @@ def read_times(times_dir):
                 parts = line.rstrip("\n").split("\t")
                 if len(parts) == 3:
                     node, start, stop = parts
-                    spans.setdefault(node, []).append((float(start), float(stop)))
+                    spans.setdefault(node if by == "test" else name, []).append((float(start), float(stop)))
     return spans
 
 
@@ -91,17 +92,10 @@ def time_budget(timed_log, times_dir):
     except (OSError, ValueError):
         first = None
     workers = []
-    for name in glob.glob(os.path.join(times_dir, "times_*.tsv")):
-        spans = []
-        with open(name) as f:
-            for line in f:
-                parts = line.rstrip("\n").split("\t")
-                if len(parts) == 3:
-                    spans.append((float(parts[1]), float(parts[2])))
-        if spans:
-            spans.sort()
-            busy = sum(b - a for a, b in spans)
-            workers.append((spans[0][0], spans[-1][1], busy, len(spans)))
+    for spans in read_times(times_dir, by="worker").values():
+        spans.sort()
+        busy = sum(b - a for a, b in spans)
+        workers.append((spans[0][0], spans[-1][1], busy, len(spans)))
     if not workers or first is None:
         return "time budget: no test times"
     start_up = sorted(w[0] - first for w in workers)
