@@ -5,7 +5,8 @@ Usage::
     python3 benchmarks/memcheck_triage.py TIMED_LOG TIMES_DIR LEDGER [--slack S]
 
 - ``TIMED_LOG``: the pass's output as written by ``timestamp_lines.py`` (``time\\tline``);
-- ``TIMES_DIR``: the ``times_*.tsv`` files of ``run_times.py`` (``node id\\tstart\\tstop``);
+- ``TIMES_DIR``: the files of ``run_times.py`` (``times_*.tsv``: ``node id\\tstart\\tstop``;
+  ``started_*.tsv`` and ``phases_*.tsv``, for tests that never finished and start-up phases);
 - ``LEDGER``: the pass's ledger (``# code <hash>`` then ``ok <node id>\\t<seconds>`` lines).
 
 Every sanitizer report found anywhere in a line (reports often follow pytest's progress dots
@@ -82,6 +83,85 @@ def read_times(times_dir, by="test"):
     return spans
 
 
+def read_unfinished(times_dir):
+    """``{node id: start}`` of the tests that started (``started_*.tsv``) but never finished."""
+    started, finished = {}, {}
+    for name in glob.glob(os.path.join(times_dir, "started_*.tsv")):
+        with open(name) as f:
+            for line in f:
+                parts = line.rstrip("\n").split("\t")
+                if len(parts) == 2:
+                    started.setdefault(parts[0], []).append(float(parts[1]))
+    for node, spans in read_times(times_dir).items():
+        finished[node] = len(spans)
+    return {node: max(starts) for node, starts in started.items() if len(starts) > finished.get(node, 0)}
+
+
+def _log_span(timed_log):
+    """(first, last) time stamps of the timed log, or (None, None)."""
+    first = last = None
+    try:
+        with open(timed_log, errors="replace") as f:
+            for ln in f:
+                stamp, sep, _ = ln.partition("\t")
+                try:
+                    t = float(stamp) if sep else None
+                except ValueError:
+                    t = None
+                if t is not None:
+                    first = t if first is None else first
+                    last = t
+    except OSError:
+        pass
+    return first, last
+
+
+def where_time_went(timed_log, times_dir, shown=8):
+    """Lines on a pass's start-up phases, the tests it never finished and the tests running
+    at its first sanitizer report (names the out-of-memory culprit, and the tests that eat a
+    call's time under memcheck without ever finishing)."""
+    first, last = _log_span(timed_log)
+    if first is None:
+        return ["start-up: no timed log"]
+    lines = []
+    phases = {}
+    for name in glob.glob(os.path.join(times_dir, "phases_*.tsv")):
+        with open(name) as f:
+            for line in f:
+                parts = line.rstrip("\n").split("\t")
+                if len(parts) == 2:
+                    phases.setdefault(parts[0], []).append(float(parts[1]) - first)
+    firsts = []  # each worker's first test start (started_ records also cover unfinished tests)
+    for name in glob.glob(os.path.join(times_dir, "started_*.tsv")):
+        with open(name) as f:
+            starts = [float(p[1]) for p in (ln.rstrip("\n").split("\t") for ln in f) if len(p) == 2]
+        if starts:
+            firsts.append(min(starts) - first)
+    if not firsts:
+        firsts = [min(a for a, _ in spans) - first for spans in read_times(times_dir, by="worker").values()]
+    if phases or firsts:
+        def rng(v):
+            return f"+{min(v):.0f}-{max(v):.0f} s" if v else "-"
+        lines.append("start-up: processes up " + rng(phases.get("imported", [])) + ", configured "
+                     + rng(phases.get("configured", [])) + ", collected " + rng(phases.get("collected", []))
+                     + ", first test " + rng(firsts))
+    unfinished = sorted(read_unfinished(times_dir).items(), key=lambda kv: kv[1])
+    if unfinished:
+        lines.append(f"never finished: {len(unfinished)} tests (the pass ended at +{last - first:.0f} s)")
+        lines += [f"  {node} (started +{t - first:.0f} s, ran >= {last - t:.0f} s)" for node, t in unfinished[:shown]]
+    events = read_events(timed_log)[0]
+    if events:
+        t0 = min(events)
+        spans = [(node, a, b) for node, ss in read_times(times_dir).items() for a, b in ss]
+        spans += [(node, a, float("inf")) for node, a in unfinished]
+        running = sorted((a, node, b) for node, a, b in spans if a <= t0 <= b)
+        lines.append(f"running at the first report (+{t0 - first:.0f} s): {len(running)} tests")
+        lines += [f"  {node} (started +{a - first:.0f} s" + (", never finished)" if b == float("inf")
+                                                            else f", took {b - a:.0f} s)")
+                  for a, node, b in running[:shown]]
+    return lines
+
+
 def time_budget(timed_log, times_dir):
     """One line on where a pass's time went: per worker process, the start-up before its
     first test, the time inside tests and the gaps between them (from the test times and
@@ -132,8 +212,12 @@ def triage(timed_log, times_dir, ledger, slack=30.0):
     elif events and not spans:
         whole = "no test times were recorded"
     else:
+        # a test killed by the time limit, or hung, never wrote its span: it ran until the end
+        live = dict(spans)
+        for node, start in read_unfinished(times_dir).items():
+            live.setdefault(node, []).append((start, float("inf")))
         running = [t for t in events
-                   if any(start <= t and stop >= t - slack for ss in spans.values() for start, stop in ss)]
+                   if any(start <= t and stop >= t - slack for ss in live.values() for start, stop in ss)]
         if len(running) < len(events):
             whole = f"{len(events) - len(running)} reports while no test ran"
     if whole:
@@ -167,6 +251,8 @@ def main(argv=None):
     status, verdict = triage(args.timed_log, args.times_dir, args.ledger, args.slack)
     print(f"memcheck triage: {verdict}")
     print(f"memcheck {time_budget(args.timed_log, args.times_dir)}")
+    for line in where_time_went(args.timed_log, args.times_dir):
+        print(f"memcheck {line}")
     return status
 
 
