@@ -115,6 +115,8 @@ if [[ $what == memcheck-resume || $what == memcheck-finish ]]; then
   # memcheck at this code hash (ledgers in docs/bench_logs/memcheck_ledger/, copied there from
   # $OUT after each call) are skipped; this call's passes go to a new ledger in $OUT. A ledger
   # from a run that reported any memcheck error is renamed *.rejected and vouches for nothing.
+  # every worker's start-up reads the bytecode this one collection writes (see _device_env.sh)
+  warm_bytecode -m gpu ${MEMCHECK_TESTS:-tests}
   # positive control first: a planted overrun in a kernel named like ours must be reported
   compute-sanitizer --tool memcheck --kernel-name ${MEMCHECK_KERNELS:-kns=twellpy_} \
     python benchmarks/sanitizer_probe.py > "$OUT/sanitizer_probe.txt" 2>&1
