@@ -43,18 +43,31 @@ EXIT_NOTE = re.compile(r"process didn't terminate successfully|Target applicatio
 SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error")
 
 
+def _stamped(raw):
+    """``(time or None, line)`` of one line of a timed log (``time\tline``)."""
+    stamp, sep, line = raw.rstrip("\n").partition("\t")
+    try:
+        return (float(stamp), line) if sep else (None, raw.rstrip("\n"))
+    except ValueError:
+        return None, raw.rstrip("\n")
+
+
+def _rows(times_dir, kind, width):
+    """``(file, fields)`` of every line with ``width`` tab-separated fields in ``kind_*.tsv``."""
+    for name in glob.glob(os.path.join(times_dir, f"{kind}_*.tsv")):
+        with open(name) as f:
+            for line in f:
+                parts = line.rstrip("\n").split("\t")
+                if len(parts) == width:
+                    yield name, parts
+
+
 def read_events(timed_log):
     """(times of error reports, number of probes, errors counted by ERROR SUMMARY lines, untimed lines)."""
     events, probes, summarised, untimed = [], 0, 0, 0
     with open(timed_log, errors="replace") as f:
         for raw in f:
-            stamp, sep, line = raw.rstrip("\n").partition("\t")
-            try:
-                t = float(stamp) if sep else None
-            except ValueError:
-                t = None
-            if t is None:
-                line = raw.rstrip("\n")
+            t, line = _stamped(raw)
             for match in REPORT.finditer(line):
                 rest = line[match.start():]
                 if EXIT_NOTE.search(rest):
@@ -73,27 +86,17 @@ def read_events(timed_log):
 def read_times(times_dir, by="test"):
     """``{node id: [(start, stop), ...]}``, or with ``by="worker"`` ``{file: [...]}``."""
     spans = {}
-    for name in glob.glob(os.path.join(times_dir, "times_*.tsv")):
-        with open(name) as f:
-            for line in f:
-                parts = line.rstrip("\n").split("\t")
-                if len(parts) == 3:
-                    node, start, stop = parts
-                    spans.setdefault(node if by == "test" else name, []).append((float(start), float(stop)))
+    for name, (node, start, stop) in _rows(times_dir, "times", 3):
+        spans.setdefault(node if by == "test" else name, []).append((float(start), float(stop)))
     return spans
 
 
 def read_unfinished(times_dir):
     """``{node id: start}`` of the tests that started (``started_*.tsv``) but never finished."""
-    started, finished = {}, {}
-    for name in glob.glob(os.path.join(times_dir, "started_*.tsv")):
-        with open(name) as f:
-            for line in f:
-                parts = line.rstrip("\n").split("\t")
-                if len(parts) == 2:
-                    started.setdefault(parts[0], []).append(float(parts[1]))
-    for node, spans in read_times(times_dir).items():
-        finished[node] = len(spans)
+    started = {}
+    for _, (node, start) in _rows(times_dir, "started", 2):
+        started.setdefault(node, []).append(float(start))
+    finished = {node: len(spans) for node, spans in read_times(times_dir).items()}
     return {node: max(starts) for node, starts in started.items() if len(starts) > finished.get(node, 0)}
 
 
@@ -103,11 +106,7 @@ def _log_span(timed_log):
     try:
         with open(timed_log, errors="replace") as f:
             for ln in f:
-                stamp, sep, _ = ln.partition("\t")
-                try:
-                    t = float(stamp) if sep else None
-                except ValueError:
-                    t = None
+                t = _stamped(ln)[0]
                 if t is not None:
                     first = t if first is None else first
                     last = t
@@ -125,18 +124,12 @@ def where_time_went(timed_log, times_dir, shown=8):
         return ["start-up: no timed log"]
     lines = []
     phases = {}
-    for name in glob.glob(os.path.join(times_dir, "phases_*.tsv")):
-        with open(name) as f:
-            for line in f:
-                parts = line.rstrip("\n").split("\t")
-                if len(parts) == 2:
-                    phases.setdefault(parts[0], []).append(float(parts[1]) - first)
-    firsts = []  # each worker's first test start (started_ records also cover unfinished tests)
-    for name in glob.glob(os.path.join(times_dir, "started_*.tsv")):
-        with open(name) as f:
-            starts = [float(p[1]) for p in (ln.rstrip("\n").split("\t") for ln in f) if len(p) == 2]
-        if starts:
-            firsts.append(min(starts) - first)
+    for _, (phase, t) in _rows(times_dir, "phases", 2):
+        phases.setdefault(phase, []).append(float(t) - first)
+    worker_first = {}  # each worker's first test start (started_ records also cover unfinished tests)
+    for name, (_, start) in _rows(times_dir, "started", 2):
+        worker_first[name] = min(float(start), worker_first.get(name, float("inf")))
+    firsts = [t - first for t in worker_first.values()]
     if not firsts:
         firsts = [min(a for a, _ in spans) - first for spans in read_times(times_dir, by="worker").values()]
     if phases or firsts:
@@ -166,11 +159,7 @@ def time_budget(timed_log, times_dir):
     """One line on where a pass's time went: per worker process, the start-up before its
     first test, the time inside tests and the gaps between them (from the test times and
     the first timestamped line of the log)."""
-    try:
-        with open(timed_log, errors="replace") as f:
-            first = next((float(ln.split("\t", 1)[0]) for ln in f if "\t" in ln), None)
-    except (OSError, ValueError):
-        first = None
+    first = _log_span(timed_log)[0]
     workers = []
     for spans in read_times(times_dir, by="worker").values():
         spans.sort()
