@@ -9,7 +9,7 @@ What it shows
 * conversions between formats, storage sizes, ``save``/``load``;
 * moving a container to the GPU and to cupyx, when a GPU is present.
 
-Run: ``python examples/01_convert_scipy.py [--small]``
+Run: ``python examples/01_convert_scipy.py [--small] [--device cpu|cuda]``
 """
 import argparse
 import os
@@ -56,7 +56,13 @@ def main(argv=None):
     m, n, density = (300, 700, 0.02) if args.small else (20000, 5632, 0.005)
 
     csr = make_matrix(m, n, density, seed=0)
-    dense = csr.toarray()  # the truth: duplicates summed, zeros are zeros
+    # The truth: duplicates summed as scipy's sum_duplicates sums them (which
+    # from_scipy uses), zeros are zeros. Not csr.toarray(): it adds the
+    # duplicates of an entry in another order, and a float32 sum of three or
+    # more terms can then differ in the last bit.
+    canonical = csr.copy()
+    canonical.sum_duplicates()
+    dense = canonical.toarray()
     true_nnz = int(np.count_nonzero(dense))
     print(f"scipy input: {csr.shape} {csr.dtype}, {csr.nnz} stored entries "
           f"(duplicates: {not csr.has_canonical_format}), {true_nnz} true non-zeros")

@@ -61,7 +61,7 @@ def main(argv=None):
     if args.small:
         M, H, D, K, repeat = 256, 512, 64, 10, 3
     elif use_gpu:
-        M, H, D, K, repeat = 16384, 5632, 2048, 30, 30  # workload W1-16k of BENCHMARKS.md
+        M, H, D, K, repeat = 16384, 5632, 2048, 30, 30  # workload W1-16k of benchmarks/workloads.py
     else:
         M, H, D, K, repeat = 8192, 2816, 1024, 15, 5    # workload C1 (CPU)
     print(f"{'GPU' if use_gpu else 'CPU'}: h {M}x{H} with ~{K} non-zeros per row, W {H}x{D}")

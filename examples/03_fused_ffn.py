@@ -1,7 +1,7 @@
 """03 -- The fused sparse FFN: ``gated_forward`` against a dense float64 reference.
 
 A gated ReLU FFN ``y = (relu(x Wg^T) * (x Wu^T)) Wd^T`` whose gate fires for
-~K of H neurons per token (the synthetic workload of BENCHMARKS.md: the gate
+~K of H neurons per token (the synthetic workload of benchmarks/workloads.py: the gate
 bias, carried by a constant input feature, is set so that the mean number of
 active neurons per token hits K). twellpy computes the gate GEMM densely and
 the up/down projections only for the active neurons.

@@ -1,6 +1,6 @@
 """Scale sparse FFN inference out with Dask: row chunks on a LocalCluster.
 
-Builds a synthetic gated FFN (BENCHMARKS.md recipe), splits a batch of tokens
+Builds a synthetic gated FFN (the recipe of benchmarks/workloads.py), splits a batch of tokens
 into row chunks (the last one shorter), and runs it on a two-worker Dask
 cluster with ``twellpy.dask.gated_forward``: the weights are shared once per
 worker, each chunk runs the fused sparse FFN where it lives. It then stores the
