@@ -89,7 +89,7 @@ memcheck_resume_pass() {  # memcheck_resume_pass MARK WORKERS TIMEOUT_S TAG [-k 
   kill $follower 2>/dev/null; wait $follower 2>/dev/null
   echo "[$tag] exit $rc (124: time limit, resume next call; 5: nothing left); $(awk '/^ok /{n++} END{print n+0}' "$ledger" 2>/dev/null || echo 0) tests passed"
   grep -E '[0-9]+ (passed|failed|deselected)' "$log" | tail -1
-  grep -E '^(FAILED|ERROR) ' "$log" | head -20
+  grep -E '^(FAILED|ERROR)[ -]' "$log" | sort -u | head -30
   local verdict=0
   if [[ -f $ledger ]]; then
     # keeps the passes no sanitizer report came near; moves the others to $ledger.rejected

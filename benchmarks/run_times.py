@@ -13,11 +13,17 @@ runs tests (each xdist worker, and the controller) writes, in ``DIR``:
 
 ``memcheck_triage.py`` reads the directory.
 
+The controller also prints ``FAILED-LIVE <node id> (<phase>): <last line of the error>``
+to stderr the moment a test fails, so a pass killed by the call's time limit before
+pytest's summary still names its failures (twenty-first session: two tests failed under
+memcheck in a pass cut by the limit, and nothing said which).
+
 It lives in ``benchmarks/`` rather than in ``tests/conftest.py`` because the memcheck ledger
 is keyed by a hash of ``tests/``: tooling around a sanitizer run must not invalidate it.
 """
 
 import os
+import sys
 import time
 
 import pytest
@@ -47,3 +53,13 @@ def pytest_runtest_protocol(item, nextitem):
     _append("started", f"{item.nodeid}\t{start:.3f}")
     yield
     _append("times", f"{item.nodeid}\t{start:.3f}\t{time.time():.3f}")
+
+
+def pytest_runtest_logreport(report):
+    # xdist workers report to the controller, which alone writes to the pass's log
+    if report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
+        text = (getattr(report, "longreprtext", "") or "").strip().splitlines()
+        errors = [line for line in text if line.startswith("E ")]  # pytest's error lines
+        reason = (errors[-1] if errors else text[-1] if text else "")[:300]
+        sys.stderr.write(f"\nFAILED-LIVE {report.nodeid} ({report.when}): {reason}\n")
+        sys.stderr.flush()
