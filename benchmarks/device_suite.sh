@@ -76,6 +76,10 @@ memcheck_resume_pass() {  # memcheck_resume_pass MARK WORKERS TIMEOUT_S TAG [-k 
   # so that a sanitizer report rejects only the tests running near it (memcheck_triage.py)
   echo "[$tag] pass starts" > "$log"  # its time stamp is the pass's start (memcheck_triage.py's time budget)
   python3 benchmarks/timestamp_lines.py "$log" "$times/timed.tsv" & local follower=$!
+  # the GPU's memory every 2 s: on 2026-12-06 (H100) 8 workers hit 149 out-of-memory errors
+  # in a pass that had run clean the day before; this shows what held the memory
+  nvidia-smi --query-gpu=timestamp,memory.used,memory.total --format=csv,noheader -l 2 \
+    > "$OUT/gpu_memory_$tag.csv" 2>/dev/null & local smi=$!
   # gpu_memory_hygiene: every worker gives its cached GPU memory back after each test; without it
   # (2026-12-05, H100) idle workers' pools held 10-15 GiB while an exclusive large-shape test ran,
   # and the sanitizer itself then failed to allocate ("Internal Sanitizer Error ... didn't track")
@@ -86,7 +90,7 @@ memcheck_resume_pass() {  # memcheck_resume_pass MARK WORKERS TIMEOUT_S TAG [-k 
     -p benchmarks.gpu_memory_hygiene -p benchmarks.run_times --durations=25 >> "$log" 2>&1
   local rc=$?
   kill_leftovers "$tag, after"
-  kill $follower 2>/dev/null; wait $follower 2>/dev/null
+  kill $follower $smi 2>/dev/null; wait $follower $smi 2>/dev/null
   echo "[$tag] exit $rc (124: time limit, resume next call; 5: nothing left); $(awk '/^ok /{n++} END{print n+0}' "$ledger" 2>/dev/null || echo 0) tests passed"
   grep -E '[0-9]+ (passed|failed|deselected)' "$log" | tail -1
   grep -E '^(FAILED|ERROR)[ -]' "$log" | sort -u | head -30
@@ -98,6 +102,9 @@ memcheck_resume_pass() {  # memcheck_resume_pass MARK WORKERS TIMEOUT_S TAG [-k 
   elif grep -q '=========.*\(Invalid\|Internal Sanitizer Error\|Program hit\)' "$log"; then
     verdict=2; echo "[$tag] sanitizer reports and no ledger"
   fi
+  # every sanitizer report line, kept whole: the log below is cut to its last 400 kB, and on
+  # 2026-12-06 that cut lost all 20 reports of a pass behind 149 out-of-memory tracebacks
+  grep -E '^=========' "$log" | grep -v 'Host Frame' | head -3000 > "$OUT/memcheck_reports_$tag.txt"
   # the host-side stack frames are most of a sanitizer log and say nothing about device memory
   grep -v 'Host Frame' "$log" | tail -c 400000 > "$log.tmp" && mv "$log.tmp" "$log"
   rm -rf "$times"
