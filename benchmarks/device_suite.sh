@@ -83,11 +83,15 @@ memcheck_resume_pass() {  # memcheck_resume_pass MARK WORKERS TIMEOUT_S TAG [-k 
   # gpu_memory_hygiene: every worker gives its cached GPU memory back after each test; without it
   # (2026-12-05, H100) idle workers' pools held 10-15 GiB while an exclusive large-shape test ran,
   # and the sanitizer itself then failed to allocate ("Internal Sanitizer Error ... didn't track")
+  # MEMCHECK_HYGIENE=0 keeps each worker's pool: under memcheck the device memory that the
+  # hygiene plugin frees after each test did not come back (2026-12-06, H100: 4 workers climbed
+  # to 81 GB, one of them to 47 GB, and 961 launches failed to allocate)
+  local hygiene="-p benchmarks.gpu_memory_hygiene"; [[ ${MEMCHECK_HYGIENE:-1} == 0 ]] && hygiene=
   OUT= TWELLPY_SANITIZE=1 TWELLPY_LEDGER="$ledger" TWELLPY_LEDGER_DONE='docs/bench_logs/memcheck_ledger/*.txt' \
     TWELLPY_TEST_TIMES="$times" timeout $limit compute-sanitizer --tool memcheck --print-limit 20 \
     --kernel-name ${MEMCHECK_KERNELS:-kns=twellpy_} \
     python -m pytest -q -m "$mark" "$@" -n $workers $XDIST_DIST ${MEMCHECK_TESTS:-tests} -p no:cacheprovider \
-    -p benchmarks.gpu_memory_hygiene -p benchmarks.run_times --durations=25 >> "$log" 2>&1
+    $hygiene -p benchmarks.run_times --durations=25 >> "$log" 2>&1
   local rc=$?
   kill_leftovers "$tag, after"
   kill $follower $smi 2>/dev/null; wait $follower $smi 2>/dev/null
