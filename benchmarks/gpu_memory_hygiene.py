@@ -10,7 +10,8 @@ cache and retries when *it* runs out, but it cannot reach another process's cach
 workers have to let go between tests. The tests themselves are unchanged.
 
 With ``TWELLPY_MEMORY_LOG=DIR`` each worker also appends ``test, pool bytes held, pool bytes
-in use`` (before the release) to ``DIR/pool_<worker>.csv``, to find the tests that grow a pool.
+in use`` (before the release) and the device's used bytes (after it) to ``DIR/pool_<worker>.csv``,
+to find the tests that grow a pool or leave memory behind.
 """
 
 import os
@@ -45,10 +46,20 @@ def pytest_runtest_teardown(item, nextitem):
     yield  # the test's own fixtures are torn down first
     held, used = _release_cached_gpu_memory()
     log_dir = os.environ.get("TWELLPY_MEMORY_LOG")
-    if log_dir and held:
+    if log_dir:
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        # the whole device's used bytes after the release: with one worker, memory that no pool
+        # holds and that outlives its test (what TWELLPY_SANITIZE's direct cudaMalloc runs showed)
+        device_used = -1
+        try:
+            import cupy
+
+            free, total = cupy.cuda.runtime.memGetInfo()
+            device_used = total - free
+        except Exception:
+            pass
         with open(os.path.join(log_dir, f"pool_{worker}.csv"), "a") as f:
-            f.write(f"{item.nodeid},{held},{used}\n")
+            f.write(f"{item.nodeid},{held},{used},{device_used}\n")
 
 
 def pytest_runtest_logreport(report):
