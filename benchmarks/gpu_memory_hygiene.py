@@ -10,11 +10,12 @@ cache and retries when *it* runs out, but it cannot reach another process's cach
 workers have to let go between tests. The tests themselves are unchanged.
 
 With ``TWELLPY_MEMORY_LOG=DIR`` each worker also appends ``test, pool bytes held, pool bytes
-in use`` (before the release) and the device's used bytes (after it) to ``DIR/pool_<worker>.csv``,
+in use`` (before the release), the device's used bytes (after it), the time and the pid to ``DIR/pool_<worker>.csv``,
 to find the tests that grow a pool or leave memory behind.
 """
 
 import os
+import time
 
 import pytest
 
@@ -59,7 +60,8 @@ def pytest_runtest_teardown(item, nextitem):
         except Exception:
             pass
         with open(os.path.join(log_dir, f"pool_{worker}.csv"), "a") as f:
-            f.write(f"{item.nodeid},{held},{used},{device_used}\n")
+            # time and pid: to line the rows up with nvidia-smi's per-process memory
+            f.write(f"{item.nodeid},{held},{used},{device_used},{time.time():.1f},{os.getpid()}\n")
 
 
 def pytest_runtest_logreport(report):
