@@ -7,6 +7,7 @@
 #   memcheck-finish: memcheck-resume in three passes: short shared-lock tests, exclusive ones alone, long ones.
 #   memcheck-resume: the whole suite, resumable through a ledger of passed tests (see below);
 #   MEMCHECK_TESTS (space-separated node ids) narrows a call to those tests (the slowest ones);
+#   MEMCHECK_GROUPS ("files;files;...") runs one pass per group, with fresh processes each;
 #   MEMCHECK_MARK="gpu and gpu_exclusive" with MEMCHECK_WORKERS=1 runs the exclusive-lock tests alone
 #   (behind shared-lock tests they can wait for the whole call).
 #   repeat the call (copying $OUT's ledger into docs/bench_logs/memcheck_ledger/) until it says
@@ -141,7 +142,17 @@ sys.exit(not any(REPORT.search(line) for line in open(sys.argv[1], errors="repla
     echo "memcheck_triage.py does NOT recognise the planted overrun's report"; exit 1
   fi
   echo "positive control: memcheck reported the planted overrun in twellpy_sanitizer_probe<float>"
-  if [[ $what == memcheck-resume ]]; then
+  if [[ $what == memcheck-resume && -n ${MEMCHECK_GROUPS:-} ]]; then
+    # MEMCHECK_GROUPS="a.py b.py;c.py": one pass per group, each with fresh worker processes, so
+    # that what one process accumulates under the sanitizer ends with its group (2026-12-06, H100:
+    # one worker reached 47.7 GB and the GPU ran out within 45 s of the first test). Each group
+    # gets an equal share of the time still left.
+    t0=$SECONDS; IFS=';' read -ra groups <<< "$MEMCHECK_GROUPS"; left=${#groups[@]}; g=0
+    for group in "${groups[@]}"; do
+      share=$(( (${SHARD_TIMEOUT:-560} - (SECONDS - t0)) / left )); left=$((left - 1)); g=$((g + 1))
+      MEMCHECK_TESTS="$group" memcheck_resume_pass "${MEMCHECK_MARK:-gpu}" ${MEMCHECK_WORKERS:-8} $share group$g
+    done
+  elif [[ $what == memcheck-resume ]]; then
     memcheck_resume_pass "${MEMCHECK_MARK:-gpu}" ${MEMCHECK_WORKERS:-8} ${SHARD_TIMEOUT:-560} all
   else
     # memcheck-finish: what a plain resume left behind on 2026-12-03 (14 tests passed in 540 s): every
