@@ -77,16 +77,15 @@ memcheck_resume_pass() {  # memcheck_resume_pass MARK WORKERS TIMEOUT_S TAG [-k 
   # so that a sanitizer report rejects only the tests running near it (memcheck_triage.py)
   echo "[$tag] pass starts" > "$log"  # its time stamp is the pass's start (memcheck_triage.py's time budget)
   python3 benchmarks/timestamp_lines.py "$log" "$times/timed.tsv" & local follower=$!
-  # the GPU's memory every 2 s: on 2026-12-06 (H100) 8 workers hit 149 out-of-memory errors
-  # in a pass that had run clean the day before; this shows what held the memory
-  nvidia-smi --query-gpu=timestamp,memory.used,memory.total --format=csv,noheader -l 2 \
-    > "$OUT/gpu_memory_$tag.csv" 2>/dev/null & local smi=$!
+  # each process's GPU memory (gpu_memory_log): on 2026-12-06 (H100) 8 workers hit 149
+  # out-of-memory errors in a pass that had run clean the day before; this shows who held it
+  gpu_memory_log "$OUT/gpu_memory_$tag.csv"; local smi=$!
   # gpu_memory_hygiene: every worker gives its cached GPU memory back after each test; without it
   # (2026-12-05, H100) idle workers' pools held 10-15 GiB while an exclusive large-shape test ran,
   # and the sanitizer itself then failed to allocate ("Internal Sanitizer Error ... didn't track")
-  # MEMCHECK_HYGIENE=0 keeps each worker's pool: under memcheck the device memory that the
-  # hygiene plugin frees after each test did not come back (2026-12-06, H100: 4 workers climbed
-  # to 81 GB, one of them to 47 GB, and 961 launches failed to allocate)
+  # MEMCHECK_HYGIENE=0 leaves the plugin out, to tell its part in a pass's memory (2026-12-06,
+  # H100: one worker climbed to 47.7 GB with and without it; under TWELLPY_SANITIZE=1 CuPy has
+  # no pool to release, see docs/bench_logs/session22_2026-12-06/)
   local hygiene="-p benchmarks.gpu_memory_hygiene"; [[ ${MEMCHECK_HYGIENE:-1} == 0 ]] && hygiene=
   OUT= TWELLPY_SANITIZE=1 TWELLPY_LEDGER="$ledger" TWELLPY_LEDGER_DONE='docs/bench_logs/memcheck_ledger/*.txt' \
     TWELLPY_TEST_TIMES="$times" timeout $limit compute-sanitizer --tool memcheck --print-limit 20 \

@@ -1,7 +1,7 @@
 """Which host calls wait for queued GPU work under compute-sanitizer, and which do not.
 
 Two GPU tests (``test_backward_check_of_dy_does_not_wait_for_its_own_kernels``) queue a
-kernel that holds the stream for about two seconds, then time a call that must return
+kernel that holds the stream (up to about four seconds), then time a call that must return
 without waiting for it. Under memcheck they failed (2026-12-06, H100: 4.15 s and 4.24 s)
 while the same tests pass without the sanitizer. This probe times each kind of host call
 the backward makes, with the stream held, once plain and once under the sanitizer::
@@ -11,34 +11,33 @@ the backward makes, with the stream held, once plain and once under the sanitize
 
 A call that takes about as long as the hold waited for it.
 """
+import sys
 import time
+from pathlib import Path
 
 import cupy as cp
 import cupyx
 import numpy as np
 
+# the tests' own stream hold (about 4 s before it gives up), so the probe holds the stream
+# exactly as the timing tests do
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _stream_hold import StreamHold  # noqa: E402
+
 _SRC = r"""
-extern "C" __global__ void twellpy_probe_hold(const volatile unsigned int* flag, long long max_cycles) {
-    const long long t0 = clock64();
-    while (*flag == 0u && clock64() - t0 < max_cycles) __nanosleep(1000);
-}
 extern "C" __global__ void twellpy_probe_touch(float* a) { a[threadIdx.x] += 1.0f; }
 extern "C" __global__ void other_probe_touch(float* a) { a[threadIdx.x] += 1.0f; }
 """
-HOLD_CYCLES = np.int64(4_000_000_000)  # about 2 s at the H100/H200 SM clock
 
 
 def main():
     mod = cp.RawModule(code=_SRC)
-    hold = mod.get_function("twellpy_probe_hold")
     touch_ours = mod.get_function("twellpy_probe_touch")
     touch_other = mod.get_function("other_probe_touch")
-    flag = cupyx.empty_pinned((1,), np.uint32)
+    hold = StreamHold()  # compiles and loads its kernel now
     a = cp.zeros(1024, cp.float32)
     pinned_out = cupyx.empty_pinned((4,), np.float32)
     side = cp.cuda.Stream(non_blocking=True)
-    flag[0] = 1
-    hold((1,), (1,), (np.uint64(flag.ctypes.data), HOLD_CYCLES))
     touch_ours((1,), (32,), (a,))
     touch_other((1,), (32,), (a,))
     cp.cuda.Device().synchronize()
@@ -68,14 +67,14 @@ def main():
     }
     print(f"{'host call with the stream held':42s} {'seconds':>8s} {'hold launch':>12s}")
     for name, call in probes.items():
-        flag[0] = 0
+        hold.rearm()
         t0 = time.perf_counter()
-        hold((1,), (1,), (np.uint64(flag.ctypes.data), HOLD_CYCLES))
+        hold.enqueue()
         hold_launch = time.perf_counter() - t0
         t0 = time.perf_counter()
         call()
         took = time.perf_counter() - t0
-        flag[0] = 1
+        hold.release()
         cp.cuda.Device().synchronize()
         print(f"{name:42s} {took:8.3f} {hold_launch:12.3f}{'   <- waited for the hold' if took > 0.5 else ''}")
 
