@@ -312,3 +312,53 @@ def test_auto_takes_a_count_that_landed_by_the_end_of_a_call(monkeypatch):
     assert in_flight.was_read and plan._density_mean == 30.0        # 3000 active over its 100 rows
     assert plan._density_copy is queued[-1] and plan._density_rows == 200
     assert plan._earlier_density() == (30.0, "earlier decision")
+
+
+def test_repeated_nonfinite_check_bookkeeping(monkeypatch):
+    """The prepared NaN/Inf check of the CUDA plan (no device: a fake CuPy): each queue
+    launches the kernel on the stream it is given (in that stream's context when it
+    is not the current one), queues the copy and its event there, reads wait for the
+    event only once, and a copy never read lands before the host word is reused."""
+    from types import SimpleNamespace
+
+    from twellpy.backends import cuda
+
+    log = []
+
+    class Stream:
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+        def __enter__(self):
+            log.append(("enter", self.ptr))
+
+        def __exit__(self, *exc):
+            log.append(("exit", self.ptr))
+
+    current = Stream(1)
+    runtime = SimpleNamespace(memcpyDeviceToHost=2,
+                              memcpyAsync=lambda dst, src, n, kind, s: log.append(("copy", s)))
+    fake_cp = SimpleNamespace(cuda=SimpleNamespace(get_current_stream=lambda: current, runtime=runtime))
+    monkeypatch.setattr(cuda, "_cp", lambda: fake_cp)
+    monkeypatch.setattr(cuda.reg, "get_kernel",
+                        lambda f, name: (lambda grid, block, args: log.append(("kernel", name, grid, args[1]))))
+
+    class Event:
+        def record(self, s):
+            log.append(("record", s.ptr))
+
+        def synchronize(self):
+            log.append(("wait",))
+
+    host = np.array([7], np.uint64)
+    count = SimpleNamespace(data=SimpleNamespace(ptr=4096))
+    arr = SimpleNamespace(size=3000, data=SimpleNamespace(ptr=8192))
+    check = cuda.RepeatedNonfiniteCheck(bfloat16, count, host, Event())
+    check.queue(arr, current)
+    assert log == [("kernel", "twellpy_count_nonfinite<unsigned short>", (2,), 3000), ("copy", 1), ("record", 1)]
+    assert check.read() == 7 and check.read() == 7 and log[3:] == [("wait",)]   # one wait, then cached
+    del log[:]
+    check.queue(arr, Stream(5))               # another stream: launched in its context
+    check.queue(SimpleNamespace(size=0, data=arr.data), current)   # never read: waited for first, no launch
+    assert log == [("enter", 5), ("kernel", "twellpy_count_nonfinite<unsigned short>", (2,), 3000), ("exit", 5),
+                   ("copy", 5), ("record", 5), ("wait",), ("copy", 1), ("record", 1)]

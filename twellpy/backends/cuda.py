@@ -36,7 +36,7 @@ import threading
 
 import numpy as np
 
-from .._array import FLOAT_DTYPES, UINT_OF_WIDTH, cupy_module, float_bit_masks
+from .._array import FLOAT_DTYPES, cupy_module, float_bit_masks
 from . import _registry as reg
 
 _INT32_MAX = 2**31 - 1
@@ -243,15 +243,78 @@ def launch_count_nonfinite(arr, count, stream):
         return
     if not (arr.flags.c_contiguous or arr.flags.f_contiguous):
         raise ValueError("count_nonfinite needs a contiguous array")
-    width = arr.dtype.itemsize
-    words = arr.reshape(-1, order="C" if arr.flags.c_contiguous else "F").view(UINT_OF_WIDTH[width])
-    per_block = _CHECK_BLOCK * (16 // width)
-    grid = min(_blocks(n, per_block), _CHECK_MAX_BLOCKS)
-    exp_mask, _ = float_bit_masks(arr.dtype)
+    name, exp_mask, per_block = _nonfinite_params(arr.dtype)
     with arr.device, stream:  # launch where the data lives (a raw kernel does not check the device)
-        k = reg.get_kernel("check.cu", f"twellpy_count_nonfinite<{_NONFINITE_WORD[width]}>")
-        k((grid,), (_CHECK_BLOCK,), (words, _i64(n), np.uint64(exp_mask),
-                                     _i32(words.data.ptr % 16 == 0), count))
+        k = reg.get_kernel("check.cu", name)
+        # the kernel reads the elements as unsigned words through the same pointer
+        k((min(_blocks(n, per_block), _CHECK_MAX_BLOCKS),), (_CHECK_BLOCK,),
+          (arr, _i64(n), exp_mask, _i32(arr.data.ptr % 16 == 0), count))
+
+
+@functools.lru_cache(maxsize=None)
+def _nonfinite_params(dtype):
+    """Kernel name, exponent mask and elements per block of the NaN/Inf count of ``dtype``."""
+    dt = np.dtype(dtype)
+    exp_mask, _ = float_bit_masks(dt)
+    return (f"twellpy_count_nonfinite<{_NONFINITE_WORD[dt.itemsize]}>", np.uint64(exp_mask),
+            _CHECK_BLOCK * (16 // dt.itemsize))
+
+
+class RepeatedNonfiniteCheck:
+    """The NaN/Inf count of one array per call, for a caller that checks arrays of one
+    dtype on one device call after call (the fused FFN's ``x``).
+
+    What does not depend on the array is prepared once: the kernel, its mask, the
+    device count word (``count``, a (1,) uint64 cupy array the caller zeroes before
+    each :meth:`queue`), a pinned host word and an event. A decode-sized checked
+    call is host-bound, and the general path (:func:`launch_count_nonfinite` and
+    :class:`PendingCount`: views, device and stream contexts, lookups) cost about
+    40 us of host time a call (``benchmarks/decode_probe.py``, 2026-12-05).
+    Construct it on the device the arrays live on.
+    """
+
+    __slots__ = ("_kernel", "_exp_mask", "_per_block", "_count", "_host", "_event", "_pending")
+
+    def __init__(self, dtype, count, host, event):
+        name, self._exp_mask, self._per_block = _nonfinite_params(dtype)
+        self._kernel = reg.get_kernel("check.cu", name)
+        self._count, self._host, self._event = count, host, event
+        self._pending = False
+
+    def queue(self, arr, stream):
+        """Queue the count of ``arr`` (C-contiguous, this dtype and device) and its copy
+        to the host on ``stream``; waits first for a previous copy never read."""
+        if self._pending:
+            self.read()  # the host word is about to be written again
+        cp = _cp()
+        n = int(arr.size)
+        if n:
+            grid = min(_blocks(n, self._per_block), _CHECK_MAX_BLOCKS)
+            args = (arr, _i64(n), self._exp_mask, _i32(arr.data.ptr % 16 == 0), self._count)
+            if stream.ptr == cp.cuda.get_current_stream().ptr:
+                self._kernel((grid,), (_CHECK_BLOCK,), args)
+            else:
+                with stream:  # a raw kernel launches on the current stream
+                    self._kernel((grid,), (_CHECK_BLOCK,), args)
+        rt = cp.cuda.runtime
+        rt.memcpyAsync(self._host.ctypes.data, self._count.data.ptr, 8, rt.memcpyDeviceToHost, stream.ptr)
+        self._event.record(stream)
+        self._pending = True
+
+    def read(self):
+        """The last queued count (waits for its copy only, not for later work)."""
+        if self._pending:
+            self._event.synchronize()
+            self._pending = False
+        return int(self._host[0])
+
+    def __del__(self):
+        # a copy in flight must land before its pinned word can be freed or reused
+        if getattr(self, "_pending", False):
+            try:
+                self._event.synchronize()
+            except Exception:  # noqa: BLE001 - interpreter shutdown or a lost device
+                pass
 
 
 class PendingCount:

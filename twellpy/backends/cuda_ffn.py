@@ -47,7 +47,7 @@ import numpy as np
 from .._array import bfloat16, cupy_module, raise_nonfinite
 from . import _registry
 from . import overflow_rows_to_backup
-from .cuda import PendingCount, launch_count_nonfinite
+from .cuda import PendingCount, RepeatedNonfiniteCheck
 
 _SPARSE_FILE = "ffn_sparse.cu"
 _PACK_FILE = "ffn_pack.cu"
@@ -398,8 +398,8 @@ class FFNPlan:
         self._density_copy = None
         self._density_rows = 1
         self._density_slot = None  # (pinned host word, event) reused by every density copy
-        self._check_read = None  # PendingCount of the NaN/Inf count of x (see _queue_check)
-        self._check_slot = None  # (pinned host word, event) reused by every call's check
+        self._check = None  # RepeatedNonfiniteCheck of x into counters[3] (see _queue_check)
+        self._check_counters = None  # the counter block self._check writes into
         #: event recorded at the end of every call: the next call's stream waits for it,
         #: since a call returns before its kernels finish and the workspaces are shared
         self._done = None
@@ -708,13 +708,15 @@ class FFNPlan:
         calls, and a Dask worker's bookkeeping between tasks, then overlap the
         GPU work instead of leaving the GPU idle after every call.
         """
-        launch_count_nonfinite(x, counters[3:], stream)
-        if self._check_slot is None:
-            self._check_slot = self._host_slot()
-        host, event = self._check_slot
-        if self._check_read is not None:
-            self._check_read.read()  # an unread copy (a call that raised) must land first
-        self._check_read = PendingCount(counters[3:], stream, host=host, event=event)
+        if self._check_counters is not counters:  # first call, or the workspaces grew
+            if self._check is None:
+                host, event = self._host_slot()
+            else:
+                self._check.read()  # an unread copy (a call that raised) lands before its word is reused
+                host, event = self._check._host, self._check._event
+            self._check = RepeatedNonfiniteCheck(self.dtype, counters[3:], host, event)
+            self._check_counters = counters
+        self._check.queue(x, stream)  # waits first for an unread copy (a call that raised)
 
     def _call_done(self, stream):
         """Record the end of this call's work on ``stream`` (see ``_done``)."""
@@ -726,8 +728,7 @@ class FFNPlan:
 
     def _read_check(self):
         """The count queued by :meth:`_queue_check` (waits for its copy only)."""
-        n_bad, self._check_read = self._check_read.read(), None
-        return n_bad
+        return self._check.read()
 
     # ---- the call -----------------------------------------------------------
     def forward(self, x, *, mode="auto", return_activations=False, chunk_rows=None, check_x=False):
