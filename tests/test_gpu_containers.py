@@ -168,15 +168,16 @@ def test_construct_dense_to_twell_vector_and_scalar_paths(dtype, tiles_per_warp,
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("tiles_per_warp", [1, 3, 1000])
-@pytest.mark.parametrize("variant", ["prefetch", "async-ring", "unroll3-prefetch", "unroll1-fast-prefix",
-                                     "async-ring-2", "async-ring-12-6blocks"])
+@pytest.mark.parametrize("variant", ["registers", "prefetch", "async-ring", "unroll3-prefetch",
+                                     "unroll1-fast-prefix", "async-ring-2", "async-ring-12-6blocks"])
 def test_construct_loop_variants_give_the_same_bits(dtype, tiles_per_warp, variant, monkeypatch):
     """The construction loop variants benchmarks/kernels.py sweeps (prefetch of the
     next chunks, the cp.async ring, the two-ballot prefix) write the same slots
     and flags as numpy, from aligned (ring) and misaligned (scalar) inputs."""
-    extra = {"unroll3-prefetch": {"CONSTRUCT_UNROLL": 3, "CONSTRUCT_PREFETCH": 1},
-             "unroll1-fast-prefix": {"CONSTRUCT_UNROLL": 1, "CONSTRUCT_FAST_PREFIX": 1},
-             "async-ring-2": {"CONSTRUCT_ASYNC_DEPTH": 2},
+    extra = {"unroll3-prefetch": {"CONSTRUCT_UNROLL": 3, "CONSTRUCT_PREFETCH": 1, "CONSTRUCT_ASYNC_DEPTH": 0,
+                                  "CONSTRUCT_FAST_PREFIX": 0},
+             "unroll1-fast-prefix": {"CONSTRUCT_UNROLL": 1, "CONSTRUCT_ASYNC_DEPTH": 0},
+             "async-ring-2": {"CONSTRUCT_ASYNC_DEPTH": 2, "CONSTRUCT_FAST_PREFIX": 0},  # ring + warp-scan prefix
              "async-ring-12-6blocks": {"CONSTRUCT_ASYNC_DEPTH": 12, "CONSTRUCT_MIN_BLOCKS": 6,
                                        "CONSTRUCT_FAST_PREFIX": 1}}
     defines = cuda.CONSTRUCT_VARIANTS.get(variant) or extra[variant]

