@@ -1,5 +1,6 @@
 """CPU tests of the fused FFN inference (twellpy._ffn_infer + backends/cpu_ffn)."""
 import numpy as np
+from types import SimpleNamespace
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -314,16 +315,11 @@ def test_auto_takes_a_count_that_landed_by_the_end_of_a_call(monkeypatch):
     assert plan._earlier_density() == (30.0, "earlier decision")
 
 
-def test_repeated_nonfinite_check_bookkeeping(monkeypatch):
-    """The prepared NaN/Inf check of the CUDA plan (no device: a fake CuPy): each queue
-    launches the kernel on the stream it is given (in that stream's context when it
-    is not the current one), queues the copy and its event there, reads wait for the
-    event only once, and a copy never read lands before the host word is reused."""
+def _fake_cupy_for_checks(monkeypatch, log):
+    """A fake CuPy for RepeatedNonfiniteCheck: kernel launches, copies, stream contexts."""
     from types import SimpleNamespace
 
     from twellpy.backends import cuda
-
-    log = []
 
     class Stream:
         def __init__(self, ptr):
@@ -337,28 +333,172 @@ def test_repeated_nonfinite_check_bookkeeping(monkeypatch):
 
     current = Stream(1)
     runtime = SimpleNamespace(memcpyDeviceToHost=2,
-                              memcpyAsync=lambda dst, src, n, kind, s: log.append(("copy", s)))
+                              memcpyAsync=lambda dst, src, n, kind, s: log.append(("copy", dst, s)))
     fake_cp = SimpleNamespace(cuda=SimpleNamespace(get_current_stream=lambda: current, runtime=runtime))
     monkeypatch.setattr(cuda, "_cp", lambda: fake_cp)
     monkeypatch.setattr(cuda.reg, "get_kernel",
                         lambda f, name: (lambda grid, block, args: log.append(("kernel", name, grid, args[1]))))
+    return Stream, current
 
-    class Event:
-        def record(self, s):
-            log.append(("record", s.ptr))
 
-        def synchronize(self):
-            log.append(("wait",))
+class _FakeEvent:
+    def __init__(self, log, name):
+        self.log, self.name, self.done = log, name, False
 
-    host = np.array([7], np.uint64)
+    def record(self, s):
+        self.log.append(("record", self.name, s.ptr))
+        self.done = False
+
+    def synchronize(self):
+        self.log.append(("wait", self.name))
+        self.done = True
+
+
+def test_repeated_nonfinite_check_bookkeeping(monkeypatch):
+    """The prepared NaN/Inf check of the CUDA plan (no device: a fake CuPy): each queue
+    launches the kernel on the stream it is given (in that stream's context when it is
+    not the current one) and copies into the next word of its ring; collect returns the
+    landed counts oldest first, once each, and waits only as asked."""
+    from twellpy.backends import cuda
+
+    log = []
+    Stream, current = _fake_cupy_for_checks(monkeypatch, log)
+    host = np.array([7, 8, 9], np.uint64)
+    events = [_FakeEvent(log, k) for k in range(3)]
     count = SimpleNamespace(data=SimpleNamespace(ptr=4096))
     arr = SimpleNamespace(size=3000, data=SimpleNamespace(ptr=8192))
-    check = cuda.RepeatedNonfiniteCheck(bfloat16, count, host, Event())
-    check.queue(arr, current)
-    assert log == [("kernel", "twellpy_count_nonfinite<unsigned short>", (2,), 3000), ("copy", 1), ("record", 1)]
-    assert check.read() == 7 and check.read() == 7 and log[3:] == [("wait",)]   # one wait, then cached
+    check = cuda.RepeatedNonfiniteCheck(bfloat16, count, host, events)
+    check.queue(arr, current, "a")
+    assert log == [("kernel", "twellpy_count_nonfinite<unsigned short>", (2,), 3000),
+                   ("copy", host.ctypes.data, 1), ("record", 0, 1)]
+    assert check.collect() == [] and check.in_flight == 1        # not landed: no wait, nothing
+    events[0].done = True
+    assert check.collect() == [("a", 7)] and check.collect() == []   # once each
     del log[:]
-    check.queue(arr, Stream(5))               # another stream: launched in its context
-    check.queue(SimpleNamespace(size=0, data=arr.data), current)   # never read: waited for first, no launch
+    check.queue(arr, Stream(5), "b")                               # another stream: in its context
+    check.queue(SimpleNamespace(size=0, data=arr.data), current, "c")   # empty: copy, no launch
     assert log == [("enter", 5), ("kernel", "twellpy_count_nonfinite<unsigned short>", (2,), 3000), ("exit", 5),
-                   ("copy", 5), ("record", 5), ("wait",), ("copy", 1), ("record", 1)]
+                   ("copy", host.ctypes.data + 8, 5), ("record", 1, 5), ("copy", host.ctypes.data + 16, 1),
+                   ("record", 2, 1)]
+    check.queue(arr, current, "d")                                 # wraps round to word 0
+    assert check.full and check.in_flight == 3
+    with pytest.raises(RuntimeError, match="full"):
+        check.queue(arr, current, "e")
+    events[2].done = True                                          # "c" landed but "b" did not:
+    assert check.collect() == []                                   # copies land in order
+    del log[:]
+    assert check.collect(wait="oldest") == [("b", 8), ("c", 9)] and log == [("wait", 1)]
+    assert not check.full
+    assert check.collect(wait="all") == [("d", 7)] and check.in_flight == 0
+    with pytest.raises(ValueError, match="tag"):
+        check.queue(arr, current, None)
+
+
+def test_deferred_nonfinite_reports_of_the_cuda_plan(monkeypatch):
+    """FFNPlan's bookkeeping of NaN/Inf counts (no device: a fake ring). A deferred call's
+    bad count raises once, when a later call or check() collects it, naming the call;
+    a waited-for call reports its own count; a count read on another path is not
+    reported again."""
+    from twellpy.backends import cuda_ffn
+
+    class Ring:
+        def __init__(self):
+            self.items, self.landed = [], 0
+
+        @property
+        def full(self):
+            return len(self.items) - self.landed >= 2
+
+        @property
+        def in_flight(self):
+            return len(self.items) - self.landed
+
+        def rebind(self, count):
+            pass
+
+        def queue(self, x, stream, tag):
+            assert not self.full
+            self.items.append([tag, x.n_bad])
+
+        def collect(self, wait=None):
+            upto = len(self.items) if wait == "all" else self.landed + (1 if wait == "oldest" else 0)
+            upto = max(upto, self.landed)
+            out = [tuple(it) for it in self.items[self.landed:upto]]
+            self.landed = upto
+            return out
+
+    class Stream:
+        def __init__(self):
+            self.waits = 0
+
+        def synchronize(self):
+            self.waits += 1
+
+    ring = Ring()
+    plan = object.__new__(cuda_ffn.FFNPlan)
+    plan._check, plan._check_counters, plan._calls, plan._density_copy = ring, "counters", 0, "density"
+    x = lambda rows, n_bad: SimpleNamespace(shape=(rows, 8), n_bad=n_bad)  # noqa: E731
+
+    plan._calls = 1
+    t1 = plan._queue_check(x(1, 0), "counters", None, deferred=True)
+    plan._calls = 2
+    t2 = plan._queue_check(x(1, 3), "counters", None, deferred=True)
+    plan._calls = 3
+    t3 = plan._queue_check(x(1, 0), "counters", None, deferred=True)  # ring full: waits for the oldest, t1
+    assert [it[0] for it in ring.items[ring.landed:]] == [t2, t3]
+    plan._calls = 4
+    with pytest.raises(ValueError, match=r"earlier call of this FFN \(call 2, 1 rows\) contains 3 NaN/Inf"):
+        plan._queue_check(x(1, 0), "counters", None, deferred=True)   # full again: t2 lands, raises first
+    assert len(ring.items) == 3 and ring.in_flight == 1 and plan._density_copy is None
+    plan._settle_checks(ring.collect(wait="all"))                      # t3 was clean
+    assert t1.call == 1 and t2.rows == 1
+
+    # a waited-for call returns its own count; an earlier deferred bad one raises when it is clean
+    ring.items, ring.landed = [], 0
+    plan._calls = 4
+    t4 = plan._queue_check(x(1, 5), "counters", None, deferred=True)
+    plan._calls = 5
+    t5 = plan._queue_check(x(600, 0), "counters", None, deferred=False)
+    s = Stream()
+    with pytest.raises(ValueError, match=r"call 4, 1 rows\) contains 5"):
+        plan._read_check(t5, (s,))
+    assert s.waits == 1                                   # queued work on x finishes first
+    plan._calls = 6
+    t6 = plan._queue_check(x(600, 2), "counters", None, deferred=False)
+    assert plan._read_check(t6, ()) == 2                  # its own count: the caller raises for it
+
+    # a count read on another path (tag.deferred cleared) is not reported again; check() drains
+    plan._calls = 7
+    t7 = plan._queue_check(x(1, 4), "counters", None, deferred=True)
+    t7.deferred = False
+    plan.check()
+    plan._calls = 8
+    plan._queue_check(x(1, 1), "counters", None, deferred=True)
+    with pytest.raises(ValueError, match="call 8"):
+        plan.check()
+    plan.check()                                          # reported once
+    assert t4.deferred and not t5.deferred
+
+
+def test_check_finite_modes_on_the_cpu():
+    from benchmarks.workloads import make_ffn
+    from twellpy._ffn_infer import GatedFFN
+
+    w = make_ffn(16, 32, 128, 8, seed=3)
+    bad = w["x"].copy()
+    bad[3, 1] = np.nan
+    for chk in (True, "sync"):
+        ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"], check_finite=chk)
+        with pytest.raises(ValueError, match="x contains 1 NaN"):
+            ffn(bad)                          # the CPU always checks within the call
+        ffn.check()                           # nothing deferred
+    assert ffn.defer_check_rows is None
+    with pytest.raises(AttributeError, match="CUDA backend only"):
+        ffn.defer_check_rows = 0
+    y = ffn(bad, check_finite=False)
+    assert np.isnan(y[3]).all()
+    for wrong, err in (("always", ValueError), (1, TypeError), (None, TypeError)):
+        with pytest.raises(err, match="check_finite must be True, False or 'sync'"):
+            GatedFFN(w["w_gate"], w["w_up"], w["w_down"], check_finite=wrong)
+    with pytest.raises(ValueError, match="check_finite must be True, False or 'sync'"):
+        ffn(w["x"], check_finite="later")

@@ -215,7 +215,8 @@ def test_deferred_finite_check_on_every_path(m, mode, heavy_limit, chunk_rows):
     for _ in range(2):  # twice: the counter is zeroed per call
         poison()
         with pytest.raises(ValueError, match="x contains 1 NaN and 1 Inf values"):
-            ffn(bad, mode=mode)
+            # "sync": M = 1 would otherwise defer the report (test_decode_calls_defer_the_finite_check)
+            ffn(bad, mode=mode, check_finite="sync")
     poison()
     y = ffn(w["x"], mode=mode)
     assert rel_err(y, ref64(w, gated)) <= 1e-5
@@ -223,6 +224,51 @@ def test_deferred_finite_check_on_every_path(m, mode, heavy_limit, chunk_rows):
     assert not bool(cp.isfinite(y_nan[m - 1]).all())  # the Inf row
     if m > 1:
         assert bool(cp.isnan(y_nan[m // 2]).all())
+
+
+@pytest.mark.parametrize("mode", ["auto", "sparse", "dense"])
+@pytest.mark.parametrize("m", [1, 128])
+def test_decode_calls_defer_the_finite_check(m, mode):
+    # check_finite=True: a call of at most defer_check_rows rows returns without waiting for
+    # the NaN/Inf count of x (waiting would idle the GPU after every decode step); the next
+    # call, before it queues anything, or check() raises for it, once, naming the call
+    import gc
+
+    w = make_ffn(m, 128, 512, 12, dtype=np.float32, xp=cp, seed=70 + m)
+    ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"])
+    bad = w["x"].copy()
+    bad[m - 1, 3] = np.nan
+    ref = ref64(w)
+    poison()
+    y_bad = ffn(bad, mode=mode)                                            # call 1
+    assert ffn.last_info["finite_check"] == "deferred"
+    assert bool(cp.isnan(y_bad[m - 1]).all())                              # IEEE in the rows concerned
+    if m > 1:
+        assert rel_err(y_bad[: m - 1], ref[: m - 1]) <= 1e-5               # and exact elsewhere
+    with pytest.raises(ValueError, match=rf"x of an earlier call of this FFN \(call 1, {m} rows\) contains 1 NaN"):
+        ffn(w["x"], mode=mode)                                             # call 2 reports call 1
+    poison()
+    assert rel_err(ffn(w["x"], mode=mode), ref) <= 1e-5                    # call 3: the object works
+    ffn(bad, mode=mode)                                                    # call 4
+    with pytest.raises(ValueError, match=r"call 4,"):
+        ffn.check()
+    ffn.check()                                                            # reported once
+    for _ in range(12):                                                    # more calls than the ring holds
+        ffn(w["x"], mode=mode)
+    ffn.check()
+    with pytest.raises(ValueError, match="x contains 1 NaN"):
+        ffn(bad, mode=mode, check_finite="sync")                           # waits, raises itself
+    ffn.defer_check_rows = 0
+    with pytest.raises(ValueError, match="x contains 1 NaN"):
+        ffn(bad, mode=mode)                                                # every call waits
+    ffn.check()
+    with pytest.raises(ValueError, match="x contains 1 NaN"):
+        gated_forward(bad, w["w_gate"], w["w_up"], w["w_down"], mode=mode)  # a one-off call always waits
+    dropped = GatedFFN(w["w_gate"], w["w_up"], w["w_down"])
+    dropped(bad, mode=mode)
+    with pytest.warns(RuntimeWarning, match=r"call 1, .*freed"):
+        del dropped
+        gc.collect()
 
 
 def test_odd_shapes_and_batch_dims():

@@ -21,6 +21,12 @@ hands tokens firing more neurons to an exact dense sub-FFN instead. Nothing is
 ever dropped; ``slots`` and ``tile`` only shape the TwELL container returned
 with ``return_activations=True`` (rows over capacity go to its dense backup).
 
+NaN/Inf in ``x`` (``check_finite=True``) raise ValueError. A CUDA call of at
+most ``defer_check_rows`` (512) rows does not wait for that count: the next
+call of the same object, or ``ffn.check()``, raises for it, and the offending
+call's output holds NaN/Inf in the rows concerned. ``check_finite="sync"``
+makes every call wait; the one-shot functions always do.
+
 An inactive neuron contributes exactly nothing: ``h_j = 0`` when the gate is
 inactive, even if the up projection of that neuron is NaN/Inf. (A non-finite
 *down* weight column still reaches every row on the dense path, through the
@@ -58,6 +64,17 @@ def _check_mode(mode):
     return mode
 
 
+def _check_finite_mode(value, name="check_finite"):
+    """True, False or "sync" (see GatedFFN)."""
+    if isinstance(value, str):
+        if value != "sync":
+            raise ValueError(f"{name} must be True, False or 'sync', got {value!r}")
+        return value
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True, False or 'sync', got {value!r}")
+    return bool(value)
+
+
 def _check_layout(tile, slots):
     for name, v in (("tile", tile), ("slots", slots)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or int(v) < 1:
@@ -81,7 +98,7 @@ class _FFN:
     def __init__(self, w_gate, w_up, w_down, *, tile=256, slots=32, mode="auto", check_finite=True):
         self.tile, self.slots = _check_layout(tile, slots)
         self.mode = _check_mode(mode)
-        self.check_finite = bool(check_finite)
+        self.check_finite = _check_finite_mode(check_finite)
         named = ([("w_gate", w_gate)] if self._gated else []) + [("w_up", w_up), ("w_down", w_down)]
         arrs = {name: _weight(w, name) for name, w in named}
         # all weights on one device, one dtype
@@ -164,6 +181,35 @@ class _FFN:
             raise ValueError(f"heavy_limit must be None or an int in [0, 2048], got {value!r}")
         self._plan.heavy_limit = None if value is None else int(value)
 
+    def check(self):
+        """Raise the ValueError of an earlier call whose ``x`` held NaN or Inf and that
+        has not been reported yet.
+
+        With ``check_finite=True`` a CUDA call of at most ``defer_check_rows`` rows
+        (512: decode sizes) does not wait for the NaN/Inf count of its ``x``; the
+        next call of this object, or this method, raises for it. Call it after
+        the last call of a loop. Waits for the counts in flight, not for the
+        FFN's own kernels. A no-op on the CPU, where every call checks itself.
+        """
+        check = getattr(self._plan, "check", None)
+        if check is not None:
+            check()
+
+    @property
+    def defer_check_rows(self):
+        """CUDA: calls of at most this many rows (default 512) do not wait for the
+        NaN/Inf count of ``x`` under ``check_finite=True`` (see :meth:`check`);
+        0 makes every call wait. None on the CPU."""
+        return getattr(self._plan, "defer_check_rows", None)
+
+    @defer_check_rows.setter
+    def defer_check_rows(self, value):
+        if not hasattr(self._plan, "defer_check_rows"):
+            raise AttributeError("defer_check_rows applies to the CUDA backend only (CPU calls check themselves)")
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < 0:
+            raise ValueError(f"defer_check_rows must be a non-negative int, got {value!r}")
+        self._plan.defer_check_rows = int(value)
+
     def activity(self):
         """Active-neuron statistics of the last call: ``{"mean_active", "heavy_rows"}``.
 
@@ -188,7 +234,7 @@ class _FFN:
             a :class:`twellpy.TwELL` (rows over ``slots`` in its dense backup).
         mode : {"auto", "sparse", "dense"}, optional
             Overrides the mode given at construction.
-        check_finite : bool, optional
+        check_finite : bool or "sync", optional
             Overrides the construction setting for ``x``.
 
         Returns
@@ -199,7 +245,7 @@ class _FFN:
             Only with ``return_activations=True``.
         """
         mode = self.mode if mode is None else _check_mode(mode)
-        chk = self.check_finite if check_finite is None else bool(check_finite)
+        chk = self.check_finite if check_finite is None else _check_finite_mode(check_finite)
         arr, kind = as_array(x, "x")
         if arr.ndim < 1:
             raise ValueError(f"x must have at least 1 dimension (..., {self.D}), got a scalar")
@@ -221,7 +267,9 @@ class _FFN:
         x2 = arr if flat else arr.reshape(-1, self.D)
         # each plan checks x for NaN/Inf itself: the CUDA plan counts them on the
         # device and reads the count at a synchronisation it makes anyway
-        y, h_dense, info = self._plan.forward(x2, mode=mode, return_activations=return_activations, check_x=chk)
+        # True lets a CUDA decode call defer the wait for that count ("auto"); "sync" never does
+        y, h_dense, info = self._plan.forward(x2, mode=mode, return_activations=return_activations,
+                                              check_x="auto" if chk is True else bool(chk))
         self.last_info = info
         y = to_caller(y if flat else y.reshape(lead + (self.D,)), kind)
         if not return_activations:
@@ -255,14 +303,22 @@ class GatedFFN(_FFN):
         Layout of the TwELL activation returned with ``return_activations``.
     mode : {"auto", "sparse", "dense"}
         Default mode of the calls (see the module docstring).
-    check_finite : bool
-        Reject NaN/Inf in the weights (here) and in ``x`` (each call).
+    check_finite : bool or "sync"
+        Reject NaN/Inf in the weights (here) and in ``x`` (each call) with a
+        ValueError. On CUDA, True lets decode-sized calls (at most
+        ``defer_check_rows`` = 512 rows) return without waiting for the count of
+        ``x``: a NaN/Inf there is raised by the next call or by :meth:`check`,
+        and the offending call's ``y`` holds NaN/Inf in the rows concerned.
+        ``"sync"`` makes every call wait and raise itself. False lets NaN/Inf
+        in ``x`` through, as IEEE arithmetic does.
 
     Notes
     -----
     On CUDA a call returns before its kernels finish (results are ordered on
-    the caller's stream, as for any CuPy operation); with ``check_finite`` it
-    waits only for the NaN/Inf count of ``x``. Calls from one thread may use
+    the caller's stream, as for any CuPy operation); with ``check_finite`` a
+    call of more than ``defer_check_rows`` rows waits only for the NaN/Inf
+    count of ``x``, a smaller one for nothing (waiting there would leave the
+    GPU idle after every decode step, slower than dense). Calls from one thread may use
     different streams: each call's stream waits for the previous call's work,
     whose workspaces it reuses. One object must not be called from two
     threads at once; give each thread its own (``twellpy.dask`` does).
@@ -307,8 +363,9 @@ def gated_forward(x, w_gate, w_up, w_down, *, return_activations=False, slots=32
         TwELL layout of the returned activation.
     mode : {"auto", "sparse", "dense"}
         See the module docstring.
-    check_finite : bool
-        Raise ``ValueError`` on NaN/Inf in any input.
+    check_finite : bool or "sync"
+        Raise ``ValueError`` on NaN/Inf in any input (always within this call:
+        the object is used once, so nothing is left for a later call to report).
 
     Returns
     -------
@@ -321,7 +378,7 @@ def gated_forward(x, w_gate, w_up, w_down, *, return_activations=False, slots=32
     Prepares the weights on every call; use :class:`GatedFFN` for repeated calls.
     """
     ffn = GatedFFN(w_gate, w_up, w_down, tile=tile, slots=slots, mode=mode, check_finite=check_finite)
-    return ffn(x, return_activations=return_activations)
+    return ffn(x, return_activations=return_activations, check_finite="sync" if ffn.check_finite else False)
 
 
 def relu_forward(x, w_up, w_down, *, return_activations=False, slots=32, tile=256,
@@ -332,4 +389,4 @@ def relu_forward(x, w_up, w_down, *, return_activations=False, slots=32, tile=25
     the returned activation is ``relu(x @ w_up.T)``.
     """
     ffn = ReluFFN(w_up, w_down, tile=tile, slots=slots, mode=mode, check_finite=check_finite)
-    return ffn(x, return_activations=return_activations)
+    return ffn(x, return_activations=return_activations, check_finite="sync" if ffn.check_finite else False)

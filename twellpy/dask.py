@@ -561,7 +561,9 @@ def _prepared_ffn(kind, weights, ffn_kwargs, in_dtype=None, weight_keys=None):
 def _ffn_chunk(block, *weights, kind, ffn_kwargs, in_dtype=None, weight_keys=None):
     if in_dtype is not None:
         block = _restore_dtype(block, _dtype_named(in_dtype))
-    return _settled(_prepared_ffn(kind, weights, ffn_kwargs, in_dtype, weight_keys)(block))
+    ffn = _prepared_ffn(kind, weights, ffn_kwargs, in_dtype, weight_keys)
+    # a task's NaN/Inf must fail that task: a deferred check would land in another task, or none
+    return _settled(ffn(block, check_finite="sync" if ffn.check_finite else False))
 
 
 def _settled(y):

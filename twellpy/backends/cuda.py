@@ -265,26 +265,54 @@ class RepeatedNonfiniteCheck:
 
     What does not depend on the array is prepared once: the kernel, its mask, the
     device count word (``count``, a (1,) uint64 cupy array the caller zeroes before
-    each :meth:`queue`), a pinned host word and an event. A decode-sized checked
-    call is host-bound, and the general path (:func:`launch_count_nonfinite` and
-    :class:`PendingCount`: views, device and stream contexts, lookups) cost about
-    40 us of host time a call (``benchmarks/decode_probe.py``, 2026-12-05).
-    Construct it on the device the arrays live on.
+    each :meth:`queue`), and a ring of pinned host words with one event each. A
+    decode-sized checked call is host-bound, and the general path
+    (:func:`launch_count_nonfinite` and :class:`PendingCount`: views, device and
+    stream contexts, lookups) cost about 40 us of host time a call
+    (``benchmarks/decode_probe.py``, 2026-12-05).
+
+    Each :meth:`queue` copies its count into the next word of the ring, so up to
+    ``len(events)`` counts can be in flight: a caller that does not wait for every
+    count (the FFN's decode calls) collects them later with :meth:`collect`. The
+    caller keeps queues in order (one stream, or streams ordered by events), so
+    copies land in the order they were queued. Construct it on the device the
+    arrays live on.
     """
 
-    __slots__ = ("_kernel", "_exp_mask", "_per_block", "_count", "_host", "_event", "_pending")
+    __slots__ = ("_kernel", "_exp_mask", "_per_block", "_count", "_host", "_events", "_tags", "_next")
 
-    def __init__(self, dtype, count, host, event):
+    def __init__(self, dtype, count, host, events):
         name, self._exp_mask, self._per_block = _nonfinite_params(dtype)
         self._kernel = reg.get_kernel("check.cu", name)
-        self._count, self._host, self._event = count, host, event
-        self._pending = False
+        self._count, self._host, self._events = count, host, list(events)
+        if len(self._host) != len(self._events) or not self._events:
+            raise ValueError("RepeatedNonfiniteCheck needs one pinned host word per event")
+        self._tags = [None] * len(self._events)  # the tag of the count in flight in each word
+        self._next = 0  # the word the next queue copies into; the oldest in flight when the ring is full
 
-    def queue(self, arr, stream):
-        """Queue the count of ``arr`` (C-contiguous, this dtype and device) and its copy
-        to the host on ``stream``; waits first for a previous copy never read."""
-        if self._pending:
-            self.read()  # the host word is about to be written again
+    def rebind(self, count):
+        """Count into another device word from now on (the caller's workspace grew);
+        copies in flight are unaffected."""
+        self._count = count
+
+    @property
+    def full(self):
+        """True when the next :meth:`queue` would overwrite a count not yet collected."""
+        return self._tags[self._next] is not None
+
+    @property
+    def in_flight(self):
+        """Number of queued counts not yet collected."""
+        return sum(t is not None for t in self._tags)
+
+    def queue(self, arr, stream, tag):
+        """Queue the count of ``arr`` (C-contiguous, this dtype and device) and its copy to
+        the host on ``stream``; ``tag`` (not None) comes back with the count from :meth:`collect`.
+        The ring must not be :attr:`full` (collect with ``wait="oldest"`` first)."""
+        if tag is None:
+            raise ValueError("tag must not be None")
+        if self.full:
+            raise RuntimeError("the ring of NaN/Inf counts is full: collect before queueing")
         cp = _cp()
         n = int(arr.size)
         if n:
@@ -296,24 +324,41 @@ class RepeatedNonfiniteCheck:
                 with stream:  # a raw kernel launches on the current stream
                     self._kernel((grid,), (_CHECK_BLOCK,), args)
         rt = cp.cuda.runtime
-        rt.memcpyAsync(self._host.ctypes.data, self._count.data.ptr, 8, rt.memcpyDeviceToHost, stream.ptr)
-        self._event.record(stream)
-        self._pending = True
+        slot = self._next
+        rt.memcpyAsync(self._host.ctypes.data + 8 * slot, self._count.data.ptr, 8, rt.memcpyDeviceToHost,
+                       stream.ptr)
+        self._events[slot].record(stream)
+        self._tags[slot] = tag
+        self._next = (slot + 1) % len(self._events)
 
-    def read(self):
-        """The last queued count (waits for its copy only, not for later work)."""
-        if self._pending:
-            self._event.synchronize()
-            self._pending = False
-        return int(self._host[0])
+    def collect(self, wait=None):
+        """``[(tag, count), ...]`` of the counts that have landed, oldest first, each
+        returned once. ``wait``: None waits for nothing (an event query per count),
+        ``"oldest"`` for the oldest count in flight, ``"all"`` for every one."""
+        out = []
+        ring = len(self._events)
+        for k in range(ring):
+            slot = (self._next + k) % ring  # oldest first
+            tag = self._tags[slot]
+            if tag is None:
+                continue
+            event = self._events[slot]
+            if wait == "all" or (wait == "oldest" and not out):
+                event.synchronize()
+            elif not event.done:
+                break  # later copies were queued after this one: none of them has landed either
+            out.append((tag, int(self._host[slot])))
+            self._tags[slot] = None
+        return out
 
     def __del__(self):
-        # a copy in flight must land before its pinned word can be freed or reused
-        if getattr(self, "_pending", False):
-            try:
-                self._event.synchronize()
-            except Exception:  # noqa: BLE001 - interpreter shutdown or a lost device
-                pass
+        # copies in flight must land before their pinned words can be freed or reused
+        for event, tag in zip(getattr(self, "_events", ()), getattr(self, "_tags", ())):
+            if tag is not None:
+                try:
+                    event.synchronize()
+                except Exception:  # noqa: BLE001 - interpreter shutdown or a lost device
+                    pass
 
 
 class PendingCount:

@@ -60,6 +60,25 @@ _KB_FOR_NV = {"wide": {1: 16, 2: 8, 4: 4, 8: 2}, "narrow": {1: 8, 2: 4, 4: 2, 8:
 #: default variant (benchmarks/ffn.py times both: TWELLPY_FFN_KB=wide|narrow)
 DEFAULT_KB = "narrow"
 _LIST_CAP = 2048
+#: NaN/Inf counts of x in flight at once: decode calls that do not wait for their
+#: count (see FFNPlan.defer_check_rows) may run this many calls ahead of the GPU
+_CHECK_RING = 8
+
+
+class _CheckTag:
+    """Which call a queued NaN/Inf count of x belongs to (see FFNPlan._queue_check)."""
+
+    __slots__ = ("call", "rows", "deferred")
+
+    def __init__(self, call, rows, deferred):
+        self.call, self.rows, self.deferred = call, rows, deferred
+
+
+def _deferred_message(tag, n_bad):
+    return (f"x of an earlier call of this FFN (call {tag.call}, {tag.rows} rows) contains {n_bad} NaN/Inf "
+            f"values; that call returned NaN/Inf in the rows concerned (decode-sized calls do not wait for "
+            f"the check: it is reported by the next call or by check()). Pass check_finite='sync' to raise "
+            f"in the offending call itself, or check_finite=False to let NaN/Inf through as IEEE arithmetic does")
 
 
 def _sparse_name(dtype, nv, kb, gated, write_h, split=False):
@@ -400,6 +419,13 @@ class FFNPlan:
         self._density_slot = None  # (pinned host word, event) reused by every density copy
         self._check = None  # RepeatedNonfiniteCheck of x into counters[3] (see _queue_check)
         self._check_counters = None  # the counter block self._check writes into
+        #: calls of at most this many rows do not wait for the NaN/Inf count of x when
+        #: the caller allows it (``check_x="auto"``): a decode call's GPU work is shorter
+        #: than the host's own work per call, so waiting for the count leaves the GPU idle
+        #: after every call (H200, 2026-12-05: checked M = 1 calls back to back 0.58x
+        #: dense). Such a call's count is collected by a later call or by check().
+        self.defer_check_rows = 512
+        self._calls = 0  # numbers the calls in deferred NaN/Inf reports
         #: event recorded at the end of every call: the next call's stream waits for it,
         #: since a call returns before its kernels finish and the workspaces are shared
         self._done = None
@@ -410,6 +436,13 @@ class FFNPlan:
         try:
             if self._done is not None:
                 self._done.synchronize()
+            if self._check is not None and self._check.in_flight:
+                bad = [(tag, n) for tag, n in self._check.collect(wait="all") if n and tag.deferred]
+                if bad:
+                    import warnings
+
+                    warnings.warn(_deferred_message(*bad[0]) + " (reported when the FFN was freed: "
+                                  "call check() after the last call to raise it)", RuntimeWarning, stacklevel=1)
         except Exception:  # noqa: BLE001 - interpreter shutdown or a lost device
             pass
 
@@ -697,26 +730,50 @@ class FFNPlan:
         self._density_copy = PendingCount(counters[2:], stream, host=host, event=event)
         self._density_rows = int(rows)
 
-    def _queue_check(self, x, counters, stream):
+    def _queue_check(self, x, counters, stream, deferred):
         """Count the NaN/Inf elements of x into ``counters[3]`` (zeroed by the caller)
-        and queue a copy of the count to pinned host memory right after it.
+        and queue a copy of the count to pinned host memory right after it; returns
+        the call's :class:`_CheckTag`.
 
-        The call waits on that copy before it returns, so a NaN or Inf still
-        raises before anything is returned, but the wait covers only the work
-        queued before the count (earlier calls on the stream, and the count
-        itself), not this call's own GEMM and sparse kernels. Back-to-back
-        calls, and a Dask worker's bookkeeping between tasks, then overlap the
-        GPU work instead of leaving the GPU idle after every call.
+        A call that is not ``deferred`` waits on that copy before it returns
+        (:meth:`_read_check`), so a NaN or Inf still raises before anything is
+        returned, but the wait covers only the work queued before the count
+        (earlier calls on the stream, and the count itself), not this call's own
+        GEMM and sparse kernels. A deferred call does not wait at all: a later
+        call, or :meth:`check`, collects its count (:meth:`_settle_checks`).
         """
-        if self._check_counters is not counters:  # first call, or the workspaces grew
-            if self._check is None:
-                host, event = self._host_slot()
-            else:
-                self._check.read()  # an unread copy (a call that raised) lands before its word is reused
-                host, event = self._check._host, self._check._event
-            self._check = RepeatedNonfiniteCheck(self.dtype, counters[3:], host, event)
+        if self._check is None:
+            import cupyx
+
+            cp = cupy_module()
+            with cp.cuda.Device(self.device_id):  # the events must belong to the plan's device
+                host = cupyx.empty_pinned((_CHECK_RING,), np.uint64)
+                events = [cp.cuda.Event(block=False, disable_timing=True) for _ in range(_CHECK_RING)]
+            self._check = RepeatedNonfiniteCheck(self.dtype, counters[3:], host, events)
             self._check_counters = counters
-        self._check.queue(x, stream)  # waits first for an unread copy (a call that raised)
+        elif self._check_counters is not counters:  # the workspaces grew
+            self._check.rebind(counters[3:])
+            self._check_counters = counters
+        if self._check.full:  # the host ran _CHECK_RING deferred calls ahead of the GPU
+            self._settle_checks(self._check.collect(wait="oldest"))
+        tag = _CheckTag(self._calls, x.shape[0], deferred)
+        self._check.queue(x, stream, tag)
+        return tag
+
+    def _settle_checks(self, landed, streams=()):
+        """Raise for the first deferred call among ``landed`` (``(tag, count)`` pairs from
+        :meth:`RepeatedNonfiniteCheck.collect`) whose x held NaN or Inf."""
+        for tag, n_bad in landed:
+            if n_bad and tag.deferred:
+                for s_ in streams:  # let queued work on x finish before the caller reuses it
+                    s_.synchronize()
+                self._density_copy = None  # NaN rows fire every neuron: not a density to steer by
+                raise ValueError(_deferred_message(tag, n_bad))
+
+    def check(self):
+        """Raise for a deferred call whose x held NaN or Inf (waits for the counts in flight)."""
+        if self._check is not None and self._check.in_flight:
+            self._settle_checks(self._check.collect(wait="all"))
 
     def _call_done(self, stream):
         """Record the end of this call's work on ``stream`` (see ``_done``)."""
@@ -726,9 +783,14 @@ class FFNPlan:
                 self._done = cp.cuda.Event(block=False, disable_timing=True)
         self._done.record(stream)
 
-    def _read_check(self):
-        """The count queued by :meth:`_queue_check` (waits for its copy only)."""
-        return self._check.read()
+    def _read_check(self, tag, streams):
+        """The NaN/Inf count of the call ``tag`` (waits for its copy, and earlier ones, only);
+        raises for an earlier deferred call whose x held NaN or Inf when this one's is clean."""
+        landed = self._check.collect(wait="all")
+        n_bad = next((n for t, n in landed if t is tag), 0)
+        if not n_bad:
+            self._settle_checks(landed, streams)
+        return n_bad
 
     # ---- the call -----------------------------------------------------------
     def forward(self, x, *, mode="auto", return_activations=False, chunk_rows=None, check_x=False):
@@ -754,17 +816,25 @@ class FFNPlan:
     def _forward(self, x, *, mode="auto", return_activations=False, chunk_rows=None, check_x=False):
         """Run the FFN on ``x`` (M, D) cupy; returns ``(y, h_dense_or_None, info)``.
 
-        With ``check_x`` a NaN or Inf in ``x`` raises ValueError (naming ``x``)
-        before anything is returned; the count is queued ahead of the gate GEMM
-        and read at the call's first host synchronisation, or at its end by
-        waiting for the count's own copy only (:meth:`_queue_check`): the
-        call returns while its GEMM and sparse kernels still run.
+        ``check_x``: False, True or ``"auto"``. With True a NaN or Inf in ``x``
+        raises ValueError (naming ``x``) before anything is returned; the count is
+        queued ahead of the gate GEMM and read at the call's first host
+        synchronisation, or at its end by waiting for the count's own copy only
+        (:meth:`_queue_check`): the call returns while its GEMM and sparse kernels
+        still run. ``"auto"`` is True for calls of more than ``defer_check_rows``
+        rows; smaller calls do not wait, and a later call (before it queues any
+        work) or :meth:`check` raises for them.
         """
         cp = cupy_module()
         M = x.shape[0]
+        self._calls += 1
+        if self._check is not None and self._check.in_flight:
+            self._settle_checks(self._check.collect())  # counts of earlier deferred calls that landed
+        deferred = check_x == "auto" and M <= self.defer_check_rows
         y = cp.empty((M, self.D), self.dtype)
         h_full = cp.zeros((M, self.H), self.dtype) if return_activations else None
-        info = {"mode": "dense", "mean_active": None, "heavy_rows": 0}
+        info = {"mode": "dense", "mean_active": None, "heavy_rows": 0,
+                "finite_check": "deferred" if deferred else ("waited" if check_x else "off")}
         if M == 0:
             return y, h_full, info
         x = cp.ascontiguousarray(x)
@@ -781,10 +851,10 @@ class FFNPlan:
                 counters = self._workspace(max(1, min(M, self.MAX_CHUNK)))["counters"]
                 cp.cuda.runtime.memsetAsync(counters.data.ptr + 3 * counters.itemsize, 0,
                                             counters.itemsize, cur.ptr)
-                self._queue_check(x, counters, cur)
+                tag = self._queue_check(x, counters, cur, deferred)
             self.dense_rows(x, y, h_full)
             self._call_done(cur)
-            if check_x and self._read_check():
+            if check_x and not deferred and self._read_check(tag, (cur,)):
                 cur.synchronize()  # let the queued GEMMs finish with x before the caller reuses it
                 raise_nonfinite(x, "x")
             return y, h_full, info
@@ -799,9 +869,12 @@ class FFNPlan:
         chunks = [(r0, min(M, r0 + chunk)) for r0 in range(0, M, chunk)]
         n = len(chunks)
         use_sparse = True
-        x_checked = not check_x  # True once the NaN/Inf count of x has been read
+        x_checked = not check_x or deferred  # True once the NaN/Inf count of x has been read (or need not be)
+        tag = None
 
         def raise_if_nonfinite(n_bad):
+            if tag is not None:
+                tag.deferred = False  # read here: a later collect must not report it again
             if n_bad:
                 for s_ in (cur, sA, sB):  # let queued work on x finish before the caller reuses it
                     s_.synchronize()
@@ -814,7 +887,7 @@ class FFNPlan:
             # one chunk: everything on the caller's stream, no extra streams
             cp.cuda.runtime.memsetAsync(counters.data.ptr, 0, counters.nbytes, cur.ptr)
             if check_x:
-                self._queue_check(x, counters, cur)
+                tag = self._queue_check(x, counters, cur, deferred)
             if self.heavy_limit is not None:
                 heavy.fill(0)
             g = ws["g"][0][:M]
@@ -846,7 +919,7 @@ class FFNPlan:
             sB.wait_event(start)
             cp.cuda.runtime.memsetAsync(counters.data.ptr, 0, counters.nbytes, sB.ptr)
             if check_x:
-                self._queue_check(x, counters, sB)
+                tag = self._queue_check(x, counters, sB, deferred)
             if self.heavy_limit is not None:
                 with sB:
                     heavy.fill(0)
@@ -918,11 +991,11 @@ class FFNPlan:
             # on the device (activity()); the NaN/Inf count was copied right after
             # it was made, so reading it waits for nothing queued after the count
             if not x_checked:
-                raise_if_nonfinite(self._read_check())
+                raise_if_nonfinite(self._read_check(tag, (cur, sA, sB)))
             return y, h_full, info
         # exact path for heavy rows (costs one host synchronisation)
         stats = counters.get(stream=cur)
-        if not x_checked:
+        if check_x:  # this host synchronisation reads the count anyway, deferred or not
             raise_if_nonfinite(int(stats[3]))
         n_heavy = int(stats[1])
         if info["mean_active"] is None and use_sparse:
