@@ -1,0 +1,124 @@
+"""benchmarks/memcheck_triage.py: which passes a memcheck pass with reports still vouches for."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks import memcheck_triage as mt  # noqa: E402
+
+CODE = "# code 0123456789abcdef"
+OOM = ('..F..========= Internal Sanitizer Error: The Sanitizer encountered an error while launching '
+       "_Z22twellpy_slots_to_denseIfEvPKT_PKiPS0_xii and didn't track the launch.")
+INVALID = "========= Invalid __global__ write of size 4 bytes"
+PROBE = ('....========= Program hit CUDA_ERROR_INVALID_VALUE (error 1) due to "invalid argument" '
+         "on CUDA API call to cuGetProcAddress_v2.")
+
+
+def make(tmp_path, log_lines, spans, passed):
+    log = tmp_path / "timed.tsv"
+    log.write_text("".join(f"{t}\t{line}\n" if t is not None else f"{line}\n" for t, line in log_lines))
+    times = tmp_path / "times"
+    times.mkdir()
+    (times / "times_11.tsv").write_text("".join(f"{n}\t{a}\t{b}\n" for n, (a, b) in spans.items()))
+    ledger = tmp_path / "ledger.txt"
+    ledger.write_text(CODE + "\n" + "".join(f"ok {n}\t0.10\n" for n in passed))
+    return str(log), str(times), str(ledger)
+
+
+def oks(path):
+    p = Path(path)
+    return [ln[3:].split("\t")[0] for ln in p.read_text().splitlines() if ln.startswith("ok ")] if p.exists() else []
+
+
+SPANS = {"t::early": (100.0, 101.0), "t::during": (150.0, 210.0), "t::just_before": (185.0, 190.0),
+         "t::late": (400.0, 401.0)}
+
+
+def test_clean_log_keeps_every_pass(tmp_path):
+    log, times, ledger = make(tmp_path, [(100.0, "....."), (150.0, PROBE), (200.0, "....")], SPANS, list(SPANS))
+    status, verdict = mt.triage(log, times, ledger)
+    assert status == 0, verdict
+    assert oks(ledger) == list(SPANS)
+    assert "1 numba driver probes" in verdict
+
+
+def test_a_report_after_progress_dots_rejects_the_tests_running_then(tmp_path):
+    log, times, ledger = make(tmp_path, [(100.0, "..."), (200.0, OOM), (201.0, INVALID)], SPANS, list(SPANS))
+    status, verdict = mt.triage(log, times, ledger, slack=30.0)
+    assert status == 1, verdict
+    assert oks(ledger) == ["t::early", "t::late"]
+    assert oks(ledger + ".rejected") == ["t::during", "t::just_before"]
+    assert Path(ledger).read_text().startswith(CODE)  # the header survives: the ledger still counts
+
+
+@pytest.mark.parametrize("why, log_lines", [
+    ("untimed", [(None, INVALID)]),
+    ("no test ran", [(300.0, INVALID)]),
+    ("summary exceeds printed", [(200.0, INVALID), (402.0, "========= ERROR SUMMARY: 25 errors")]),
+])
+def test_unplaceable_reports_reject_the_whole_ledger(tmp_path, why, log_lines):
+    log, times, ledger = make(tmp_path, log_lines, SPANS, list(SPANS))
+    status, verdict = mt.triage(log, times, ledger)
+    assert status == 2, (why, verdict)
+    assert oks(ledger) == []
+    assert oks(ledger + ".rejected") == list(SPANS)
+
+
+def test_a_pass_without_recorded_times_is_suspect(tmp_path):
+    log, times, ledger = make(tmp_path, [(200.0, INVALID)], SPANS, list(SPANS) + ["t::untimed"])
+    status, _ = mt.triage(log, times, ledger)
+    assert status == 1
+    assert "t::untimed" in oks(ledger + ".rejected")
+
+
+def test_exit_note_is_not_a_finding(tmp_path):
+    note = "========= Error: process didn't terminate successfully"
+    log, times, ledger = make(tmp_path, [(500.0, note)], SPANS, list(SPANS))
+    assert mt.triage(log, times, ledger)[0] == 0
+
+
+def test_follower_and_cli_end_to_end(tmp_path):
+    log = tmp_path / "pass.log"
+    tsv = tmp_path / "pass.tsv"
+    follower = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "timestamp_lines.py"), str(log), str(tsv)])
+    import time
+
+    t0 = time.time()
+    with open(log, "w") as f:
+        f.write("....")
+        f.flush()
+        time.sleep(0.5)
+        f.write(INVALID + "\n...partial")
+        f.flush()
+        time.sleep(0.5)
+    follower.terminate()
+    follower.wait(timeout=10)
+    rows = [ln.split("\t", 1) for ln in tsv.read_text().splitlines()]
+    assert [r[1] for r in rows] == ["...." + INVALID, "...partial"]
+    assert all(t0 <= float(r[0]) <= time.time() for r in rows)
+    times = tmp_path / "times"
+    times.mkdir()
+    (times / "times_1.tsv").write_text(f"t::a\t{t0 - 1:.3f}\t{time.time():.3f}\nt::b\t{t0 - 100:.3f}\t{t0 - 90:.3f}\n")
+    ledger = tmp_path / "ledger.txt"
+    ledger.write_text(CODE + "\nok t::a\t1.0\nok t::b\t1.0\n")
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memcheck_triage.py"), str(tsv), str(times),
+                          str(ledger), "--slack", "5"], capture_output=True, text=True)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert oks(ledger) == ["t::b"] and oks(str(ledger) + ".rejected") == ["t::a"]
+
+
+def test_time_budget_splits_worker_time(tmp_path):
+    log = tmp_path / "timed.tsv"
+    log.write_text("100.0\t[all] pass starts\n160.0\t....\n")
+    times = tmp_path / "times"
+    times.mkdir()
+    (times / "times_1.tsv").write_text("a\t130.0\t131.0\nb\t135.0\t137.0\n")
+    (times / "times_2.tsv").write_text("c\t150.0\t160.0\n")
+    line = mt.time_budget(str(log), str(times))
+    assert line == ("time budget: 2 workers; start-up before the first test 30-50 s; inside tests 13 s, "
+                    "between tests 4 s (worker-seconds); 3 tests run")
+    assert mt.time_budget(str(log), str(tmp_path / "none")) == "time budget: no test times"
