@@ -185,6 +185,9 @@ def bench_gpu_workload(name, spec, reps, log, variants=VARIANTS, with_auto=True)
         row["checked_stream_ms"] = time_stream(lambda: ffn(x, check_finite=True), calls=10, reps=3,
                                                sync=cp.cuda.Device().synchronize)
         row["dense_stream_ms"] = time_stream(dense, calls=10, reps=3, sync=torch.cuda.synchronize)
+        # every call waiting for its count (check_finite="sync"; the default before decode calls deferred it)
+        row["sync_stream_ms"] = time_stream(lambda: ffn(x, check_finite="sync"), calls=10, reps=3,
+                                            sync=cp.cuda.Device().synchronize)
     row["speedup"] = row["dense_ms"] / row["twellpy_ms"]
     row["auto_speedup"] = row["dense_ms"] / row["auto_ms"] if with_auto else None
     row["floor_speedup"] = row["dense_ms"] / row["gate_ms"]
@@ -279,18 +282,21 @@ def run_gpu(args):
     print()
     # "checked": the library's default call (auto mode with check_finite=True)
     # "stream": the checked default call back to back, against dense back to back;
+    # "sync": the same with check_finite="sync" (every call waits for its NaN/Inf count);
     # "fused" / "split": the sparse step in one kernel or split around twellpy_spmm_resident
     print(f"{'workload':9s} {'dense':>8s} {'gate':>7s} {'twellpy':>8s} {'x':>5s} {'fused':>8s} {'split':>8s} "
-          f"{'auto':>8s} {'x':>5s} {'checked':>8s} {'x':>5s} {'stream':>8s} {'x':>5s} {'err':>8s} {'nnz/tok':>7s}"
+          f"{'auto':>8s} {'x':>5s} {'checked':>8s} {'x':>5s} {'stream':>8s} {'x':>5s} {'sync':>8s} {'x':>5s} {'err':>8s} {'nnz/tok':>7s}"
           f"  variant")
     for r in rows + sweep:
         checked = r.get("auto_ms_checked", float("nan"))
         stream = r.get("checked_stream_ms", float("nan"))
+        sync_stream = r.get("sync_stream_ms", float("nan"))
         print(f"{r['workload']:9s} {r['dense_ms']:8.3f} {r['gate_ms']:7.3f} {r['twellpy_ms']:8.3f} "
               f"{r['speedup']:5.2f} {r.get('fused_ms', float('nan')):8.3f} {r.get('split_ms', float('nan')):8.3f} "
               f"{r['auto_ms']:8.3f} {r['auto_speedup']:5.2f} {checked:8.3f} "
               f"{r['dense_ms'] / checked:5.2f} {stream:8.3f} "
-              f"{r.get('dense_stream_ms', float('nan')) / stream:5.2f} {r['twellpy_err']:8.1e} "
+              f"{r.get('dense_stream_ms', float('nan')) / stream:5.2f} {sync_stream:8.3f} "
+              f"{r.get('dense_stream_ms', float('nan')) / sync_stream:5.2f} {r['twellpy_err']:8.1e} "
               f"{(r['mean_active'] or 0):7.1f}  {r['twellpy_variant']} [{r['auto_mode']}]")
 
 
@@ -323,7 +329,8 @@ def run_m_sweep(args):
 
     rows = []
     print(f"{'M':>6s} {'dense':>8s} {'dense_s':>8s} {'own_dense':>9s} {'sparse':>8s} {'sparse_s':>8s} "
-          f"{'8w-nv1':>8s} {'auto':>8s} {'x':>5s} {'x_s':>5s}  (ms; _s: per call in a 20-call stream)")
+          f"{'8w-nv1':>8s} {'auto':>8s} {'x':>5s} {'x_s':>5s} {'chk_s':>8s} {'x_c':>5s}"
+          f"  (ms; _s: per call in a 20-call stream; chk: the default call, check_finite=True)")
     for M in M_SWEEP:
         spec = dict(WORKLOADS["W1-16k"], M=M)
         w = make_ffn(**spec, dtype=bfloat16, xp=cp, seed=3)
@@ -347,10 +354,12 @@ def run_m_sweep(args):
         apply_variant(ffn, None)
         r["auto_ms"] = time_cupy(lambda: ffn(x), args.reps)
         r["auto_mode"] = ffn.last_info.get("mode")
+        r["checked_stream_ms"] = time_stream(lambda: ffn(x, check_finite=True), sync=cp.cuda.Device().synchronize)
         rows.append(r)
         print(f"{M:6d} {r['dense_ms']:8.3f} {r['dense_stream_ms']:8.3f} {r['own_dense_ms']:9.3f} "
               f"{r['sparse_ms']:8.3f} {r['sparse_stream_ms']:8.3f} {r['alt_ms']:8.3f} {r['auto_ms']:8.3f} "
-              f"{r['dense_ms'] / r['sparse_ms']:5.2f} {r['dense_stream_ms'] / r['sparse_stream_ms']:5.2f}  "
+              f"{r['dense_ms'] / r['sparse_ms']:5.2f} {r['dense_stream_ms'] / r['sparse_stream_ms']:5.2f} "
+              f"{r['checked_stream_ms']:8.3f} {r['dense_stream_ms'] / r['checked_stream_ms']:5.2f}  "
               f"[{r['auto_mode']}] err {r['sparse_err']:.1e}", flush=True)
         del w, x, wg, wu, wd, ref, tx, tg, tu, td, ffn
     out = os.environ.get("OUT")
