@@ -437,47 +437,53 @@ def test_deferred_nonfinite_reports_of_the_cuda_plan(monkeypatch):
     ring = Ring()
     plan = object.__new__(cuda_ffn.FFNPlan)
     plan._check, plan._check_counters, plan._calls, plan._density_copy = ring, "counters", 0, "density"
+    plan._unreported = []
     x = lambda rows, n_bad: SimpleNamespace(shape=(rows, 8), n_bad=n_bad)  # noqa: E731
 
-    plan._calls = 1
-    t1 = plan._queue_check(x(1, 0), "counters", None, deferred=True)
-    plan._calls = 2
-    t2 = plan._queue_check(x(1, 3), "counters", None, deferred=True)
-    plan._calls = 3
-    t3 = plan._queue_check(x(1, 0), "counters", None, deferred=True)  # ring full: waits for the oldest, t1
+    def call(rows, n_bad, deferred):
+        plan._calls += 1
+        return plan._queue_check(x(rows, n_bad), "counters", None, deferred=deferred)
+
+    t1 = call(1, 0, True)
+    t2 = call(1, 3, True)
+    t3 = call(1, 0, True)                      # ring full: waits for the oldest, t1 (clean)
     assert [it[0] for it in ring.items[ring.landed:]] == [t2, t3]
-    plan._calls = 4
-    with pytest.raises(ValueError, match=r"earlier call of this FFN \(call 2, 1 rows\) contains 3 NaN/Inf"):
-        plan._queue_check(x(1, 0), "counters", None, deferred=True)   # full again: t2 lands, raises first
+    with pytest.raises(ValueError, match=r"earlier call of this FFN \(call 2, 1 rows\) contains 3 NaN/Inf values;"):
+        call(1, 0, True)                       # call 4, full again: t2 lands and raises before queueing
     assert len(ring.items) == 3 and ring.in_flight == 1 and plan._density_copy is None
-    plan._settle_checks(ring.collect(wait="all"))                      # t3 was clean
-    assert t1.call == 1 and t2.rows == 1
+    plan.check()                               # t3 was clean: nothing to report
+    assert t1.call == 1 and t3.call == 3
+
+    # several bad calls landed together: one error names them all, and each is reported once
+    call(1, 1, True)
+    call(1, 2, True)
+    with pytest.raises(ValueError, match=r"\(call 5, 1 rows\) contains 1 NaN/Inf values \(and the x of calls 6\)"):
+        plan.check()
+    plan.check()
 
     # a waited-for call returns its own count; an earlier deferred bad one raises when it is clean
-    ring.items, ring.landed = [], 0
-    plan._calls = 4
-    t4 = plan._queue_check(x(1, 5), "counters", None, deferred=True)
-    plan._calls = 5
-    t5 = plan._queue_check(x(600, 0), "counters", None, deferred=False)
+    call(1, 5, True)
+    t9 = call(600, 0, False)
     s = Stream()
-    with pytest.raises(ValueError, match=r"call 4, 1 rows\) contains 5"):
-        plan._read_check(t5, (s,))
-    assert s.waits == 1                                   # queued work on x finishes first
-    plan._calls = 6
-    t6 = plan._queue_check(x(600, 2), "counters", None, deferred=False)
-    assert plan._read_check(t6, ()) == 2                  # its own count: the caller raises for it
+    with pytest.raises(ValueError, match=r"call 7, 1 rows\) contains 5"):
+        plan._read_check(t9, (s,))
+    assert s.waits == 1                        # queued work on x finishes first
+    t10 = call(600, 2, False)
+    assert plan._read_check(t10, ()) == 2      # its own count: the caller raises for it
+    plan.check()                               # t10 is not deferred: not reported again
 
-    # a count read on another path (tag.deferred cleared) is not reported again; check() drains
-    plan._calls = 7
-    t7 = plan._queue_check(x(1, 4), "counters", None, deferred=True)
-    t7.deferred = False
-    plan.check()
-    plan._calls = 8
-    plan._queue_check(x(1, 1), "counters", None, deferred=True)
-    with pytest.raises(ValueError, match="call 8"):
+    # own count bad and an earlier deferred one bad: the earlier one is kept for the next report
+    call(1, 4, True)
+    t12 = call(600, 1, False)
+    assert plan._read_check(t12, ()) == 1
+    with pytest.raises(ValueError, match=r"call 10, 1 rows\) contains 4"):
         plan.check()
-    plan.check()                                          # reported once
-    assert t4.deferred and not t5.deferred
+    plan.check()
+
+    # a count read on another path (tag.deferred cleared) is not reported again
+    t13 = call(1, 4, True)
+    t13.deferred = False
+    plan.check()
 
 
 def test_check_finite_modes_on_the_cpu():
@@ -497,7 +503,7 @@ def test_check_finite_modes_on_the_cpu():
         ffn.defer_check_rows = 0
     y = ffn(bad, check_finite=False)
     assert np.isnan(y[3]).all()
-    for wrong, err in (("always", ValueError), (1, TypeError), (None, TypeError)):
+    for wrong, err in (("always", ValueError), (2.5, TypeError), (None, TypeError)):
         with pytest.raises(err, match="check_finite must be True, False or 'sync'"):
             GatedFFN(w["w_gate"], w["w_up"], w["w_down"], check_finite=wrong)
     with pytest.raises(ValueError, match="check_finite must be True, False or 'sync'"):

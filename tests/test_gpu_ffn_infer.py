@@ -196,7 +196,7 @@ def test_nan_propagates_with_check_finite_false():
 
 
 @pytest.mark.parametrize("chunk_rows", [None, 300], ids=["one-chunk", "two-streams"])
-@pytest.mark.parametrize("heavy_limit", ["default", None], ids=["heavy-rows", "no-heavy"])
+@pytest.mark.parametrize("heavy_limit", [256, None], ids=["heavy-rows", "no-heavy"])
 @pytest.mark.parametrize("mode", ["auto", "sparse", "dense"])
 @pytest.mark.parametrize("m", [1, 700], ids=["M1", "M700"])
 def test_deferred_finite_check_on_every_path(m, mode, heavy_limit, chunk_rows):
@@ -206,8 +206,7 @@ def test_deferred_finite_check_on_every_path(m, mode, heavy_limit, chunk_rows):
     gated = chunk_rows is None
     w = make_ffn(m, 128, 512, 12, sigma=0.3, gated=gated, dtype=np.float32, xp=cp, seed=40 + m)
     ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"]) if gated else ReluFFN(w["w_up"], w["w_down"])
-    if heavy_limit is None:
-        ffn.heavy_limit = None
+    ffn.heavy_limit = heavy_limit
     ffn._plan.chunk_rows = chunk_rows
     bad = w["x"].copy()
     bad[m // 2, 5] = np.nan
@@ -226,33 +225,43 @@ def test_deferred_finite_check_on_every_path(m, mode, heavy_limit, chunk_rows):
         assert bool(cp.isnan(y_nan[m // 2]).all())
 
 
+@pytest.mark.parametrize("chunk_rows", [None, 48], ids=["one-chunk", "two-streams"])
 @pytest.mark.parametrize("mode", ["auto", "sparse", "dense"])
 @pytest.mark.parametrize("m", [1, 128])
-def test_decode_calls_defer_the_finite_check(m, mode):
-    # check_finite=True: a call of at most defer_check_rows rows returns without waiting for
-    # the NaN/Inf count of x (waiting would idle the GPU after every decode step); the next
-    # call, before it queues anything, or check() raises for it, once, naming the call
+def test_decode_calls_defer_the_finite_check(m, mode, chunk_rows):
+    # check_finite=True: a call of at most defer_check_rows rows, except an object's first,
+    # returns without waiting for the NaN/Inf count of x (waiting would idle the GPU after
+    # every decode step); a later call, before it queues anything, or check() raises for
+    # it, once, naming the call
     import gc
 
     w = make_ffn(m, 128, 512, 12, dtype=np.float32, xp=cp, seed=70 + m)
     ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"])
+    ffn._plan.chunk_rows = chunk_rows
     bad = w["x"].copy()
     bad[m - 1, 3] = np.nan
     ref = ref64(w)
+    with pytest.raises(ValueError, match="x contains 1 NaN"):
+        ffn(bad, mode=mode)                                                # call 1 waits: raises itself
+    assert rel_err(ffn(w["x"], mode=mode), ref) <= 1e-5                    # call 2
     poison()
-    y_bad = ffn(bad, mode=mode)                                            # call 1
+    y_bad = ffn(bad, mode=mode)                                            # call 3 returns
     assert ffn.last_info["finite_check"] == "deferred"
     assert bool(cp.isnan(y_bad[m - 1]).all())                              # IEEE in the rows concerned
     if m > 1:
         assert rel_err(y_bad[: m - 1], ref[: m - 1]) <= 1e-5               # and exact elsewhere
-    with pytest.raises(ValueError, match=rf"x of an earlier call of this FFN \(call 1, {m} rows\) contains 1 NaN"):
-        ffn(w["x"], mode=mode)                                             # call 2 reports call 1
+    with pytest.raises(ValueError, match=rf"x of an earlier call of this FFN \(call 3, {m} rows\) contains 1 NaN"):
+        ffn(w["x"], mode=mode)                                             # call 4 reports call 3
     poison()
-    assert rel_err(ffn(w["x"], mode=mode), ref) <= 1e-5                    # call 3: the object works
-    ffn(bad, mode=mode)                                                    # call 4
-    with pytest.raises(ValueError, match=r"call 4,"):
+    assert rel_err(ffn(w["x"], mode=mode), ref) <= 1e-5                    # call 5: the object works
+    ffn(bad, mode=mode)                                                    # call 6
+    with pytest.raises(ValueError, match=r"call 6,"):
         ffn.check()
     ffn.check()                                                            # reported once
+    ffn(bad, mode=mode)                                                    # call 7
+    cp.cuda.Device().synchronize()                                         # its count has landed:
+    with pytest.raises(ValueError, match=r"call 7,"):
+        ffn(w["x"], mode=mode)                                             # call 8 raises at its start
     for _ in range(12):                                                    # more calls than the ring holds
         ffn(w["x"], mode=mode)
     ffn.check()
@@ -263,10 +272,11 @@ def test_decode_calls_defer_the_finite_check(m, mode):
         ffn(bad, mode=mode)                                                # every call waits
     ffn.check()
     with pytest.raises(ValueError, match="x contains 1 NaN"):
-        gated_forward(bad, w["w_gate"], w["w_up"], w["w_down"], mode=mode)  # a one-off call always waits
+        gated_forward(bad, w["w_gate"], w["w_up"], w["w_down"], mode=mode)  # a one-off call waits
     dropped = GatedFFN(w["w_gate"], w["w_up"], w["w_down"])
+    dropped(w["x"], mode=mode)
     dropped(bad, mode=mode)
-    with pytest.warns(RuntimeWarning, match=r"call 1, .*freed"):
+    with pytest.warns(RuntimeWarning, match=r"call 2, .*freed"):
         del dropped
         gc.collect()
 

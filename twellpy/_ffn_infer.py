@@ -24,8 +24,8 @@ with ``return_activations=True`` (rows over capacity go to its dense backup).
 NaN/Inf in ``x`` (``check_finite=True``) raise ValueError. A CUDA call of at
 most ``defer_check_rows`` (512) rows does not wait for that count: the next
 call of the same object, or ``ffn.check()``, raises for it, and the offending
-call's output holds NaN/Inf in the rows concerned. ``check_finite="sync"``
-makes every call wait; the one-shot functions always do.
+call's output holds NaN/Inf in the rows concerned. An object's first call,
+``check_finite="sync"`` and the one-shot functions always wait.
 
 An inactive neuron contributes exactly nothing: ``h_j = 0`` when the gate is
 inactive, even if the up projection of that neuron is NaN/Inf. (A non-finite
@@ -70,7 +70,7 @@ def _check_finite_mode(value, name="check_finite"):
         if value != "sync":
             raise ValueError(f"{name} must be True, False or 'sync', got {value!r}")
         return value
-    if not isinstance(value, (bool, np.bool_)):
+    if not isinstance(value, (bool, np.bool_, int, np.integer)):  # 0 and 1 read as before
         raise TypeError(f"{name} must be True, False or 'sync', got {value!r}")
     return bool(value)
 
@@ -186,8 +186,9 @@ class _FFN:
         has not been reported yet.
 
         With ``check_finite=True`` a CUDA call of at most ``defer_check_rows`` rows
-        (512: decode sizes) does not wait for the NaN/Inf count of its ``x``; the
-        next call of this object, or this method, raises for it. Call it after
+        (512: decode sizes), except the object's first, does not wait for the
+        NaN/Inf count of its ``x``; a later call of this object (one whose start
+        finds the count landed) or this method raises for it. Call it after
         the last call of a loop. Waits for the counts in flight, not for the
         FFN's own kernels. A no-op on the CPU, where every call checks itself.
         """
@@ -306,8 +307,8 @@ class GatedFFN(_FFN):
     check_finite : bool or "sync"
         Reject NaN/Inf in the weights (here) and in ``x`` (each call) with a
         ValueError. On CUDA, True lets decode-sized calls (at most
-        ``defer_check_rows`` = 512 rows) return without waiting for the count of
-        ``x``: a NaN/Inf there is raised by the next call or by :meth:`check`,
+        ``defer_check_rows`` = 512 rows) after the first return without waiting
+        for the count of ``x``: a NaN/Inf there is raised by a later call or by :meth:`check`,
         and the offending call's ``y`` holds NaN/Inf in the rows concerned.
         ``"sync"`` makes every call wait and raise itself. False lets NaN/Inf
         in ``x`` through, as IEEE arithmetic does.

@@ -74,11 +74,17 @@ class _CheckTag:
         self.call, self.rows, self.deferred = call, rows, deferred
 
 
-def _deferred_message(tag, n_bad):
+def _deferred_message(bad):
+    """The error for bad deferred calls, ``bad`` a list of ``(tag, count)``, oldest first."""
+    tag, n_bad = bad[0]
+    also = ""
+    if len(bad) > 1:
+        more = ", ".join(str(t.call) for t, _ in bad[1:6]) + (", ..." if len(bad) > 6 else "")
+        also = f" (and the x of calls {more})"
     return (f"x of an earlier call of this FFN (call {tag.call}, {tag.rows} rows) contains {n_bad} NaN/Inf "
-            f"values; that call returned NaN/Inf in the rows concerned (decode-sized calls do not wait for "
-            f"the check: it is reported by the next call or by check()). Pass check_finite='sync' to raise "
-            f"in the offending call itself, or check_finite=False to let NaN/Inf through as IEEE arithmetic does")
+            f"values{also}; that call returned NaN/Inf in the rows concerned (decode-sized calls do not wait "
+            f"for the check: a later call or check() reports it). Pass check_finite='sync' to raise in the "
+            f"offending call itself, or check_finite=False to let NaN/Inf through as IEEE arithmetic does")
 
 
 def _sparse_name(dtype, nv, kb, gated, write_h, split=False):
@@ -424,8 +430,10 @@ class FFNPlan:
         #: than the host's own work per call, so waiting for the count leaves the GPU idle
         #: after every call (H200, 2026-12-05: checked M = 1 calls back to back 0.58x
         #: dense). Such a call's count is collected by a later call or by check().
+        #: A plan's first call always waits, so a one-off call raises itself.
         self.defer_check_rows = 512
         self._calls = 0  # numbers the calls in deferred NaN/Inf reports
+        self._unreported = []  # (tag, count) of bad deferred calls collected but not yet raised
         #: event recorded at the end of every call: the next call's stream waits for it,
         #: since a call returns before its kernels finish and the workspaces are shared
         self._done = None
@@ -433,18 +441,19 @@ class FFNPlan:
     def __del__(self):
         # The workspaces go back to the free list of the stream they were allocated on,
         # which may be idle while a later call on another stream still writes them.
+        bad = list(getattr(self, "_unreported", ()))
         try:
             if self._done is not None:
                 self._done.synchronize()
             if self._check is not None and self._check.in_flight:
-                bad = [(tag, n) for tag, n in self._check.collect(wait="all") if n and tag.deferred]
-                if bad:
-                    import warnings
-
-                    warnings.warn(_deferred_message(*bad[0]) + " (reported when the FFN was freed: "
-                                  "call check() after the last call to raise it)", RuntimeWarning, stacklevel=1)
+                bad += [(tag, n) for tag, n in self._check.collect(wait="all") if n and tag.deferred]
         except Exception:  # noqa: BLE001 - interpreter shutdown or a lost device
             pass
+        if bad:  # outside the try: under -W error the warning is the report, not something to swallow
+            import warnings
+
+            warnings.warn(_deferred_message(bad) + " (reported when the FFN was freed: call check() after "
+                          "the last call to raise it)", RuntimeWarning, stacklevel=1)
 
     # ---- configuration ------------------------------------------------------
     def _choose_config(self):
@@ -761,19 +770,21 @@ class FFNPlan:
         return tag
 
     def _settle_checks(self, landed, streams=()):
-        """Raise for the first deferred call among ``landed`` (``(tag, count)`` pairs from
-        :meth:`RepeatedNonfiniteCheck.collect`) whose x held NaN or Inf."""
-        for tag, n_bad in landed:
-            if n_bad and tag.deferred:
-                for s_ in streams:  # let queued work on x finish before the caller reuses it
-                    s_.synchronize()
-                self._density_copy = None  # NaN rows fire every neuron: not a density to steer by
-                raise ValueError(_deferred_message(tag, n_bad))
+        """Raise for the deferred calls among ``landed`` (``(tag, count)`` pairs from
+        :meth:`RepeatedNonfiniteCheck.collect`), and any collected earlier, whose x held
+        NaN or Inf: one error naming every such call, each reported once."""
+        bad = self._unreported + [(tag, n) for tag, n in landed if n and tag.deferred]
+        if bad:
+            self._unreported = []
+            for s_ in streams:  # let queued work on x finish before the caller reuses it
+                s_.synchronize()
+            self._density_copy = None  # NaN rows fire every neuron: not a density to steer by
+            raise ValueError(_deferred_message(bad))
 
     def check(self):
-        """Raise for a deferred call whose x held NaN or Inf (waits for the counts in flight)."""
-        if self._check is not None and self._check.in_flight:
-            self._settle_checks(self._check.collect(wait="all"))
+        """Raise for deferred calls whose x held NaN or Inf (waits for the counts in flight)."""
+        landed = self._check.collect(wait="all") if self._check is not None and self._check.in_flight else []
+        self._settle_checks(landed)
 
     def _call_done(self, stream):
         """Record the end of this call's work on ``stream`` (see ``_done``)."""
@@ -790,6 +801,8 @@ class FFNPlan:
         n_bad = next((n for t, n in landed if t is tag), 0)
         if not n_bad:
             self._settle_checks(landed, streams)
+        else:  # this call raises for its own x; earlier bad calls are reported by the next call
+            self._unreported += [(t, n) for t, n in landed if n and t.deferred and t is not tag]
         return n_bad
 
     # ---- the call -----------------------------------------------------------
@@ -828,9 +841,11 @@ class FFNPlan:
         cp = cupy_module()
         M = x.shape[0]
         self._calls += 1
-        if self._check is not None and self._check.in_flight:
-            self._settle_checks(self._check.collect())  # counts of earlier deferred calls that landed
-        deferred = check_x == "auto" and M <= self.defer_check_rows
+        if self._unreported or (self._check is not None and self._check.in_flight):
+            # counts of earlier deferred calls that have landed (an event query each, no wait)
+            self._settle_checks(self._check.collect() if self._check is not None else [])
+        # the first call waits: a one-off GatedFFN(...)(x) then raises itself
+        deferred = check_x == "auto" and M <= self.defer_check_rows and self._calls > 1
         y = cp.empty((M, self.D), self.dtype)
         h_full = cp.zeros((M, self.H), self.dtype) if return_activations else None
         info = {"mode": "dense", "mean_active": None, "heavy_rows": 0,
@@ -875,6 +890,7 @@ class FFNPlan:
         def raise_if_nonfinite(n_bad):
             if tag is not None:
                 tag.deferred = False  # read here: a later collect must not report it again
+                info["finite_check"] = "waited"
             if n_bad:
                 for s_ in (cur, sA, sB):  # let queued work on x finish before the caller reuses it
                     s_.synchronize()
