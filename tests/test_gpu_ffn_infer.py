@@ -281,6 +281,64 @@ def test_decode_calls_defer_the_finite_check(m, mode, chunk_rows):
         gc.collect()
 
 
+@pytest.mark.parametrize("chunk_rows", [None, 4100, 1024], ids=["one-chunk", "two-streams", "small-chunks"])
+def test_auto_dense_calls_sample_the_density(chunk_rows, monkeypatch):
+    # an "auto" call that an earlier count already sends dense builds no row lists: it packs
+    # every DENSITY_SAMPLE-th row of chunk 0 (rotating start; the whole chunk when it is
+    # small) to keep measuring, and that count still decides later calls
+    from twellpy.backends import cuda_ffn
+
+    M, H = 8192, 512
+    w = make_ffn(M, 128, H, 24, dtype=np.float32, xp=cp, seed=81)
+    ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"])
+    plan = ffn._plan
+    plan.chunk_rows = chunk_rows
+    ffn.auto_threshold = 4.0
+    want = ffn(w["x"], mode="dense")
+    rows0 = M if chunk_rows is None else chunk_rows
+    true_mean = float(((w["x"][:rows0] @ w["w_gate"].T) > 0).sum()) / rows0
+    packs = []
+    real = cuda_ffn.FFNPlan._launch_rowpack
+
+    def recording(self, g, buf, stream, total=None, on_current=False):
+        packs.append((g.shape[0], g.strides[0] // g.itemsize, int(g.data.ptr - plan._ws["g"][buf].data.ptr)
+                      // (H * g.itemsize), total is not None))
+        return real(self, g, buf, stream, total=total, on_current=on_current)
+
+    monkeypatch.setattr(cuda_ffn.FFNPlan, "_launch_rowpack", recording)
+    ffn(w["x"])                                      # the first auto call probes: full lists, dense
+    assert ffn.last_info["mode"] == "dense" and ffn.last_info["decided_by"] == "probe"
+    starts = set()
+    for _ in range(4):
+        cp.cuda.Device().synchronize()               # the count has landed
+        del packs[:]
+        poison()
+        y = ffn(w["x"])
+        assert ffn.last_info["mode"] == "dense" and ffn.last_info["decided_by"] == "earlier call"
+        assert rel_err(y, want) <= 1e-5
+        assert len(packs) == 1                       # chunk 0 only, with the count
+        rows, stride, start, counted = packs[0]
+        assert counted
+        if rows0 >= cuda_ffn.DENSITY_SAMPLE * cuda_ffn.DENSITY_MIN_SAMPLE:
+            assert stride == cuda_ffn.DENSITY_SAMPLE * H and 0 <= start < cuda_ffn.DENSITY_SAMPLE
+            assert rows == len(range(start, rows0, cuda_ffn.DENSITY_SAMPLE))
+            starts.add(start)
+        else:
+            assert (rows, stride, start) == (rows0, H, 0)   # a small chunk is counted whole
+        assert plan._density_rows == rows
+    if rows0 >= cuda_ffn.DENSITY_SAMPLE * cuda_ffn.DENSITY_MIN_SAMPLE:
+        assert len(starts) > 1                       # the sampled rows rotate
+    cp.cuda.Device().synchronize()
+    ffn.auto_threshold = 1e9                         # the sampled density now decides: sparse
+    del packs[:]
+    poison()
+    y = ffn(w["x"])
+    assert ffn.last_info["mode"] == "sparse"
+    assert abs(ffn.last_info["mean_active"] - true_mean) <= 0.2 * true_mean
+    assert sum(p[0] for p in packs) == M and all(p[1] == H for p in packs)   # full lists everywhere
+    assert rel_err(y, ref64(w)) <= 1e-5
+
+
 def test_odd_shapes_and_batch_dims():
     # D, H not multiples of 8 take the dense path on the GPU and stay exact
     w = to_gpu(make_ffn(50, 100, 300, 15, dtype=np.float32, xp=np, seed=1))

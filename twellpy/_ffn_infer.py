@@ -35,7 +35,8 @@ GEMM's ``0 * NaN``; the sparse path only reads active columns.)
 Mode. ``"sparse"`` always uses the sparse step, ``"dense"`` the dense GEMMs.
 ``"auto"`` measures the active neurons per token after the gate GEMM and
 runs dense when the mean exceeds ``auto_threshold``. CUDA: the first row
-chunk (up to 16384 rows) decides the whole call. Waiting for that count is a
+chunk (up to 16384 rows) decides the whole call; a call already running dense
+counts every 16th row of it only (rotating start), to keep the density measured. Waiting for that count is a
 host synchronisation, so by default (``auto_probe="first"``) only an FFN
 object's first call waits; later calls decide from the count of an earlier
 call, copied to the host asynchronously (``last_info["decided_by"]`` says

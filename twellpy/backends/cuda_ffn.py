@@ -33,7 +33,9 @@ waits for it: every call copies its count to pinned host memory
 asynchronously, and a later call decides from the latest copy that has
 arrived (an event query, no wait). ``auto_probe="always"`` waits in every
 call. Calls of at most ``AUTO_MIN_ROWS`` rows never probe and run sparse.
-Both paths are exact; the decision only affects speed.
+A call that an earlier count already sends dense skips step 2, except on
+every ``DENSITY_SAMPLE``-th row of its first chunk, which keeps the density
+measured for later calls. Both paths are exact; the decision only affects speed.
 """
 from __future__ import annotations
 
@@ -63,6 +65,14 @@ _LIST_CAP = 2048
 #: NaN/Inf counts of x in flight at once: decode calls that do not wait for their
 #: count (see FFNPlan.defer_check_rows) may run this many calls ahead of the GPU
 _CHECK_RING = 8
+#: an "auto" call that an earlier call's density sends dense packs only every
+#: DENSITY_SAMPLE-th row of its first chunk (from a start row that rotates call by
+#: call, so no position in a sequence always decides), to keep tracking the density:
+#: the full row lists would cost about 4% of the dense FFN for nothing (W1-16k, H200).
+#: Chunks of fewer than DENSITY_SAMPLE * DENSITY_MIN_SAMPLE rows are counted whole:
+#: a few heavy rows in a small sample could flip the decision.
+DENSITY_SAMPLE = 16
+DENSITY_MIN_SAMPLE = 256
 
 
 class _CheckTag:
@@ -718,6 +728,18 @@ class FFNPlan:
             return None, "probe"
         return self._density_mean, ("earlier call" if copy is None else "earlier decision")
 
+    def _dense_known(self, early):
+        """True when ``early`` (from :meth:`_earlier_density`) already sends this call dense."""
+        return early[0] is not None and early[0] > self.auto_threshold
+
+    def _density_rows_of(self, g):
+        """The rows of ``g`` whose active count keeps the density measured on the dense
+        path: every DENSITY_SAMPLE-th from a start that rotates with the calls, or all
+        of them when that would be fewer than DENSITY_MIN_SAMPLE rows."""
+        if g.shape[0] < DENSITY_SAMPLE * DENSITY_MIN_SAMPLE:
+            return g
+        return g[self._calls % DENSITY_SAMPLE::DENSITY_SAMPLE]
+
     def _remember_density(self, counters, rows, stream, probed_mean=None):
         """Queue a copy of the first chunk's active count (``counters[2]``) to
         pinned host memory (no synchronisation), or take ``probed_mean``, a
@@ -909,9 +931,14 @@ class FFNPlan:
             g = ws["g"][0][:M]
             gemm_nt(x, self.gate_w, g, hA, cur, on_current=True)
             measure = mode == "auto" and M > self.AUTO_MIN_ROWS
-            self._launch_rowpack(g, 0, cur, total=counters[2:] if measure else None, on_current=True)
+            early = self._earlier_density() if measure else (None, None)
+            # a call that an earlier count already sends dense needs no row lists: it packs
+            # every DENSITY_SAMPLE-th row only, to keep measuring the density for later calls
+            dense_known = self._dense_known(early)
+            packed = self._density_rows_of(g) if dense_known else g
+            self._launch_rowpack(packed, 0, cur, total=counters[2:] if measure else None, on_current=True)
             if measure:
-                mean, source = self._earlier_density()
+                mean, source = early
                 if mean is None:
                     # measured density decides (host waits for the gate GEMM + row lists)
                     cur.record().synchronize()
@@ -921,9 +948,10 @@ class FFNPlan:
                     mean = seen / M
                     self._remember_density(counters, M, cur, probed_mean=mean)
                 else:
-                    self._remember_density(counters, M, cur)
+                    self._remember_density(counters, packed.shape[0], cur)
                 info["mean_active"], info["decided_by"] = mean, source
-                use_sparse = mean <= self.auto_threshold
+                # one reading of the threshold: a call without full row lists must run dense
+                use_sparse = not dense_known and mean <= self.auto_threshold
             if use_sparse:
                 self._launch_sparse(x, g, y, h_full, heavy, counters, cur, buf=0, on_current=True)
             else:
@@ -940,6 +968,9 @@ class FFNPlan:
                 with sB:
                     heavy.fill(0)
             zeroed = sB.record()
+            early = self._earlier_density() if mode == "auto" else (None, None)
+            dense_known = self._dense_known(early)
+            measured = [None]  # the rows of chunk 0 that the dense path counts (launch_gate)
             gate_done = [None] * n
             stage2_done = [None] * n
 
@@ -953,7 +984,11 @@ class FFNPlan:
                 if ci == 0:
                     sA.wait_event(zeroed)  # counters[2] is reset on stream B
                 gemm_nt(x[r0:r1], self.gate_w, g, hA, sA)
-                self._launch_rowpack(g, b, sA, total=counters[2:] if ci == 0 else None)
+                if not dense_known:
+                    self._launch_rowpack(g, b, sA, total=counters[2:] if ci == 0 else None)
+                elif ci == 0:  # dense: no row lists, only the (sampled) density of chunk 0
+                    measured[0] = self._density_rows_of(g)
+                    self._launch_rowpack(measured[0], b, sA, total=counters[2:])
                 gate_done[ci] = sA.record()
 
             def launch_stage2(ci, sparse):
@@ -975,7 +1010,7 @@ class FFNPlan:
             rows0 = chunks[0][1] - chunks[0][0]
             if mode == "auto":
                 # the first chunk's measured density decides every chunk
-                mean, source = self._earlier_density()
+                mean, source = early
                 if mean is None:
                     # the GPU keeps running chunk 1's gate GEMM while the host reads it
                     gate_done[0].synchronize()  # after `zeroed`, so the count of x is done too
@@ -988,9 +1023,10 @@ class FFNPlan:
                     # on stream B after chunk 0's row pack: the call's end waits for
                     # stream B, so the next call's reset of the counters comes later
                     sB.wait_event(gate_done[0])
-                    self._remember_density(counters, rows0, sB)
+                    self._remember_density(counters, measured[0].shape[0] if dense_known else rows0, sB)
                 info["mean_active"], info["decided_by"] = mean, source
-                use_sparse = mean <= self.auto_threshold
+                # one reading of the threshold: a call without full row lists must run dense
+                use_sparse = not dense_known and mean <= self.auto_threshold
             launch_stage2(0, use_sparse)
             for ci in range(1, n):
                 if ci + 1 < n:
