@@ -122,3 +122,48 @@ def test_time_budget_splits_worker_time(tmp_path):
     assert line == ("time budget: 2 workers; start-up before the first test 30-50 s; inside tests 13 s, "
                     "between tests 4 s (worker-seconds); 3 tests run")
     assert mt.time_budget(str(log), str(tmp_path / "none")) == "time budget: no test times"
+
+
+def test_a_test_that_never_finished_counts_as_running(tmp_path):
+    # the report comes while only a test killed by the time limit runs: before the started_
+    # records this threw the whole ledger away ("reports while no test ran")
+    log, times, ledger = make(tmp_path, [(100.0, "..."), (300.0, OOM), (320.0, "[all] exit 124")], SPANS, list(SPANS))
+    (Path(times) / "started_11.tsv").write_text("".join(f"{n}\t{a}\n" for n, (a, _) in SPANS.items())
+                                                + "t::killed\t290.0\n")
+    status, verdict = mt.triage(log, times, ledger)
+    assert status == 0 or status == 1, verdict
+    assert "whole ledger" not in verdict
+    assert oks(ledger) == list(SPANS)  # no finished test ran within 30 s before t = 300
+    assert mt.read_unfinished(times) == {"t::killed": 290.0}
+
+
+def test_where_time_went_names_phases_unfinished_and_running_tests(tmp_path):
+    log, times, ledger = make(tmp_path, [(90.0, "[all] pass starts"), (195.0, OOM), (420.0, "[all] exit 124")],
+                              SPANS, list(SPANS))
+    t = Path(times)
+    (t / "started_11.tsv").write_text("".join(f"{n}\t{a}\n" for n, (a, _) in SPANS.items()) + "t::huge\t180.0\n")
+    (t / "phases_11.tsv").write_text("imported\t92.0\nconfigured\t95.0\ncollected\t98.0\n")
+    (t / "phases_12.tsv").write_text("imported\t93.0\nconfigured\t97.0\ncollected\t99.5\n")
+    lines = mt.where_time_went(log, times)
+    assert lines[0] == "start-up: processes up +2-3 s, configured +5-7 s, collected +8-10 s, first test +10-10 s"
+    assert lines[1] == "never finished: 1 tests (the pass ended at +330 s)"
+    assert lines[2] == "  t::huge (started +90 s, ran >= 240 s)"
+    assert lines[3] == "running at the first report (+105 s): 2 tests"
+    assert lines[4:] == ["  t::during (started +60 s, took 60 s)", "  t::huge (started +90 s, never finished)"]
+    assert mt.where_time_went(str(tmp_path / "missing.tsv"), times) == ["start-up: no timed log"]
+
+
+def test_run_times_plugin_records_phases_starts_and_spans(tmp_path):
+    tests = tmp_path / "t"
+    tests.mkdir()
+    (tests / "test_x.py").write_text("def test_a():\n    pass\n\ndef test_b():\n    pass\n")
+    times = tmp_path / "times"
+    times.mkdir()
+    env = dict(__import__("os").environ, TWELLPY_TEST_TIMES=str(times), PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "benchmarks.run_times",
+                          str(tests)], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert sorted(mt.read_times(str(times))) == ["t/test_x.py::test_a", "t/test_x.py::test_b"]
+    assert mt.read_unfinished(str(times)) == {}
+    phases = [ln.split("\t")[0] for f in times.glob("phases_*.tsv") for ln in f.read_text().splitlines()]
+    assert phases == ["imported", "configured", "collected"]
