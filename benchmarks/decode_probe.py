@@ -1,11 +1,13 @@
 """Where a decode-sized FFN call spends its time (issue 4, W4: never slower than dense).
 
-For M in 1, 16 and 128 at W1's D and H, it times, back to back and one call at
-a time (synchronised), the dense FFN (three cuBLAS GEMMs through CuPy) and the
-twellpy call unchecked, ``mode="auto"`` and with the default NaN/Inf check, then
-profiles the checked call with cProfile (host functions by own time). A call
-that costs more host time than GPU time is host-bound: that is what decides
-decode speed.
+For M in 1, 4, 8, 16 and 128 at W1's D and H, it times, back to back and one
+call at a time (synchronised), the dense FFN (three cuBLAS GEMMs through CuPy,
+and torch's when torch is installed) and the twellpy call unchecked,
+``mode="auto"``, with the default NaN/Inf check, and that default call with
+the decode kernels off (``decode_rows = 0``: the general path; M <= 16 only),
+then profiles the checked call with cProfile (host functions by own time). A
+call that costs more host time than GPU time is host-bound: that is what
+decides decode speed.
 
 Usage (device): ``python benchmarks/decode_probe.py``
 """
@@ -51,9 +53,13 @@ def main():
 
     sync = cp.cuda.get_current_stream().synchronize
     print(f"device {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
-    print(f"{'M':>4s} {'variant':>14s} {'stream ms':>10s} {'synced ms':>10s} {'x dense':>8s}")
-    profiled = None
-    for M in (1, 16, 128):
+    print(f"{'M':>4s} {'variant':>16s} {'stream ms':>10s} {'synced ms':>10s} {'x dense':>8s}")
+    profiled = {}
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    for M in (1, 4, 8, 16, 128):
         w = make_ffn(M, 2048, 5632, 30, dtype=bfloat16, xp=cp, seed=1)
         x, wg, wu, wd = w["x"], w["w_gate"], w["w_up"], w["w_down"]
         wgT, wuT, wdT = (cp.ascontiguousarray(a.T) for a in (wg, wu, wd))
@@ -62,6 +68,8 @@ def main():
             return (cp.maximum(x @ wgT, 0) * (x @ wuT)) @ wdT
 
         ffn = GatedFFN(wg, wu, wd)
+        general = GatedFFN(wg, wu, wd)
+        general.decode_rows = 0
         variants = {
             "dense": dense,
             "sparse": lambda: ffn(x, mode="sparse", check_finite=False),
@@ -69,12 +77,31 @@ def main():
             "auto checked": lambda: ffn(x),  # the default: decode calls defer the NaN/Inf report
             "auto sync": lambda: ffn(x, check_finite="sync"),  # every call waits for its count
         }
+        if M <= 16:
+            variants["checked general"] = lambda: general(x)  # the same call without the decode kernels
+            # one token firing every neuron (x[:, 0] carries the threshold): the decode down
+            # kernel then walks the whole list in D / 256 blocks
+            hot = x.copy()
+            hot[0, 0] = -40.0
+            variants["hot row"] = lambda: ffn(hot)
+            variants["hot row general"] = lambda: general(hot)
+        syncs = {}
+        if torch is not None and torch.cuda.is_available():
+            dev = torch.device("cuda")
+            xt = torch.randn(M, 2048, device=dev, dtype=torch.bfloat16)
+            wgt, wut = (torch.randn(5632, 2048, device=dev, dtype=torch.bfloat16) for _ in range(2))
+            wdt = torch.randn(2048, 5632, device=dev, dtype=torch.bfloat16)
+            F = torch.nn.functional
+            variants["torch dense"] = lambda: F.linear(F.relu(F.linear(xt, wgt)) * F.linear(xt, wut), wdt)
+            syncs["torch dense"] = torch.cuda.synchronize
         base = None
         for name, fn in variants.items():
-            stream, synced = per_call_ms(fn, 400, sync)
+            stream, synced = per_call_ms(fn, 400, syncs.get(name, sync))
             base = stream if base is None else base
-            print(f"{M:4d} {name:>14s} {stream:10.4f} {synced:10.4f} {base / stream:8.2f}")
-        if M == 1:
+            print(f"{M:4d} {name:>16s} {stream:10.4f} {synced:10.4f} {base / stream:8.2f}")
+        if M in (1, 128):
+            # M = 1 runs the decode kernels; at M = 128 (general path) the checked call cost
+            # 0.053 ms more than the unchecked one on an H100 (2026-12-05), cause unknown
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(300):
@@ -83,12 +110,13 @@ def main():
             prof.disable()
             out = io.StringIO()
             pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(14)
-            profiled = out.getvalue()
-    print("\ncProfile of 300 checked calls at M = 1 (own time):")
-    lines = [ln for ln in profiled.splitlines() if ln.strip()]
-    start = next(i for i, ln in enumerate(lines) if "ncalls" in ln)
-    for ln in lines[start:start + 15]:
-        print(ln[:150])
+            profiled[M] = out.getvalue()
+    for M, text in profiled.items():
+        print(f"\ncProfile of 300 checked calls at M = {M} (own time):")
+        lines = [ln for ln in text.splitlines() if ln.strip()]
+        start = next(i for i, ln in enumerate(lines) if "ncalls" in ln)
+        for ln in lines[start:start + 15]:
+            print(ln[:150])
 
 
 if __name__ == "__main__":

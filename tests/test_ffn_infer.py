@@ -392,6 +392,9 @@ def test_repeated_nonfinite_check_bookkeeping(monkeypatch):
     assert check.collect(wait="all") == [("d", 7)] and check.in_flight == 0
     with pytest.raises(ValueError, match="tag"):
         check.queue(arr, current, None)
+    del log[:]
+    check.queue(None, current, "f")                                # a fused kernel wrote the count:
+    assert log == [("copy", host.ctypes.data + 8, 1), ("record", 1, 1)]  # the copy only
 
 
 def test_deferred_nonfinite_reports_of_the_cuda_plan(monkeypatch):
@@ -418,7 +421,7 @@ def test_deferred_nonfinite_reports_of_the_cuda_plan(monkeypatch):
 
         def queue(self, x, stream, tag):
             assert not self.full
-            self.items.append([tag, x.n_bad])
+            self.items.append([tag, fused_counts.pop(0) if x is None else x.n_bad])
 
         def collect(self, wait=None):
             upto = len(self.items) if wait == "all" else self.landed + (1 if wait == "oldest" else 0)
@@ -434,6 +437,7 @@ def test_deferred_nonfinite_reports_of_the_cuda_plan(monkeypatch):
         def synchronize(self):
             self.waits += 1
 
+    fused_counts = []  # what a decode gate kernel "wrote" for x=None queues
     ring = Ring()
     plan = object.__new__(cuda_ffn.FFNPlan)
     plan._check, plan._check_counters, plan._calls, plan._density_copy = ring, "counters", 0, "density"
@@ -484,6 +488,14 @@ def test_deferred_nonfinite_reports_of_the_cuda_plan(monkeypatch):
     t13 = call(1, 4, True)
     t13.deferred = False
     plan.check()
+
+    # the decode path queues the copy of a count its gate kernel wrote (x None, rows given)
+    plan._calls += 1
+    fused_counts.append(2)
+    t14 = plan._queue_check(None, "counters", None, deferred=True, rows=3)
+    assert (t14.call, t14.rows) == (plan._calls, 3)
+    with pytest.raises(ValueError, match=rf"call {plan._calls}, 3 rows\) contains 2 NaN/Inf"):
+        plan.check()
 
 
 def test_check_finite_modes_on_the_cpu():

@@ -765,3 +765,155 @@ def test_ffn_on_the_second_gpu_with_the_first_current():
     assert act["mean_active"] is not None
     with cp.cuda.Device(1):
         assert rel_err(y, ref64(w)) <= TOL[np.dtype(np.float32)]
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("M, H", [(1, 1000), (2, 1000), (3, 1000), (8, 1000), (16, 1000), (3, 5632)])
+def test_decode_kernels_match_float64_reference(M, H, gated, dtype):
+    # calls of at most 16 rows run the two decode kernels (ffn_decode.cu); the general path
+    # (decode_rows = 0) gives the same result within the dtype's tolerance. H = 5632: the
+    # down kernel lists the active neurons in three windows of 2048
+    w = to_gpu(make_ffn(M, 256, H, 30, sigma=0.3, gated=gated, dtype=dtype, xp=np, seed=80 + M))
+    if M >= 3:
+        w["x"][1] = 0           # an empty row: nothing fires
+        w["x"][2, 0] = -40.0    # column 0 of w_gate (w_up) holds -threshold: this row fires every neuron
+    cls = GatedFFN if gated else ReluFFN
+    ffn = cls(*((w["w_gate"],) if gated else ()), w["w_up"], w["w_down"])
+    ref = ref64(w, gated)
+    poison()
+    y = ffn(w["x"])
+    assert ffn.last_info["kernel"] == "decode" and ffn.last_info["mode"] == "sparse"
+    assert rel_err(y, ref) <= TOL[dtype]
+    if M >= 3:
+        assert not bool(y[1].astype(cp.float32).any())
+        assert rel_err(y[2], ref[2]) <= TOL[dtype]
+    # activity statistics come from the gate kernel's counts
+    g = cp.asarray(w["x"]).astype(cp.float64) @ cp.asarray(w["w_gate"] if gated else w["w_up"]).astype(cp.float64).T
+    want = float((g > 0).sum()) / M
+    assert abs(ffn.activity()["mean_active"] - want) <= 0.01 * want + 1.0 / M
+    if M >= 3:
+        assert ffn.activity()["mean_active"] * M > 0.9 * H  # the heavy row is counted, not dropped
+    poison()
+    y2 = ffn(w["x"])
+    assert bool((y2.view(cp.uint8) == y.view(cp.uint8)).all())  # same bits every call
+    ffn.decode_rows = 0
+    y_general = ffn(w["x"])
+    assert "kernel" not in ffn.last_info
+    assert rel_err(y_general, ref) <= TOL[dtype]
+
+
+def test_decode_path_choice_and_return_activations():
+    w = to_gpu(make_ffn(17, 4096, 2048, 30, dtype=bfloat16, xp=np, seed=90))
+    ref = ref64(w)
+    ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"])
+    poison()
+    y = ffn(w["x"][:4])                                  # 4 * 4096 * 2 bytes = 32 KB of x: decode
+    assert ffn.last_info.get("kernel") == "decode" and rel_err(y, ref[:4]) <= 1e-2
+    poison()
+    y = ffn(w["x"][:16])                                 # 128 KB: decode, the kernel allowed it first
+    assert ffn.last_info.get("kernel") == "decode" and rel_err(y, ref[:16]) <= 1e-2
+    ffn(w["x"])                                          # 17 rows: general path
+    assert "kernel" not in ffn.last_info
+    ffn(w["x"][:1], mode="dense")
+    assert ffn.last_info["mode"] == "dense" and "kernel" not in ffn.last_info
+    ffn.heavy_limit = 256                                # heavy-row accounting asked for: general path
+    ffn(w["x"][:1])
+    assert "kernel" not in ffn.last_info
+    ffn.heavy_limit = None
+    with pytest.raises(ValueError, match="decode_rows must be an int in"):
+        ffn.decode_rows = 17
+    # x of exactly 48 KB (bf16, D = 3072, M = 8): over what needs no opt-in (static shared
+    # memory too), so the kernel's attribute is raised; M = 7 needs none
+    w3 = make_ffn(8, 3072, 512, 10, dtype=bfloat16, xp=cp, seed=92)
+    f3 = GatedFFN(w3["w_gate"], w3["w_up"], w3["w_down"])
+    assert rel_err(f3(w3["x"][:7]), ref64(w3)[:7]) <= 1e-2 and f3.last_info["kernel"] == "decode"
+    assert rel_err(f3(w3["x"]), ref64(w3)) <= 1e-2 and f3.last_info["kernel"] == "decode"
+    # more x than any block may hold (fp32, D = 8192, 16 rows: 512 KB): general path
+    w4 = make_ffn(16, 8192, 256, 10, dtype=np.float32, xp=cp, seed=94)
+    f4 = GatedFFN(w4["w_gate"], w4["w_up"], w4["w_down"])
+    assert rel_err(f4(w4["x"]), ref64(w4)) <= TOL[np.dtype(np.float32)] and "kernel" not in f4.last_info
+    # return_activations: the h the decode kernel writes, as the container
+    x = w["x"][:3]
+    poison()
+    y, h = ffn(x, return_activations=True)
+    assert ffn.last_info["kernel"] == "decode"
+    x64 = x.astype(cp.float64)
+    g64 = (x64 @ w["w_gate"].astype(cp.float64).T).astype(cp.float32).astype(bfloat16).astype(cp.float64)
+    h_ref = cp.where(g64 <= 0, 0, g64 * (x64 @ w["w_up"].astype(cp.float64).T))
+    assert rel_err(cp.asarray(h.toarray()), h_ref) <= 1e-2
+    assert bool((ffn(x).view(cp.uint16) == y.view(cp.uint16)).all())  # the same y without h
+    assert rel_err(y, ref64({k: v[:3] if k == "x" else v for k, v in w.items()})) <= 1e-2
+
+
+def test_decode_call_on_a_second_stream_and_a_nan_count():
+    # the gate kernel writes the NaN/Inf count itself (no count kernel): a waiting call
+    # raises, a deferred one is reported by the next call, across streams
+    w = to_gpu(make_ffn(2, 128, 512, 12, dtype=np.float32, xp=np, seed=91))
+    ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"])
+    bad = w["x"].copy()
+    bad[1, 3] = np.nan
+    with pytest.raises(ValueError, match="x contains 1 NaN and 0 Inf"):
+        ffn(bad)                                          # the first call waits
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        y_bad = ffn(bad)                                  # deferred
+        assert ffn.last_info["finite_check"] == "deferred" and ffn.last_info["kernel"] == "decode"
+    s.synchronize()
+    assert bool(cp.isnan(y_bad[1]).all()) and rel_err(y_bad[0], ref64(w)[0]) <= 2e-5
+    with pytest.raises(ValueError, match=r"call 2, 2 rows\) contains 1 NaN"):
+        ffn(w["x"])
+    poison()
+    assert rel_err(ffn(w["x"]), ref64(w)) <= 2e-5
+
+
+def test_decode_path_with_misaligned_weights_and_non_finite_inactive_weights():
+    # weights given as views at an odd offset are copied to aligned storage (16-byte loads);
+    # an inactive neuron contributes nothing even with NaN up weights or a NaN down column,
+    # and an active one with h = 0 still meets its down column (0 * NaN), as on the general path
+    w = make_ffn(2, 256, 512, 20, dtype=bfloat16, xp=np, seed=93)
+    H, D = 512, 256
+    x, wg, wu, wd = (w[k].astype(np.float32) for k in ("x", "w_gate", "w_up", "w_down"))
+    x[0, 1], x[1, 1] = 1.0, -1.0
+    wg[5] = 0.0
+    wg[5, 1] = 1.0                      # neuron 5: active in row 0 only
+    wg[7] = 0.0
+    wg[7, 1] = -1.0                     # neuron 7: active in row 1 only
+    wu[5, 3] = np.nan
+    wu[7] = 0.0                         # h = 0 in row 1
+    wd[:, 7] = np.nan
+    def odd(a):  # a copy of a (numpy) 2 bytes past an aligned address
+        raw = cp.zeros(a.size + 1, bfloat16)
+        view = raw[1:].reshape(a.shape)
+        view[...] = cp.asarray(a.astype(bfloat16))
+        assert view.data.ptr % 16
+        return view
+
+    def both(wu_, wd_):  # (decode, general) FFNs on weights at odd offsets
+        fs = [GatedFFN(odd(wg), odd(wu_), cp.asarray(wd_.astype(bfloat16)), check_finite=False, mode="sparse")
+              for _ in range(2)]
+        fs[1].decode_rows = 0
+        return fs
+
+    xg = cp.asarray(x.astype(bfloat16))
+    ffn, general = both(wu, wd)
+    y = ffn(xg)
+    assert ffn.last_info["kernel"] == "decode"
+    assert bool(cp.isnan(y[0]).all()) and bool(cp.isnan(y[1]).all())
+    assert bool(cp.isnan(general(xg)).all())     # the general path agrees
+    wu_clean = wu.copy()
+    wu_clean[5, 3] = 0.0
+    ref = reference_ffn(x.astype(bfloat16), wg.astype(bfloat16), wu_clean.astype(bfloat16),
+                        np.nan_to_num(wd, nan=1.0).astype(bfloat16), dtype=np.float64)
+    wd_ok = wd.copy()
+    wd_ok[:, 7] = 1.0                   # only the NaN up row left: row 1 is finite and exact
+    ffn, general = both(wu, wd_ok)
+    y = ffn(xg)
+    assert bool(cp.isnan(y[0]).all()) and rel_err(y[1], ref[1]) <= 1e-2
+    assert bool(cp.isnan(general(xg)[0]).all())
+    # only the NaN down column left (neuron 7 is inactive in row 0, active with h = 0 in
+    # row 1): row 1 is NaN, row 0 finite and exact; a kernel adding neuron 7 to every row fails
+    ffn, general = both(wu_clean, wd)
+    y, y_gen = ffn(xg), general(xg)
+    assert bool(cp.isnan(y[1]).all()) and bool(cp.isnan(y_gen[1]).all())
+    assert rel_err(y[0], ref[0]) <= 1e-2 and rel_err(y_gen[0], ref[0]) <= 1e-2

@@ -1270,3 +1270,211 @@ def test_counting_sort_transpose_matches_scipy(transpose_lib, dtype, m, n, chunk
     np.testing.assert_array_equal(indptr, ref.indptr)
     np.testing.assert_array_equal(out_col[:nnz], ref.indices)
     np.testing.assert_array_equal(_bits(out_data[:nnz]), _bits(vals[keep][ref.data]))
+
+
+# ---------------------------------------------------------------------------
+# the decode kernels (ffn_decode.cu): the whole FFN of a few rows in two launches
+# ---------------------------------------------------------------------------
+_DECODE_HARNESS = r"""
+#include "emu.h"
+#include "kernel_source.cuh"
+
+typedef __nv_bfloat16 bf16;
+#define DECODE_PAIR(T, SUF, G, MR)                                                                          \
+void decode_##SUF##_##G##_##MR(const T* x, long long ldx, const T* wg, const T* wu, const T* wdT,         \
+                               twellpy::accum<T>::type* h, T* h_out, long long ldh, unsigned short* flags, \
+                               int* blk, unsigned long long* counters, int check_x, T* y, int M, int D,     \
+                               int H) {                                                                     \
+    const int nblk = (H + DECODE_WARPS * DECODE_NPW - 1) / (DECODE_WARPS * DECODE_NPW);                    \
+    const int dv = D / (16 / (int)sizeof(T));                                                               \
+    emu::launch(twellpy_ffn_decode_gate<T, G, MR>, dim3(nblk), dim3(DECODE_THREADS),                       \
+                (size_t)M * D * sizeof(T), x, ldx, wg, wu, h, h_out, ldh, flags, blk, counters, check_x,    \
+                M, D, H);                                                                                   \
+    emu::launch(twellpy_ffn_decode_down<T, MR>, dim3((dv + 31) / 32), dim3(DECODE_THREADS), 0, h, flags,   \
+                wdT, y, (long long)D, blk, nblk, counters, M, D, H);                                       \
+}
+extern "C" {
+DECODE_PAIR(float, f32, true, 1)
+DECODE_PAIR(float, f32, false, 1)
+DECODE_PAIR(float, f32, true, 2)
+DECODE_PAIR(float, f32, true, 4)
+DECODE_PAIR(float, f32, false, 8)
+DECODE_PAIR(bf16, bf16, true, 1)
+DECODE_PAIR(bf16, bf16, true, 8)
+DECODE_PAIR(bf16, bf16, false, 4)
+DECODE_PAIR(bf16, bf16, true, 16)
+}
+"""
+# two warps a block, so that several gate blocks and several windows of the active
+# list (8 row masks a thread: 512 neurons a window) occur at test sizes; the production
+# sizes (8 warps, 2 neurons a warp, 2048-neuron windows) are built once too
+_DECODE_DEFINES = {"DECODE_WARPS": 2, "DECODE_NPW": 2}
+
+
+@pytest.fixture(scope="module")
+def decode_lib(tmp_path_factory):
+    lib = _build(tmp_path_factory, "ffn_decode.cu", _DECODE_HARNESS, _DECODE_DEFINES)
+    lib.defines = _DECODE_DEFINES
+    return lib
+
+
+@pytest.fixture(scope="module")
+def decode_lib_default(tmp_path_factory):
+    from twellpy.backends import cuda_ffn
+
+    lib = _build(tmp_path_factory, "ffn_decode.cu", _DECODE_HARNESS, {})
+    lib.defines = {"DECODE_WARPS": cuda_ffn._DECODE_THREADS // 32,
+                   "DECODE_NPW": cuda_ffn._DECODE_NEURONS_PER_BLOCK * 32 // cuda_ffn._DECODE_THREADS}
+    return lib
+
+
+def test_decode_launch_constants_match_the_kernel_defaults():
+    from twellpy.backends import cuda_ffn
+
+    src = reg.read_source("ffn_decode.cu")
+    warps = int(re.search(r"#define DECODE_WARPS (\d+)", src).group(1))
+    npw = int(re.search(r"#define DECODE_NPW (\d+)", src).group(1))
+    assert cuda_ffn._DECODE_THREADS == 32 * warps
+    assert cuda_ffn._DECODE_NEURONS_PER_BLOCK == warps * npw
+
+
+def _decode_run(lib, x, wg, wu, wd, *, gated, mr, check_x=True, h_out=False):
+    """Run the emulated decode pair; returns (y, h, flags, counters, h_out or None)."""
+    dt = x.dtype
+    M, D = x.shape
+    H = wd.shape[1]
+    acc = np.float32
+    suffix = {np.dtype(np.float32): "f32", bfloat16: "bf16"}[dt]
+    fn = getattr(lib, f"decode_{suffix}_{'true' if gated else 'false'}_{mr}")
+    wdT = np.ascontiguousarray(wd.T)
+    h = np.full((16, H), np.nan, acc)                       # poisoned scratch
+    flags = np.zeros(-(-H // 8) * 8, np.uint16)             # padding zero, as the plan allocates it
+    flags[:H] = 0xABCD                                       # poisoned
+    per_block = lib.defines["DECODE_WARPS"] * lib.defines["DECODE_NPW"]
+    blk = np.full(-(-H // per_block), -5, np.int32)
+    counters = np.full(4, 0xDEAD, np.uint64)
+    y = np.full((M, D), np.nan, np.float32).astype(dt)
+    ho = np.full((M, H), np.nan, np.float32).astype(dt) if h_out else None
+    fn(_ptr(x), ctypes.c_longlong(D), _ptr(wg), _ptr(wu), _ptr(wdT), _ptr(h), None if ho is None else _ptr(ho),
+       ctypes.c_longlong(H), _ptr(flags), _ptr(blk), _ptr(counters), int(check_x), _ptr(y), M, D, H)
+    return y, h, flags, counters, ho
+
+
+def _decode_reference(x, wg, wu, wd, gated):
+    """float64 FFN with the kernel's gate rounding (g to the value dtype); each row sums
+    over its active neurons only (an inactive neuron adds nothing, not even 0 * NaN)."""
+    x64, wg64, wd64 = x.astype(np.float64), wg.astype(np.float64), wd.astype(np.float64)
+    g = (x64 @ wg64.T).astype(np.float32).astype(x.dtype).astype(np.float64)
+    act = ~(g <= 0)
+    with np.errstate(invalid="ignore"):
+        h = np.where(act, g * (x64 @ wu.astype(np.float64).T) if gated else g, 0.0)
+        y = np.stack([wd64[:, a] @ h[m, a] for m, a in enumerate(act)])
+    return y, h, act
+
+
+def _row_masks(act):
+    return (act.astype(np.int64) << np.arange(act.shape[0])[:, None]).sum(axis=0).astype(np.uint16)
+
+
+@pytest.mark.parametrize("dtype, gated, mr, M", [
+    (np.dtype(np.float32), True, 1, 1), (np.dtype(np.float32), False, 1, 1), (np.dtype(np.float32), True, 4, 3),
+    (np.dtype(np.float32), False, 8, 8), (bfloat16, True, 1, 1), (bfloat16, True, 8, 5), (bfloat16, False, 4, 4),
+    (np.dtype(np.float32), True, 2, 2), (bfloat16, True, 16, 11),
+], ids=["f32-gated-M1", "f32-relu-M1", "f32-gated-M3", "f32-relu-M8", "bf16-gated-M1", "bf16-gated-M5",
+        "bf16-relu-M4", "f32-gated-M2", "bf16-gated-M11"])
+def test_decode_kernels_match_float64(decode_lib, dtype, gated, mr, M):
+    rng = np.random.default_rng(mr * 10 + M)
+    D = 320 if dtype == bfloat16 else 160   # 40 vectors: a second, partly idle block of y columns
+    H = 2102                                  # 5 windows of 512 neurons; mask padding; a part-filled gate block
+    x = (rng.standard_normal((M, D)) / np.sqrt(D)).astype(dtype)
+    wg = rng.standard_normal((H, D)).astype(dtype)         # about half the neurons fire in a row
+    wu = rng.standard_normal((H, D)).astype(dtype)
+    wd = (rng.standard_normal((D, H)) / np.sqrt(H)).astype(dtype)
+    x[:, 0] = 1.0
+    wg[:, 0] = 0.05                           # column 0 of x biases every neuron alike
+    if M >= 3:
+        x[1] = 0.0                            # an empty row: g = 0 everywhere, nothing active
+        x[2, 0] = 60.0                        # a row firing nearly every neuron
+    y, h, flags, counters, ho = _decode_run(decode_lib, x, wg, wu, wd, gated=gated, mr=mr, h_out=True)
+    ref, h_ref, act = _decode_reference(x, wg, wu, wd, gated)
+    tol = 1e-5 if dtype == np.float32 else 1e-2
+    err = np.linalg.norm(y.astype(np.float64) - ref) / np.linalg.norm(ref)
+    assert err <= tol, err
+    np.testing.assert_allclose(h[:M], h_ref, rtol=tol, atol=tol * np.abs(h_ref).max())
+    assert np.array_equal(ho.astype(np.float32), h[:M].astype(dtype).astype(np.float32))  # every entry written
+    assert np.array_equal(flags[:H], _row_masks(act))
+    assert not flags[H:].any()
+    assert int(counters[0]) == int(act.sum()) and int(counters[1]) == 0 and int(counters[3]) == 0
+    if M >= 3:
+        assert not y[1].astype(np.float32).any()            # the empty row is exactly zero
+        assert act[2].sum() > 0.95 * H
+    y2, *_ = _decode_run(decode_lib, x, wg, wu, wd, gated=gated, mr=mr)
+    assert np.array_equal(y.view(np.uint8), y2.view(np.uint8))  # same bits every run
+
+
+def test_decode_kernels_count_and_propagate_nan_and_inf(decode_lib):
+    rng = np.random.default_rng(5)
+    M, D, H = 3, 320, 136
+    x = (rng.standard_normal((M, D)) / 16).astype(bfloat16)
+    wg = rng.standard_normal((H, D)).astype(bfloat16)
+    wu = rng.standard_normal((H, D)).astype(bfloat16)
+    wd = rng.standard_normal((D, H)).astype(bfloat16)
+    x[1, 5] = np.nan
+    x[2, 7] = np.inf
+    x[2, 9] = -np.inf
+    y, _, _, counters, _ = _decode_run(decode_lib, x, wg, wu, wd, gated=True, mr=8)
+    assert int(counters[3]) == 3                            # block 0 counted x's NaN/Inf
+    ref, _, _ = _decode_reference(x[:1], wg, wu, wd, True)
+    assert np.linalg.norm(y[0].astype(np.float64) - ref[0]) <= 1e-2 * np.linalg.norm(ref[0])
+    assert np.isnan(y[1].astype(np.float32)).all()          # NaN makes every neuron active: IEEE
+    assert not np.isfinite(y[2].astype(np.float32)).all()
+    _, _, _, counters, _ = _decode_run(decode_lib, x, wg, wu, wd, gated=True, mr=8, check_x=False)
+    assert int(counters[3]) == 0xDEAD                       # not asked: the word is left alone
+
+
+def test_decode_kernels_at_production_sizes(decode_lib_default):
+    # 8 warps, 2 neurons a warp, 2048-neuron windows: three windows at H = 4200, and y's
+    # 40 vectors in two blocks of 32 lanes (the second block mostly idle)
+    rng = np.random.default_rng(12)
+    M, D, H = 2, 160, 4200
+    x = (rng.standard_normal((M, D)) / np.sqrt(D)).astype(np.float32)
+    wg = rng.standard_normal((H, D)).astype(np.float32)
+    wu = rng.standard_normal((H, D)).astype(np.float32)
+    wd = (rng.standard_normal((D, H)) / np.sqrt(H)).astype(np.float32)
+    y, h, flags, counters, _ = _decode_run(decode_lib_default, x, wg, wu, wd, gated=True, mr=2)
+    ref, h_ref, act = _decode_reference(x, wg, wu, wd, True)
+    assert np.linalg.norm(y - ref) <= 1e-5 * np.linalg.norm(ref)
+    assert np.array_equal(flags[:H], _row_masks(act)) and int(counters[0]) == int(act.sum())
+
+
+def test_decode_inactive_neurons_add_nothing_active_ones_add_even_zero(decode_lib):
+    # a neuron active in row 0 only, with NaN up weights: row 0 gets NaN, row 1 nothing;
+    # a neuron active in row 1 only, with zero up weights (h = 0) and a NaN down column:
+    # row 1 gets 0 * NaN = NaN (as the general path's list adds every listed neuron), row 0 nothing
+    rng = np.random.default_rng(13)
+    M, D, H = 2, 160, 300
+    x = (rng.standard_normal((M, D)) / np.sqrt(D)).astype(np.float32)
+    x[:, 0] = 1.0
+    wg = rng.standard_normal((H, D)).astype(np.float32)
+    wu = rng.standard_normal((H, D)).astype(np.float32)
+    wd = (rng.standard_normal((D, H)) / np.sqrt(H)).astype(np.float32)
+    x[0, 1], x[1, 1] = 1.0, -1.0
+    wg[5, :] = 0.0
+    wg[5, 1] = 1.0                                   # neuron 5: active in row 0 only
+    wg[7, :] = 0.0
+    wg[7, 1] = -1.0                                  # neuron 7: active in row 1 only
+    wu[5, 3] = np.nan
+    wu[7, :] = 0.0
+    wd[:, 7] = np.nan
+    y, h, flags, _, _ = _decode_run(decode_lib, x, wg, wu, wd, gated=True, mr=2)
+    assert flags[5] == 1 and flags[7] == 2
+    assert np.isnan(y[0]).all() and np.isnan(y[1]).all()
+    wd[:, 7] = 1.0                                   # only the NaN up row now: row 1 is exact
+    y, *_ = _decode_run(decode_lib, x, wg, wu, wd, gated=True, mr=2)
+    ref, _, _ = _decode_reference(x[1:], wg, wu, wd, True)
+    assert np.isnan(y[0]).all() and np.linalg.norm(y[1] - ref[0]) <= 1e-5 * np.linalg.norm(ref[0])
+    wu[5, 3] = 1.0
+    wd[:, 7] = np.nan                                # only the NaN down column: row 0 is exact
+    y, *_ = _decode_run(decode_lib, x, wg, wu, wd, gated=True, mr=2)
+    ref, _, _ = _decode_reference(x[:1], wg, wu, wd, True)
+    assert np.isnan(y[1]).all() and np.linalg.norm(y[0] - ref[0]) <= 1e-5 * np.linalg.norm(ref[0])

@@ -27,6 +27,13 @@ call of the same object, or ``ffn.check()``, raises for it, and the offending
 call's output holds NaN/Inf in the rows concerned. An object's first call,
 ``check_finite="sync"`` and the one-shot functions always wait.
 
+Decode sizes. On CUDA a call of at most ``decode_rows`` (16) rows whose ``x``
+fits a block's shared memory runs two kernels for the whole FFN: the gate GEMV with ReLU and the
+up dot products of the active neurons, then the down projection of those
+neurons only (``last_info["kernel"] == "decode"``). The general path issues
+about eight launches per call, which at these sizes cost more host time than
+the GPU work. Same semantics, exact for any number of active neurons.
+
 An inactive neuron contributes exactly nothing: ``h_j = 0`` when the gate is
 inactive, even if the up projection of that neuron is NaN/Inf. (A non-finite
 *down* weight column still reaches every row on the dense path, through the
@@ -211,6 +218,25 @@ class _FFN:
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < 0:
             raise ValueError(f"defer_check_rows must be a non-negative int, got {value!r}")
         self._plan.defer_check_rows = int(value)
+
+    @property
+    def decode_rows(self):
+        """CUDA: calls of at most this many rows (default 16, the most allowed) run the
+        two decode kernels when ``M * D * itemsize`` fits a block's shared memory (the
+        device's opt-in limit less 1 KB: 226 KB on Hopper): the whole FFN (gate
+        GEMV, ReLU, up and down projections of the active neurons, and the NaN/Inf
+        count of ``x``) in two launches instead of about eight, for ``"auto"`` and
+        ``"sparse"`` calls with ``heavy_limit=None``. ``last_info["kernel"]`` says
+        ``"decode"`` then. 0 turns them off. None on the CPU."""
+        return getattr(self._plan, "decode_rows", None)
+
+    @decode_rows.setter
+    def decode_rows(self, value):
+        if not hasattr(self._plan, "decode_rows"):
+            raise AttributeError("decode_rows applies to the CUDA backend only")
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= int(value) <= 16:
+            raise ValueError(f"decode_rows must be an int in [0, 16], got {value!r}")
+        self._plan.decode_rows = int(value)
 
     def activity(self):
         """Active-neuron statistics of the last call: ``{"mean_active", "heavy_rows"}``.

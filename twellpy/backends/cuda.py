@@ -308,13 +308,15 @@ class RepeatedNonfiniteCheck:
     def queue(self, arr, stream, tag):
         """Queue the count of ``arr`` (C-contiguous, this dtype and device) and its copy to
         the host on ``stream``; ``tag`` (not None) comes back with the count from :meth:`collect`.
-        The ring must not be :attr:`full` (collect with ``wait="oldest"`` first)."""
+        ``arr`` None queues the copy only: a kernel of the caller's has written the count
+        into the device word already. The ring must not be :attr:`full` (collect with
+        ``wait="oldest"`` first)."""
         if tag is None:
             raise ValueError("tag must not be None")
         if self.full:
             raise RuntimeError("the ring of NaN/Inf counts is full: collect before queueing")
         cp = _cp()
-        n = int(arr.size)
+        n = 0 if arr is None else int(arr.size)
         if n:
             grid = min(_blocks(n, self._per_block), _CHECK_MAX_BLOCKS)
             args = (arr, _i64(n), self._exp_mask, _i32(arr.data.ptr % 16 == 0), self._count)

@@ -20,6 +20,13 @@ One call (sparse mode):
    block's shared memory, so ``w_down`` is read once per slice instead of once
    per active neuron. Same bits.
 
+Decode calls (at most ``FFNPlan.decode_rows`` = 16 rows, x within a block's shared memory, "auto" or
+"sparse", no ``heavy_limit``) skip all of the above: ``raw_kernels/ffn_decode.cu``
+does the gate GEMV, ReLU and up dot products of the active neurons in one kernel
+and their down projection in a second, and the first kernel also writes the
+NaN/Inf count of x. Two launches instead of about eight: those calls are
+host-bound.
+
 Calls of more than ``MAX_CHUNK`` rows run as a two-stream pipeline over row
 chunks: stream A does steps 1-2 of chunk ``i+1`` while stream B does step 3
 of chunk ``i`` (ring buffers of two chunks).
@@ -171,6 +178,58 @@ _declare_sparse([(bfloat16, 2, _KB_FOR_NV[k][2], True, False) for k in ("narrowe
 _declare_sparse([(bfloat16, 2, _KB_FOR_NV[DEFAULT_KB][2], True, False)], min_blocks=1)
 _registry.declare(_PACK_FILE, [f"twellpy_ffn_{k}<{_registry.ctype(d)}>"
                                for d in _DTYPES for k in ("pack", "gate_mul", "relu", "rowpack")])
+
+_DECODE_FILE = "ffn_decode.cu"
+#: rows a decode launch is instantiated for: a call of M rows uses the smallest >= M
+_DECODE_MR = (1, 2, 4, 8, 16)
+#: x is staged in each gate block's shared memory: up to this many bytes without an opt-in
+#: (48 KB less the kernel's few static bytes, with room to spare); beyond it, up to the
+#: device's opt-in limit less the same margin (``_decode_smem_limit``)
+_DECODE_SMEM = 48 * 1024 - 256
+
+
+_OPTIN_LOCK = threading.Lock()
+_OPTIN = {}  # id(kernel) -> dynamic shared memory it is allowed (the registry keeps kernels alive)
+
+
+def _allow_dynamic_smem(kernel, nbytes):
+    """Let ``kernel`` (a registry RawKernel, shared by every plan and thread) use ``nbytes``
+    of dynamic shared memory: past 48 KB a launch needs the attribute set first. Only ever
+    raised, so a plan that needs less never takes it from one that needs more."""
+    key = id(kernel)
+    if _OPTIN.get(key, 0) >= nbytes:
+        return
+    with _OPTIN_LOCK:
+        if _OPTIN.get(key, 0) < nbytes:
+            kernel.max_dynamic_shared_size_bytes = int(nbytes)
+            _OPTIN[key] = int(nbytes)
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_smem_limit(device_id):
+    """Most dynamic shared memory a decode gate block may ask for on ``device_id``."""
+    from .cuda import _device_limits
+
+    return max(_DECODE_SMEM, _device_limits(device_id)[1] - 1024)
+#: threads of both decode kernels, and neurons per gate block (DECODE_WARPS * DECODE_NPW)
+_DECODE_THREADS, _DECODE_NEURONS_PER_BLOCK = 256, 16
+
+
+def _aligned(a):
+    """``a`` (C-contiguous cupy) when its data is 16-byte aligned, else an aligned copy."""
+    return a if a.data.ptr % 16 == 0 else a.copy()
+
+
+def _decode_names(dtype, gated, mr):
+    """Name expressions of the (gate, down) decode kernels for ``dtype`` and M <= ``mr``."""
+    c = _registry.ctype(dtype)
+    return (f"twellpy_ffn_decode_gate<{c}, {'true' if gated else 'false'}, {mr}>",
+            f"twellpy_ffn_decode_down<{c}, {mr}>")
+
+
+# every instantiation run time can ask for (CI compiles them in one program per arch)
+_registry.declare(_DECODE_FILE, sorted({n for dt in _DTYPES for gated in (True, False) for mr in _DECODE_MR
+                                        for n in _decode_names(dt, gated, mr)}))
 
 #: capacity of the per-row active lists built by twellpy_ffn_rowpack; rows
 #: firing more neurons are scanned directly by the sparse kernel (still exact)
@@ -376,8 +435,10 @@ class FFNPlan:
         self.dtype = np.dtype(w_up.dtype)
         self.H, self.D = w_up.shape
         self.device_id = w_up.device.id
-        self.w_gate = cp.ascontiguousarray(w_gate) if self.gated else None
-        self.w_up = cp.ascontiguousarray(w_up)
+        # 16-byte loads read the weight rows (sparse and decode kernels): a view at an odd
+        # offset is copied
+        self.w_gate = _aligned(cp.ascontiguousarray(w_gate)) if self.gated else None
+        self.w_up = _aligned(cp.ascontiguousarray(w_up))
         self.w_down = cp.ascontiguousarray(w_down)
         self.gate_w = self.w_gate if self.gated else self.w_up
         self.config = self._choose_config()
@@ -444,6 +505,12 @@ class FFNPlan:
         self.defer_check_rows = 512
         self._calls = 0  # numbers the calls in deferred NaN/Inf reports
         self._unreported = []  # (tag, count) of bad deferred calls collected but not yet raised
+        #: calls of at most this many rows (and at most 16) whose x fits a block's shared
+        #: memory run the decode kernels (``ffn_decode.cu``): the whole FFN in two
+        #: launches instead of about eight, for "auto" and "sparse" calls without
+        #: ``heavy_limit``. 0 turns them off.
+        self.decode_rows = _DECODE_MR[-1]
+        self._decode_ws = None
         #: event recorded at the end of every call: the next call's stream waits for it,
         #: since a call returns before its kernels finish and the workspaces are shared
         self._done = None
@@ -761,10 +828,11 @@ class FFNPlan:
         self._density_copy = PendingCount(counters[2:], stream, host=host, event=event)
         self._density_rows = int(rows)
 
-    def _queue_check(self, x, counters, stream, deferred):
+    def _queue_check(self, x, counters, stream, deferred, rows=None):
         """Count the NaN/Inf elements of x into ``counters[3]`` (zeroed by the caller)
         and queue a copy of the count to pinned host memory right after it; returns
-        the call's :class:`_CheckTag`.
+        the call's :class:`_CheckTag`. ``x`` None: a fused kernel already wrote the
+        count of the call's ``rows`` rows (the decode gate kernel); only the copy is queued.
 
         A call that is not ``deferred`` waits on that copy before it returns
         (:meth:`_read_check`), so a NaN or Inf still raises before anything is
@@ -787,7 +855,7 @@ class FFNPlan:
             self._check_counters = counters
         if self._check.full:  # the host ran _CHECK_RING deferred calls ahead of the GPU
             self._settle_checks(self._check.collect(wait="oldest"))
-        tag = _CheckTag(self._calls, x.shape[0], deferred)
+        tag = _CheckTag(self._calls, x.shape[0] if x is not None else int(rows), deferred)
         self._check.queue(x, stream, tag)
         return tag
 
@@ -826,6 +894,82 @@ class FFNPlan:
         else:  # this call raises for its own x; earlier bad calls are reported by the next call
             self._unreported += [(t, n) for t, n in landed if n and t.deferred and t is not tag]
         return n_bad
+
+    # ---- decode calls -------------------------------------------------------
+    def _decode_fits(self, M, mode):
+        """True when a call of ``M`` rows in ``mode`` runs the two decode kernels."""
+        return (mode != "dense" and self.sparse_ok and self.heavy_limit is None
+                and 0 < M <= min(int(self.decode_rows), _DECODE_MR[-1])
+                and M * self.D * self.dtype.itemsize <= _decode_smem_limit(self.device_id))
+
+    def _decode_kernels(self, M):
+        """(gate kernel, down kernel) for calls of ``M`` rows, memoised per plan."""
+        mr = next(r for r in _DECODE_MR if r >= M)
+        key = (cupy_module().cuda.Device().id, "decode", mr)
+        hit = self._kernels.get(key)
+        if hit is None:
+            gate, down = _decode_names(self.dtype, self.gated, mr)
+            hit = self._kernels[key] = (_registry.get_kernel(_DECODE_FILE, gate),
+                                        _registry.get_kernel(_DECODE_FILE, down))
+        return hit
+
+    def _decode_workspace(self):
+        """h scratch (16, H), one uint16 per neuron with bit m set where it is active in
+        row m (zero padding to a multiple of 8), per-block active counts and the two grids;
+        made once per plan."""
+        ws = self._decode_ws
+        if ws is None:
+            cp = cupy_module()
+            acc = np.float64 if self.dtype == np.float64 else np.float32
+            n_blk = -(-self.H // _DECODE_NEURONS_PER_BLOCK)
+            dv = self.D // (16 // self.dtype.itemsize)
+            ws = self._decode_ws = {
+                "h": cp.empty((_DECODE_MR[-1], self.H), acc),
+                "flags": cp.zeros((-(-self.H // 8) * 8,), np.uint16),
+                "blk": cp.empty((n_blk,), np.int32),
+                "n_blk": np.int32(n_blk),
+                "grid_gate": (n_blk,),
+                "grid_down": (-(-dv // 32),),
+            }
+        return ws
+
+    def _forward_decode(self, x, y, h_full, info, stream, check_x, deferred):
+        """The FFN of a few rows in two kernels (see ``decode_rows``); x is C-contiguous
+        and 16-byte aligned. The gate kernel also writes the NaN/Inf count of x (no
+        count kernel, no memset) and the activity counts that :meth:`activity` reads."""
+        M = x.shape[0]
+        k_gate, k_down = self._decode_kernels(M)
+        ws = self._decode_workspace()
+        counters = self._workspace(1)["counters"]
+        isz = self.dtype.itemsize
+        if h_full is None:
+            h_ptr, ldh = _NULL, _I64_ZERO
+        else:
+            h_ptr, ldh = h_full, np.int64(h_full.strides[0] // isz)
+        m32 = np.int32(M)
+        smem = M * self.D * isz
+        if smem > _DECODE_SMEM:
+            _allow_dynamic_smem(k_gate, smem)
+        k_gate(ws["grid_gate"], (_DECODE_THREADS,),
+               (x, np.int64(x.strides[0] // isz), self.gate_w, self.w_up, ws["h"], h_ptr, ldh, ws["flags"],
+                ws["blk"], counters, np.int32(1 if check_x else 0), m32) + self._dims,
+               shared_mem=smem)
+        # the gate kernel wrote the count into counters[3]: queue only its copy, before the
+        # down kernel, so that a call that waits for it does not wait for the whole FFN
+        tag = self._queue_check(None, counters, stream, deferred, rows=M) if check_x else None
+        k_down(ws["grid_down"], (_DECODE_THREADS,),
+               (ws["h"], ws["flags"], self.w_downT, y, np.int64(y.strides[0] // isz), ws["blk"], ws["n_blk"],
+                counters, m32) + self._dims)
+        info["mode"], info["kernel"] = "sparse", "decode"
+        self._call_done(stream)
+        self._last_rows = M
+        self._last_sparse_rows = M
+        if check_x and not deferred:
+            info["finite_check"] = "waited"
+            if self._read_check(tag, (stream,)):
+                stream.synchronize()  # let the queued kernels finish with x before the caller reuses it
+                raise_nonfinite(x, "x")
+        return y, h_full, info
 
     # ---- the call -----------------------------------------------------------
     def forward(self, x, *, mode="auto", return_activations=False, chunk_rows=None, check_x=False):
@@ -869,7 +1013,9 @@ class FFNPlan:
         # the first call waits: a one-off GatedFFN(...)(x) then raises itself
         deferred = check_x == "auto" and M <= self.defer_check_rows and self._calls > 1
         y = cp.empty((M, self.D), self.dtype)
-        h_full = cp.zeros((M, self.H), self.dtype) if return_activations else None
+        decode = self._decode_fits(M, mode)
+        # the decode gate kernel writes every entry of h; the other paths only the active ones
+        h_full = (cp.empty if decode else cp.zeros)((M, self.H), self.dtype) if return_activations else None
         info = {"mode": "dense", "mean_active": None, "heavy_rows": 0,
                 "finite_check": "deferred" if deferred else ("waited" if check_x else "off")}
         if M == 0:
@@ -882,6 +1028,8 @@ class FFNPlan:
             # calls return before their kernels finish: one made on another stream
             # must not overwrite workspaces the previous call's kernels still read
             cur.wait_event(self._done)
+        if decode:
+            return self._forward_decode(x, y, h_full, info, cur, check_x, deferred)
         if not self.sparse_ok or mode == "dense":
             if check_x:
                 # count first, read after the GEMMs are queued (as on the sparse path)
