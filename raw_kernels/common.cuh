@@ -81,6 +81,25 @@ __device__ __forceinline__ int warp_max(int v) {
     return v;
 }
 
+// Elements of T in a 16-byte vector.
+template <typename T> struct vec_of { static constexpr int n = 16 / (int)sizeof(T); };
+
+// Unpack a 16-byte vector of T into accumulator values.
+template <typename T, typename A>
+__device__ __forceinline__ void unpack16(const uint4& v, A* out) {
+    const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+    for (int i = 0; i < vec_of<T>::n; ++i) out[i] = to_acc<A, T>(e[i]);
+}
+
+// Sum of a float/double over the warp by xor butterfly: every lane ends with the same bits
+// (each step adds the same two operands in either lane), so branches on it stay warp-uniform.
+template <typename A> __device__ __forceinline__ A warp_total(A v) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(FULL_MASK, v, off);
+    return v;
+}
+
 // Inclusive prefix sum over the warp (5 shuffles): lane i gets the sum of v
 // over lanes 0..i. lane = this thread's lane (threadIdx.x & 31); every lane
 // of the warp must call it (full-mask shuffles).

@@ -36,22 +36,6 @@
 namespace twellpy_decode {
 using namespace twellpy;
 
-template <typename T> struct vec_of { static constexpr int n = 16 / (int)sizeof(T); };
-
-template <typename T, typename A>
-__device__ __forceinline__ void unpack16(const uint4& v, A* out) {
-    const T* e = reinterpret_cast<const T*>(&v);
-#pragma unroll
-    for (int i = 0; i < vec_of<T>::n; ++i) out[i] = to_acc<A, T>(e[i]);
-}
-
-// xor butterfly: every lane ends with the same bits (each step adds the same two operands)
-template <typename A> __device__ __forceinline__ A warp_total(A v) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    return v;
-}
-
 // NaN or Inf: every exponent bit set (a bit test: no library call, independent of -ftz)
 __device__ __forceinline__ bool is_nonfinite(float v) { return (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u; }
 __device__ __forceinline__ bool is_nonfinite(double v) {

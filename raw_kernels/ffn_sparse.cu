@@ -56,23 +56,7 @@
 namespace twellpy_ffn {
 using namespace twellpy;
 
-template <typename T> struct vec_of { static constexpr int n = 16 / (int)sizeof(T); };
-
 template <typename A> __device__ __forceinline__ bool active_acc(A v) { return !(v <= A(0)); }
-
-// Unpack a 16-byte vector of T into accumulator values.
-template <typename T, typename A>
-__device__ __forceinline__ void unpack16(const uint4& v, A* out) {
-    const T* e = reinterpret_cast<const T*>(&v);
-#pragma unroll
-    for (int i = 0; i < vec_of<T>::n; ++i) out[i] = to_acc<A, T>(e[i]);
-}
-
-template <typename A> __device__ __forceinline__ A warp_sum(A v) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    return v;
-}
 
 __device__ __forceinline__ uint4 zero4() { return make_uint4(0u, 0u, 0u, 0u); }
 
@@ -160,7 +144,7 @@ __device__ __forceinline__ void process_list(
 #pragma unroll
                     for (int i = 0; i < VEC; ++i) s += xa[i] * wa[i];
                 }
-                part[k] = warp_sum(s);
+                part[k] = warp_total(s);
             }
             if (lane == 0) {
 #pragma unroll

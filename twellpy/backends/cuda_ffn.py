@@ -215,8 +215,10 @@ def _decode_smem_limit(device_id):
 _DECODE_THREADS, _DECODE_NEURONS_PER_BLOCK = 256, 16
 
 
-def _aligned(a):
-    """``a`` (C-contiguous cupy) when its data is 16-byte aligned, else an aligned copy."""
+def _contiguous_aligned(a):
+    """``a`` (cupy) when it is C-contiguous with 16-byte aligned data (the kernels read
+    rows in 16-byte vectors), else such a copy."""
+    a = cupy_module().ascontiguousarray(a)
     return a if a.data.ptr % 16 == 0 else a.copy()
 
 
@@ -437,8 +439,8 @@ class FFNPlan:
         self.device_id = w_up.device.id
         # 16-byte loads read the weight rows (sparse and decode kernels): a view at an odd
         # offset is copied
-        self.w_gate = _aligned(cp.ascontiguousarray(w_gate)) if self.gated else None
-        self.w_up = _aligned(cp.ascontiguousarray(w_up))
+        self.w_gate = _contiguous_aligned(w_gate) if self.gated else None
+        self.w_up = _contiguous_aligned(w_up)
         self.w_down = cp.ascontiguousarray(w_down)
         self.gate_w = self.w_gate if self.gated else self.w_up
         self.config = self._choose_config()
@@ -1020,9 +1022,7 @@ class FFNPlan:
                 "finite_check": "deferred" if deferred else ("waited" if check_x else "off")}
         if M == 0:
             return y, h_full, info
-        x = cp.ascontiguousarray(x)
-        if x.data.ptr % 16:
-            x = x.copy()
+        x = _contiguous_aligned(x)
         cur = cp.cuda.get_current_stream()
         if self._done is not None:
             # calls return before their kernels finish: one made on another stream
