@@ -995,6 +995,24 @@ def _device_limits(device_id):
     return (int(rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, device_id)),
             int(rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id)))
 
+_SMEM_OPTIN_LOCK = threading.Lock()
+_SMEM_OPTIN = {}  # id(kernel) -> dynamic shared memory it is allowed (the registry keeps kernels alive)
+
+
+def allow_dynamic_smem(kernel, nbytes):
+    """Let ``kernel`` (a registry RawKernel of the current device, shared by every plan
+    and thread) launch with ``nbytes`` of dynamic shared memory: past 48 KB a launch
+    needs the kernel's attribute raised first. Only ever raised, so a plan that needs
+    less never takes it from one that needs more; set once per kernel and size."""
+    key = id(kernel)
+    if _SMEM_OPTIN.get(key, 0) >= nbytes:
+        return
+    with _SMEM_OPTIN_LOCK:
+        if _SMEM_OPTIN.get(key, 0) < nbytes:
+            kernel.max_dynamic_shared_size_bytes = int(nbytes)
+            _SMEM_OPTIN[key] = int(nbytes)
+
+
 
 def _resident_plan(m, n_rows_b, k_cols, n_slots_per_row, dtype, *arrays, mode=None, dual=False):
     """Launch plan of ``twellpy_spmm_resident`` for an (m, n_rows_b) @ (n_rows_b, k_cols)
@@ -1053,7 +1071,6 @@ def resident_layout(m, n_rows_b, k_cols, itemsize, n_sm, smem_limit, threads, st
 
 
 #: (device, kernel name, defines) whose dynamic shared memory limit was raised
-_RESIDENT_SMEM_SET = set()
 _NULL_PTR = np.uint64(0)
 
 
@@ -1098,11 +1115,7 @@ def _resident_spmm(cols, vals, B, out, plan, indptr=None, row_count=None, stride
     name = _name_resident(out.dtype, lpr, vdt, lists=lists, dual=dual, prod=prod)
     defines = _resident_defines(dual)
     k = reg.get_kernel("spmm_resident.cu", name, **defines)
-    key = (_cp().cuda.Device().id, name, tuple(sorted(defines.items())))
-    if key not in _RESIDENT_SMEM_SET:
-        # more than 48 KB of dynamic shared memory needs the kernel's limit raised once
-        k.max_dynamic_shared_size_bytes = _device_limits(key[0])[1]
-        _RESIDENT_SMEM_SET.add(key)
+    allow_dynamic_smem(k, smem)
     k((n_slices, n_chunks), (int(RESIDENT_THREADS),),
       (_NULL_PTR if lists else indptr, row_count if lists else _NULL_PTR, _i32(stride), _i32(row_cap), cols, vals,
        B, out, _i32(m), _i32(n_rows_b), _i32(k_cols), _i32(rows_per_chunk),

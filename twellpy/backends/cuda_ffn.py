@@ -56,7 +56,7 @@ import numpy as np
 from .._array import bfloat16, cupy_module, raise_nonfinite
 from . import _registry
 from . import overflow_rows_to_backup
-from .cuda import PendingCount, RepeatedNonfiniteCheck
+from .cuda import PendingCount, RepeatedNonfiniteCheck, allow_dynamic_smem
 
 _SPARSE_FILE = "ffn_sparse.cu"
 _PACK_FILE = "ffn_pack.cu"
@@ -186,23 +186,6 @@ _DECODE_MR = (1, 2, 4, 8, 16)
 #: (48 KB less the kernel's few static bytes, with room to spare); beyond it, up to the
 #: device's opt-in limit less the same margin (``_decode_smem_limit``)
 _DECODE_SMEM = 48 * 1024 - 256
-
-
-_OPTIN_LOCK = threading.Lock()
-_OPTIN = {}  # id(kernel) -> dynamic shared memory it is allowed (the registry keeps kernels alive)
-
-
-def _allow_dynamic_smem(kernel, nbytes):
-    """Let ``kernel`` (a registry RawKernel, shared by every plan and thread) use ``nbytes``
-    of dynamic shared memory: past 48 KB a launch needs the attribute set first. Only ever
-    raised, so a plan that needs less never takes it from one that needs more."""
-    key = id(kernel)
-    if _OPTIN.get(key, 0) >= nbytes:
-        return
-    with _OPTIN_LOCK:
-        if _OPTIN.get(key, 0) < nbytes:
-            kernel.max_dynamic_shared_size_bytes = int(nbytes)
-            _OPTIN[key] = int(nbytes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -951,7 +934,7 @@ class FFNPlan:
         m32 = np.int32(M)
         smem = M * self.D * isz
         if smem > _DECODE_SMEM:
-            _allow_dynamic_smem(k_gate, smem)
+            allow_dynamic_smem(k_gate, smem)
         k_gate(ws["grid_gate"], (_DECODE_THREADS,),
                (x, np.int64(x.strides[0] // isz), self.gate_w, self.w_up, ws["h"], h_ptr, ldh, ws["flags"],
                 ws["blk"], counters, np.int32(1 if check_x else 0), m32) + self._dims,
