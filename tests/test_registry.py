@@ -157,6 +157,65 @@ def test_every_kernel_has_a_header_comment():
                 f"{fname}: the comment of {name} lists no array shapes"
 
 
+def test_module_source_changes_with_the_headers(tmp_path, monkeypatch):
+    """CuPy's disk cache keys on the source text, not on included files: the source
+    handed to NVRTC carries the headers' digest, so a changed common.cuh recompiles."""
+    for p in reg.kernel_dir().iterdir():
+        if p.suffix in (".cu", ".cuh"):
+            (tmp_path / p.name).write_bytes(p.read_bytes())
+    monkeypatch.setenv("TWELLPY_KERNEL_DIR", str(tmp_path))
+    before = reg.module_source("check.cu")
+    assert before.startswith(reg.read_source("check.cu"))
+    assert before != reg.read_source("check.cu")
+    reg._headers_digest.cache_clear()
+    assert reg.module_source("check.cu") == before  # same headers, same text, same cache entry
+    common = tmp_path / "common.cuh"
+    common.write_text(common.read_text() + "\n// one more line\n")
+    reg._headers_digest.cache_clear()
+    after = reg.module_source("check.cu")
+    assert after != before and after.startswith(reg.read_source("check.cu"))
+    reg._headers_digest.cache_clear()
+
+
+def test_get_kernel_compiles_the_source_with_the_headers_digest(monkeypatch):
+    """The registry hands NVRTC module_source (with the digest), on sm_90 with sm_90a."""
+    seen = []
+
+    class FakeModule:
+        def __init__(self, code, options, name_expressions):
+            seen.append((code, options, name_expressions))
+
+        def compile(self):
+            pass
+
+        def get_function(self, name):
+            return ("kernel", name)
+
+    class FakeDevice:
+        id = 0
+        compute_capability = "90"
+
+        def __init__(self, dev=None):
+            pass
+
+    class FakeCupy:
+        RawModule = FakeModule
+
+        class cuda:
+            Device = FakeDevice
+
+    monkeypatch.setattr(reg, "cupy_module", lambda: FakeCupy)
+    monkeypatch.setattr(reg, "_CACHE", {})
+    k = reg.get_kernel("check.cu", "twellpy_fake_name", FAKE_DEFINE=3)
+    assert k == ("kernel", "twellpy_fake_name")
+    assert len(seen) == 1
+    code, options, names = seen[0]
+    assert code == reg.module_source("check.cu") and names == ("twellpy_fake_name",)
+    assert "-DFAKE_DEFINE=3" in options and options[-1] == "-arch=sm_90a"
+    assert reg.get_kernel("check.cu", "twellpy_fake_name", FAKE_DEFINE=3) is k  # memoized
+    assert len(seen) == 1
+
+
 @pytest.mark.parametrize("fname", ["check.cu", "convert.cu", "transpose.cu"])
 def test_small_files_compile_and_every_name_resolves(declared, fname):
     """Fast NVRTC check (sm_80) that every declared name expression lowers to a symbol."""

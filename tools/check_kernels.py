@@ -100,7 +100,7 @@ def main(argv=None):
     all_spills = []
     print(f"NVRTC {nvrtc.getVersion()}; {len(files)} source files; arch {args.arch}")
     for fname in files:
-        src = reg.read_source(fname)
+        src = reg.module_source(fname)  # what get_kernel hands NVRTC
         groups = decl.get(fname) or [((), {})]
         for names, defines in groups:
             for arch in args.arch:

@@ -10,6 +10,8 @@ machine without a GPU, using :func:`nvrtc_options`, the same options as here.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import threading
 from pathlib import Path
@@ -96,7 +98,27 @@ def nvrtc_options(defines=None, arch=None):
 
 
 def read_source(source_file: str) -> str:
+    """Text of ``raw_kernels/source_file`` as it is on disk."""
     return (kernel_dir() / source_file).read_text()
+
+
+@functools.lru_cache(maxsize=None)
+def _headers_digest(folder: str) -> str:
+    """Digest of every ``.cuh`` header in ``folder`` (names and contents)."""
+    h = hashlib.sha256()
+    for path in sorted(Path(folder).glob("*.cuh")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def module_source(source_file: str) -> str:
+    """The source handed to NVRTC: the file plus a last comment line holding the
+    digest of the headers it may include. CuPy's disk cache keys on the source
+    text and the options only, not on included files, so without this line a
+    changed ``common.cuh`` (a new twellpy over an old ``~/.cupy/kernel_cache``)
+    would load kernels compiled from the old header."""
+    folder = kernel_dir()
+    return read_source(source_file) + f"\n// twellpy headers {_headers_digest(str(folder))}\n"
 
 
 def _names_for(source_file, defines, name):
@@ -147,7 +169,7 @@ def _module(cp, dev, source_file, defines, name):
             # sm_90a unlocks wgmma/setmaxnreg; CuPy's own -arch=sm_90 is then
             # superseded (NVRTC keeps the arch-specific feature set).
             opts += ("-arch=sm_90a",)
-        mod = cp.RawModule(code=read_source(source_file), options=opts, name_expressions=names)
+        mod = cp.RawModule(code=module_source(source_file), options=opts, name_expressions=names)
         mod.compile()
         _CACHE[mkey] = mod
     return mod
