@@ -26,6 +26,7 @@ Formats with dense backup rows keep them in ``backup`` (R, N),
 """
 from __future__ import annotations
 
+import inspect
 import numbers
 
 import numpy as np
@@ -35,6 +36,10 @@ from ._array import FLOAT_DTYPES, INDEX_DTYPE, bfloat16
 from . import backends
 
 INT32_MAX = 2**31 - 1
+
+# Internal ``check`` value: the O(1) checks of ``check=True`` without its content
+# scan (check_format(full_check=False), and before the detailed scan).
+_SHAPES_ONLY = object()
 
 _BITS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 _MASK = {2: 0x7FFF, 4: 0x7FFFFFFF, 8: 0x7FFFFFFFFFFFFFFF}
@@ -105,6 +110,17 @@ def result_dtype(a, b):
     if np.dtype(np.float64) in (a, b):
         return np.dtype(np.float64)
     return np.dtype(np.float32)
+
+
+def _value_dtype(dtype, name):
+    """``dtype`` as one of the value dtypes, or a TypeError naming ``name``."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{name} {dtype!r} is not a dtype") from None
+    if dt not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be one of {', '.join(str(d) for d in FLOAT_DTYPES)}, got {dt}")
+    return dt
 
 
 def _acc(dtype):
@@ -232,17 +248,22 @@ def _first_true(mask):
     return tuple(int(p) for p in pos)
 
 
-def _prepare_scipy(m, name="m"):
-    """CSR arrays from any scipy.sparse array/matrix: duplicates summed, explicit zeros dropped."""
+def _prepare_scipy(m, name="m", *, cast=False):
+    """CSR arrays from any scipy.sparse array/matrix: duplicates summed, explicit zeros dropped.
+
+    ``cast``: the caller casts the values to a float dtype afterwards, so
+    integer data is accepted too.
+    """
     import scipy.sparse as sp
 
     if not sp.issparse(m):
         raise TypeError(f"{name} must be a scipy.sparse array or matrix, got {type(m).__module__}.{type(m).__name__}")
     if m.ndim != 2:
         raise ValueError(f"{name} must be 2-D, got {m.ndim}-D")
-    if m.dtype not in FLOAT_DTYPES:
+    if m.dtype not in FLOAT_DTYPES and not (cast and m.dtype.kind in "iu"):
         raise TypeError(f"{name} has dtype {m.dtype}, expected one of float16, bfloat16, float32, float64 "
-                        f"(convert first, e.g. {name}.astype(numpy.float32))")
+                        f"(or integers together with dtype=...); convert first, e.g. "
+                        f"{name}.astype(numpy.float32), or pass dtype=numpy.float32")
     csr = sp.csr_array(m, copy=True)
     csr.sum_duplicates()   # also sorts the column indices
     csr.eliminate_zeros()  # exact: an explicit zero adds nothing to the matrix
@@ -319,7 +340,14 @@ class SparseArray:
 
     @property
     def nnz(self) -> int:
-        """Stored non-zeros: slot entries (sum of counts) plus non-zeros of the backup rows."""
+        """Stored entries: slot entries (sum of counts) plus the non-zeros of the backup rows.
+
+        Slot entries count even when their value is zero (e.g. after ``A * 0``
+        or a cast that underflows), as scipy's ``nnz`` counts explicit zeros;
+        a dense backup row cannot tell a stored zero from an absent one, so
+        only its non-zeros count. The two can therefore differ between
+        formats after such operations; :meth:`count_nonzero` never does.
+        """
         if self._nnz is None:
             self._nnz = int(self._row_counts().sum()) + _count_nonzero(self.backup)
         return self._nnz
@@ -342,6 +370,11 @@ class SparseArray:
 
     def __len__(self):
         raise TypeError(f"len() of a {type(self).__name__} is ambiguous; use .shape")
+
+    def __bool__(self):
+        # without this, Python would ask __len__ and complain about len()
+        raise TypeError(f"the truth value of a {type(self).__name__} is ambiguous; test A.nnz, "
+                        f"A.count_nonzero() or A.shape instead")
 
     def __iter__(self):
         # without this, Python would iterate through __getitem__ with 0, 1, 2, ...
@@ -377,8 +410,10 @@ class SparseArray:
         d : dict
             Must hold ``"format"``; the format's arrays and parameters.
         check : bool or "full"
-            ``True``: O(1) validation; ``"full"``: also scan the contents
-            (:meth:`check_format` with ``full_check=True``); ``False``: trust.
+            ``True`` (default): validate shapes, dtypes and devices and scan
+            the contents as :meth:`check_format` with ``full_check=True``
+            does (vectorised, linear in the size of the arrays); ``"full"``:
+            the same; ``False``: trust the caller.
         check_finite : bool
             Reject NaN/Inf in the value arrays.
         """
@@ -397,6 +432,8 @@ class SparseArray:
 
     @staticmethod
     def _validate_check(check):
+        if check is _SHAPES_ONLY:
+            return
         if check not in (True, False, "full"):
             raise ValueError(f"check must be True, False or 'full', got {check!r}")
 
@@ -406,8 +443,25 @@ class SparseArray:
             _array.check_finite(self.values, "values")
             if self.backup is not None:
                 _array.check_finite(self.backup, "backup")
-        if check == "full":
-            self.check_format(full_check=True, check_finite=False)
+        if check and check is not _SHAPES_ONLY:
+            self._check_contents()
+
+    def _check_contents(self):
+        """The content scan of ``check=True``: vectorised, one host sync when all is well.
+
+        Component arrays that contradict each other (counts outside
+        [0, slots], indices out of range or not sorted, padding that is not
+        (0, -1), a backup row with slot entries) would make the kernels read
+        out of bounds or give wrong results; the detailed scan of
+        :meth:`check_format` names the first offence.
+        """
+        bad = self._check_slots_full(quick=True)
+        if self.n_backup:
+            bad = bad | (self._row_counts()[self.backup_rows] != 0).any()
+        if bool(bad):
+            self._check_slots_full()
+            self._check_backup_rows_empty()
+            raise AssertionError("content scan flagged a problem the detailed scan did not find")  # pragma: no cover
 
     @classmethod
     def from_dense(cls, x, *, check_finite=True, **params):
@@ -452,10 +506,15 @@ class SparseArray:
         (stored entries equal to 0, including sums that cancel) are dropped;
         neither changes the matrix. Column order in the input does not
         matter. ``dtype`` casts the values (scipy has no 16-bit types, so
-        this is how float16/bfloat16 containers are made from scipy);
-        values that the cast rounds to zero are dropped too.
+        this is how float16/bfloat16 containers are made from scipy; integer
+        matrices are accepted when ``dtype`` is given); values that the cast
+        rounds to zero are dropped too. With ``check_finite`` the values are
+        checked before and after the cast, so a cast that overflows to Inf
+        raises ``ValueError``.
         """
-        csr = _prepare_scipy(m)
+        if dtype is not None:
+            dtype = _value_dtype(dtype, "dtype")
+        csr = _prepare_scipy(m, cast=dtype is not None)
         shape = check_shape(csr.shape, "m.shape")
         data = np.ascontiguousarray(csr.data)
         if check_finite:
@@ -464,19 +523,23 @@ class SparseArray:
             raise ValueError(f"m has {csr.nnz} non-zeros, more than the int32 index range allows")
         indptr = np.ascontiguousarray(csr.indptr, dtype=np.int64)
         indices = np.ascontiguousarray(csr.indices, dtype=np.int32)
-        if dtype is not None:
-            try:
-                dtype = np.dtype(dtype)
-            except TypeError:
-                raise TypeError(f"dtype {dtype!r} is not a dtype") from None
-            _array.check_float(np.empty(0, dtype), "dtype")
-            data = data.astype(dtype)
+        if dtype is not None and data.dtype != dtype:
+            with np.errstate(over="ignore"):  # overflow is reported below, with a better message
+                data = np.ascontiguousarray(data.astype(dtype))
+            if check_finite:
+                n_nan, n_inf = _array.nan_inf_counts(data)
+                if n_inf:
+                    raise ValueError(f"m holds {n_inf} value(s) too large for {dtype}: the cast to {dtype} "
+                                     f"overflowed them to Inf (largest magnitude in m: "
+                                     f"{float(np.abs(csr.data).max())!r}); pass check_finite=False to "
+                                     f"keep the Inf values")
             keep = nonzero_mask(data)
             if not keep.all():
-                # Entries that underflowed to zero in the cast are dropped.
-                kept_per_row = np.add.reduceat(keep.astype(np.int64), indptr[:-1]) if data.size else None
-                counts = np.where(np.diff(indptr) > 0, kept_per_row, 0) if data.size else np.zeros(shape[0], np.int64)
-                indptr = np.concatenate([[0], np.cumsum(counts)])
+                # Entries that the cast rounded to zero are dropped: the new row
+                # pointers are the running count of kept entries at the old ones.
+                kept = np.zeros(data.shape[0] + 1, np.int64)
+                np.cumsum(keep, out=kept[1:])
+                indptr = kept[indptr]
                 data, indices = np.ascontiguousarray(data[keep]), np.ascontiguousarray(indices[keep])
         return cls._from_csr(indptr.astype(np.int32), indices, data, shape, **params)
 
@@ -608,8 +671,15 @@ class SparseArray:
                              f"(use to_scipy(fmt) for scipy formats)")
         if fmt == self.format and not params:
             return self
+        target = classes[fmt]
+        accepted = [k for k in inspect.signature(target._from_csr).parameters
+                    if k not in ("indptr", "indices", "data", "shape")]
+        unknown = sorted(set(params) - set(accepted))
+        if unknown:
+            raise TypeError(f"asformat({fmt!r}) got unexpected parameter(s) {', '.join(map(repr, unknown))}; "
+                            f"{target.__name__} accepts {', '.join(map(repr, accepted))}")
         indptr, col, data = self._csr()
-        return classes[fmt]._from_csr(indptr, col, data, self.shape, **params)
+        return target._from_csr(indptr, col, data, self.shape, **params)
 
     def _transpose_params(self):
         return {}
@@ -680,10 +750,21 @@ class SparseArray:
                 _array.check_finite(backup, "backup")
         return self._with_data(_array.contiguous(values, "values"), backup)
 
-    def astype(self, dtype):
+    def astype(self, dtype, *, check_finite=True):
         """Copy with values cast to ``dtype`` (float16, bfloat16, float32, float64).
 
-        A cast may round small values to zero; those entries stay stored.
+        Parameters
+        ----------
+        dtype : dtype-like
+        check_finite : bool
+            Raise ``ValueError`` when the cast overflows finite values to Inf
+            (e.g. 1e5 to float16), as :meth:`from_scipy` does with ``dtype``.
+            NaN/Inf that the container already held are not an error.
+
+        Notes
+        -----
+        A cast may round small values to zero; those entries stay stored
+        (:attr:`nnz` may then count them; :meth:`count_nonzero` does not).
         """
         try:
             dtype = np.dtype(dtype)
@@ -692,11 +773,24 @@ class SparseArray:
         if dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype {dtype} is not supported; expected one of "
                             f"{', '.join(str(d) for d in FLOAT_DTYPES)}")
+
         def conv(a):
             return a.copy() if a.dtype == dtype else cast(a, dtype)
 
-        b = conv(self.backup) if self.backup is not None else None
-        return self._with_data(conv(self.values), b)
+        with np.errstate(over="ignore"):  # overflow is reported below, with a better message
+            b = conv(self.backup) if self.backup is not None else None
+            vals = conv(self.values)
+        if check_finite and np.finfo(dtype).max < np.finfo(np.dtype(self.dtype)).max:
+            # only a cast to a type of smaller range can overflow
+            for name, src, dst in (("values", self.values, vals), ("backup", self.backup, b)):
+                if src is None or src.size == 0:
+                    continue
+                new_inf = _array.nan_inf_counts(dst)[1] - _array.nan_inf_counts(src)[1]
+                if new_inf:
+                    raise ValueError(f"astype({dtype}) overflows {new_inf} finite value(s) of {name} to Inf "
+                                     f"(largest {dtype}: {float(np.finfo(dtype).max):.6g}); pass "
+                                     f"check_finite=False to keep them as Inf")
+        return self._with_data(vals, b)
 
     def copy(self):
         """Deep copy (every component array copied)."""
@@ -721,11 +815,12 @@ class SparseArray:
         Returns
         -------
         float or array
-            Accumulated and returned in float32 (float64 for float64 data), as
-            the products are; arrays belong to the container's array module.
-            NaN and Inf propagate as in numpy. The result has the same bits on
-            every run (per-column sums go through the deterministic product
-            ``ones @ A``).
+            ``axis=None``: a Python float on the host, whatever the device (the
+            per-row float32 sums added in float64). Otherwise an array of the
+            container's array module, accumulated in and returned as float32
+            (float64 for float64 data), as the products are. NaN and Inf
+            propagate as in numpy. The result has the same bits on every run
+            (per-column sums go through the deterministic product ``ones @ A``).
         """
         axis = self._reduction_axis(axis)
         xp = self.xp
@@ -751,7 +846,8 @@ class SparseArray:
         Returns
         -------
         float or array
-            float32 (float64 for float64 data); NaN for an empty axis, as numpy gives.
+            ``axis=None``: a Python float (see :meth:`sum`); otherwise a float32
+            array (float64 for float64 data). NaN for an empty axis, as numpy gives.
         """
         axis = self._reduction_axis(axis)
         m, n = self.shape
@@ -773,8 +869,11 @@ class SparseArray:
         Returns
         -------
         float or array
-            In the container's dtype (exact: no rounding). A NaN in a row or
-            column makes its result NaN, as ``numpy.max`` does.
+            ``axis=None``: a Python float on the host, whatever the device
+            (exact: every value dtype converts to float64 without rounding).
+            Otherwise an array in the container's dtype and array module
+            (exact). A NaN in a row or column makes its result NaN, as
+            ``numpy.max`` does.
 
         Raises
         ------
@@ -980,28 +1079,73 @@ class SparseArray:
     __abs__ = abs
 
     def __mul__(self, other):
-        """Scalar multiply, or element-wise product with a container of identical pattern."""
+        """Scalar multiply, or element-wise product with a container of identical pattern.
+
+        A scalar factor must be finite in the dtype the product is computed in
+        (float32 for 16- and 32-bit data, float64 for float64): a factor such
+        as ``1e39`` on float32 data would be Inf there and turn the zeros of
+        dense backup rows into NaN, so it raises ``ValueError`` instead, on
+        every format alike.
+        """
         if isinstance(other, SparseArray):
             return self._mul_same_pattern(other)
         if isinstance(other, numbers.Number) and not isinstance(other, (bool, complex)):
-            s = float(other)
-            if not np.isfinite(s):
-                raise ValueError(f"scalar factor must be finite, got {other!r}")
-
-            def scale(a):
-                acc = _acc(a.dtype)
-                return cast(cast(a, acc) * acc.type(s) + acc.type(0), a.dtype)
-
-            return self._map(scale)
+            return self._scale(float(other), other)
         return NotImplemented
 
     __rmul__ = __mul__
 
+    def _scale(self, s, given):
+        """Multiply every value by the float ``s`` (``given``: the factor as the caller wrote it)."""
+        if not np.isfinite(s):
+            raise ValueError(f"scalar factor must be finite, got {given!r}")
+        s_acc = self._factor_in_acc(s)
+        if s_acc is None:
+            acc = _acc(self.dtype)
+            raise ValueError(f"scalar factor must be finite in {acc}, the dtype {self.dtype} values are "
+                             f"multiplied in, got {given!r}, which overflows to Inf there (largest {acc}: "
+                             f"{float(np.finfo(acc).max):.4g})")
+        acc = s_acc.dtype
+
+        def scale(a):
+            return cast(cast(a, acc) * s_acc + acc.type(0), a.dtype)
+
+        return self._map(scale)
+
+    def _factor_in_acc(self, s):
+        """``s`` as a scalar of the accumulation dtype, or None when it is not finite there."""
+        acc = _acc(self.dtype)
+        with np.errstate(over="ignore"):
+            s_acc = acc.type(s)
+        return s_acc if np.isfinite(s_acc) else None
+
     def __truediv__(self, other):
+        """Division by a non-zero scalar: multiplication by its reciprocal (see :meth:`__mul__`).
+
+        Raises
+        ------
+        ZeroDivisionError
+            ``other`` is zero.
+        ValueError
+            ``other`` is NaN, or its reciprocal is not finite in the dtype the
+            product is computed in (e.g. ``A / 1e-320``, or ``A / 1e-39`` on
+            float32 data).
+        """
         if isinstance(other, numbers.Number) and not isinstance(other, (bool, complex)):
             if other == 0:
                 raise ZeroDivisionError("division of a sparse container by zero")
-            return self * (1.0 / float(other))
+            d = float(other)
+            if np.isnan(d):
+                raise ValueError(f"divisor must not be NaN, got {other!r}")
+            with np.errstate(over="ignore", divide="ignore"):
+                r = float(np.float64(1.0) / np.float64(d))
+            if not np.isfinite(r) or self._factor_in_acc(r) is None:
+                where = ("float64" if not np.isfinite(r) else
+                         f"{_acc(self.dtype)}, the dtype {self.dtype} values are multiplied in")
+                raise ValueError(f"dividing by {other!r} multiplies by its reciprocal 1/{other!r}, which "
+                                 f"overflows to Inf in {where}; divide by a larger number, or scale in "
+                                 f"two steps")
+            return self._scale(r, r)
         return NotImplemented
 
     def multiply(self, other):
@@ -1125,11 +1269,18 @@ class SparseArray:
             raise ValueError(f"W has shape {tuple(w.shape)}, expected (P, {m}) to multiply a "
                              f"{m}x{n} {type(self).__name__} from the left")
         wt = _array.contiguous(wt, "W")
-        out_t = self._spmm_t(wt)  # (N, P)
-        if self.n_backup:
-            acc = _acc(out_t.dtype)
-            extra = self._backup_spmm_t(_array.contiguous(wt[self.backup_rows], "W"))
-            out_t = cast(cast(out_t, acc) + cast(extra, acc), out_t.dtype)
+        if not self.n_backup:
+            out_t = self._spmm_t(wt)  # (N, P)
+        else:
+            # The slot part and the backup rows add into the same outputs: both
+            # stay in the accumulation dtype (W cast up, exactly, so the backend
+            # returns its accumulator unrounded) and the sum is rounded once.
+            res = result_dtype(self.dtype, wt.dtype)
+            acc = _acc(res)
+            wt_acc = cast(wt, acc)
+            out_t = self._spmm_t(wt_acc)
+            extra = self._backup_spmm_t(_array.contiguous(wt_acc[self.backup_rows], "W"))
+            out_t = cast(cast(out_t, acc) + cast(extra, acc), res)
         out = out_t[:, 0] if vec else self.xp.ascontiguousarray(out_t.T)
         return _array.to_caller(out, kind)
 
@@ -1227,10 +1378,18 @@ class SparseArray:
             Naming the offending array and the first bad position.
         """
         d = self.components()
-        type(self)._init_from_components(d, check=True, check_finite=False)
+        type(self)._init_from_components(d, check=_SHAPES_ONLY, check_finite=False)
         if not full_check:
             return
         self._check_slots_full()
+        self._check_backup_rows_empty()
+        if check_finite:
+            _array.check_finite(self.values, "values")
+            if self.backup is not None:
+                _array.check_finite(self.backup, "backup")
+
+    def _check_backup_rows_empty(self):
+        """ValueError when a backup row also has slot entries."""
         if self.n_backup:
             cnt = self._row_counts()[self.backup_rows]
             if bool((cnt != 0).any()):
@@ -1238,20 +1397,33 @@ class SparseArray:
                 r = int(_as_host(self.backup_rows[k]))
                 raise ValueError(f"row {r} is stored in backup (backup_rows[{k}]) but also has "
                                  f"{int(_as_host(cnt[k]))} slot entries; backup rows must have none")
-        if check_finite:
-            _array.check_finite(self.values, "values")
-            if self.backup is not None:
-                _array.check_finite(self.backup, "backup")
 
-    def _check_slot_lists(self, vals, idx, counts, lo, hi, label, count_name):
+    def _check_slot_lists(self, vals, idx, counts, lo, hi, label, count_name, quick=False):
         """Shared content scan of slot lists.
 
         ``vals``/``idx`` are (..., S); ``counts`` (...,) entries used; the valid
         column range of each list is [lo, hi) (broadcast against counts).
-        ``label(pos)`` renders a position for messages.
+        ``label(pos)`` renders a position for messages. ``quick``: return a
+        0-d boolean array, true when anything is wrong, without syncing the
+        device (the caller reruns the detailed scan for the message).
         """
         xp = self.xp
         s = vals.shape[-1]
+        if quick:
+            bad = xp.zeros((), dtype=bool)
+            if counts.size:
+                bad = bad | ((counts < 0) | (counts > s)).any()
+            if vals.size == 0:
+                return bad
+            used = xp.arange(s, dtype=np.int32) < counts[..., None]
+            # one boolean per slot: a used slot out of its range, a padding slot
+            # that is not (index -1, value bits 0)
+            wrong = xp.where(used, (idx < lo[..., None]) | (idx >= hi[..., None]),
+                             (idx != -1) | (_bits(vals) != 0))
+            bad = bad | wrong.any()
+            if s > 1:
+                bad = bad | (used[..., 1:] & (idx[..., 1:] <= idx[..., :-1])).any()
+            return bad
         if counts.size and (bool((counts < 0).any()) or bool((counts > s).any())):
             bad = (counts < 0) | (counts > s)
             p = _first_true(bad)
@@ -1315,6 +1487,19 @@ def csr_rows_to_dense(indptr, cols, data, row_map, n_backup, n_cols):
     sel = pos >= 0
     _bits(out)[pos[sel], cols[sel]] = _bits(data)[sel]
     return out
+
+
+def dense_backup_rows(x, rows):
+    """Rows ``rows`` of the dense array ``x`` as a contiguous backup block.
+
+    Moved as bit patterns (exact, no 16-bit arithmetic needed on the device),
+    except that -0.0 becomes +0.0: a -0.0 is a zero, which no format stores,
+    so a backup row must hold the same bits the slot formats would give.
+    """
+    xp = _array.xp_of(x)
+    b = _bits(x)[rows]
+    b = xp.where(nonzero_mask(x[rows]), b, b.dtype.type(0)).astype(b.dtype)
+    return xp.ascontiguousarray(b).view(x.dtype)
 
 
 def zero_rows(rows, *arrays_and_fill):

@@ -118,7 +118,8 @@ def _vstack(parts):
     xp = first.xp
     shape = (sum(p.shape[0] for p in parts), first.shape[1])
     cls = type(first)
-    # check_finite=False: every part was validated (or built without the check) already
+    # check=False, check_finite=False: every part was validated (or built by twellpy) already,
+    # and stacking valid parts row by row gives valid arrays, so the content scan is not repeated
     if first.format == "twell":
         slots = max(p.values.shape[2] for p in parts)
         values = _concat_values(xp, [_pad_last(xp, p.values, slots, 0) for p in parts], 0)
@@ -126,13 +127,19 @@ def _vstack(parts):
         counts = xp.concatenate([p.counts for p in parts], axis=0)
         backup, backup_rows = _stack_backup(xp, parts, shape[1], first.dtype)
         return cls(values, indices, counts, shape=shape, tile=first.tile, backup=backup,
-                   backup_rows=backup_rows, check_finite=False)
+                   backup_rows=backup_rows, check=False, check_finite=False)
     width = max(p.values.shape[1] for p in parts)
     values = _concat_values(xp, [_pad_last(xp, p.values, width, 0) for p in parts], 0)
     indices = xp.concatenate([_pad_last(xp, p.indices, width, -1) for p in parts], axis=0)
     row_nnz = xp.concatenate([p.row_nnz for p in parts], axis=0)
     if first.format == "ell":
-        return cls(values, indices, row_nnz, shape=shape, check_finite=False)
+        return cls(values, indices, row_nnz, shape=shape, check=False, check_finite=False)
     backup, backup_rows = _stack_backup(xp, parts, shape[1], first.dtype)
+    # a strategy shared by every part still describes the result; otherwise (e.g. fixed
+    # widths 1 and 3) only the width the result has does
+    strategies = {p.width_strategy for p in parts}
+    strategy = strategies.pop() if len(strategies) == 1 else width
+    if isinstance(strategy, int):
+        strategy = width
     return cls(values, indices, row_nnz, shape=shape, backup=backup, backup_rows=backup_rows,
-               width_strategy=first.width_strategy, check_finite=False)
+               width_strategy=strategy, check=False, check_finite=False)

@@ -41,9 +41,15 @@ class ELL(SparseArray):
         Number of stored entries of each row (``<= W``).
     shape : tuple (M, N)
     check : bool or "full"
-        ``True`` runs O(1) validation (shapes, dtypes, device); ``"full"``
-        also scans the contents (:meth:`check_format`); ``False`` trusts the
-        caller (kernels then read whatever is there).
+        ``True`` (default) validates shapes, dtypes and devices and scans the
+        contents (vectorised, linear in the size of the arrays; on the GPU one
+        device reduction): counts within [0, W], the indices of used slots in
+        range and sorted, padding exactly (0, -1), backup rows without slot
+        entries; contradicting arrays raise ``ValueError`` naming the argument
+        and the first bad position. ``"full"`` is the same (the name is kept
+        for compatibility). ``False`` trusts the caller and skips all of it:
+        only for arrays that are known to be consistent (e.g. built by
+        twellpy itself); kernels then read whatever is there.
     check_finite : bool
         Reject NaN/Inf in ``values`` (``ValueError``).
 
@@ -134,10 +140,10 @@ class ELL(SparseArray):
         values, idx, row_nnz = backends.get(data).csr_to_ell(indptr, indices, data, w)
         return cls(values, idx, row_nnz, shape=shape, check=False, check_finite=False)
 
-    def _check_slots_full(self):
+    def _check_slots_full(self, quick=False):
         xp = self.xp
         m, n = self.shape
         lo = xp.zeros(m, np.int64)
         hi = xp.full(m, n, np.int64)
-        self._check_slot_lists(self.values, self.indices, self.row_nnz, lo, hi,
-                               lambda p: f"row {p[0]}", "row_nnz")
+        return self._check_slot_lists(self.values, self.indices, self.row_nnz, lo, hi,
+                                      lambda p: f"row {p[0]}", "row_nnz", quick=quick)

@@ -12,12 +12,12 @@ Width strategies (modelled on Ginkgo's ``hybrid::strategy_type``)
   minimises the bytes of ELL slots plus backup rows,
   ``M*W*(itemsize + 4) + R(W)*(N*itemsize + 4)``, where R(W) is the number of
   rows with more than W non-zeros. Ties go to the smaller W.
-* ``"auto"`` (default): ``max(min_storage, sorted(row_nnz)[floor(0.9*M) - 1])``
-  (the floor term is 0 when ``0.9*M < 1``). min_storage alone can push many
-  rows to dense backup when N is small; the floor keeps at least
-  ``floor(0.9*M)`` rows in the sparse ELL part, so products stay sparse, while
-  the few widest rows (at most ~10%) may still go to backup when that saves
-  storage.
+* ``"auto"`` (default): ``max(min_storage, quantile:0.9)``. min_storage alone
+  can push many rows to dense backup when N is small; the quantile term
+  (``sorted(row_nnz)[ceil(0.9*M) - 1]``) keeps at least 90% of the rows,
+  ``ceil(0.9*M)`` of them, in the sparse ELL part, so products stay sparse,
+  while the few widest rows (at most 10%) may still go to backup when that
+  saves storage.
 
 Whatever W is, no row is ever dropped: every row with more than W non-zeros
 is stored, exactly, as a dense row in ``backup``.
@@ -30,7 +30,7 @@ import numpy as np
 
 from . import _array, backends
 from ._base import (SparseArray, _as_host, _bits, _to_int, backup_parts, check_index_array, check_shape,
-                    check_value_array, csr_rows_to_dense)
+                    check_value_array, csr_rows_to_dense, dense_backup_rows)
 
 
 def _quantile_width(sorted_nnz, p):
@@ -51,8 +51,11 @@ def _min_storage_width(sorted_nnz, n_cols, itemsize):
     return int(cand[int(np.argmin(cost))])  # argmin takes the first (smallest W) on ties
 
 
-def parse_width(width):
-    """Normalise a width argument; returns an int or a canonical strategy string."""
+def parse_width(width, name="width"):
+    """Normalise a width argument; returns an int or a canonical strategy string.
+
+    ``name`` is the argument named in errors (``width`` or ``width_strategy``).
+    """
     if isinstance(width, str):
         w = width.strip()
         if w in ("auto", "min_storage"):
@@ -65,7 +68,7 @@ def parse_width(width):
                 n = -1
             if n >= 0:
                 return n
-            raise ValueError(f"width={width!r}: 'fixed:n' needs a non-negative integer n")
+            raise ValueError(f"{name}={width!r}: 'fixed:n' needs a non-negative integer n")
         if kind == "quantile" and arg:
             try:
                 p = float(arg)
@@ -73,12 +76,12 @@ def parse_width(width):
                 p = -1.0
             if 0.0 <= p <= 1.0:
                 return f"quantile:{p!r}"
-            raise ValueError(f"width={width!r}: 'quantile:p' needs 0 <= p <= 1")
-        raise ValueError(f"width={width!r} is not understood; expected an int, 'fixed:n', "
+            raise ValueError(f"{name}={width!r}: 'quantile:p' needs 0 <= p <= 1")
+        raise ValueError(f"{name}={width!r} is not understood; expected an int, 'fixed:n', "
                          f"'quantile:p', 'min_storage' or 'auto'")
-    n = _to_int(width, "width")
+    n = _to_int(width, name)
     if n < 0:
-        raise ValueError(f"width must be non-negative, got {n}")
+        raise ValueError(f"{name} must be non-negative, got {n}")
     return n
 
 
@@ -94,9 +97,8 @@ def choose_width(row_nnz, n_cols, itemsize, width="auto"):
     if strat == "min_storage":
         return _min_storage_width(s, n_cols, itemsize)
     if strat == "auto":
-        k = math.floor(0.9 * s.shape[0])
-        floor_w = int(s[k - 1]) if k >= 1 else 0
-        return max(_min_storage_width(s, n_cols, itemsize), floor_w)
+        # quantile:0.9 is the narrowest width that keeps ceil(0.9*M) rows, at least 90%, sparse
+        return max(_min_storage_width(s, n_cols, itemsize), _quantile_width(s, 0.9))
     return _quantile_width(s, float(strat.split(":", 1)[1]))
 
 
@@ -152,7 +154,8 @@ class Hybrid(SparseArray):
         self.values, self.indices, self.row_nnz = values, indices, row_nnz
         self.backup, self.backup_rows, self.row_map = backup, backup_rows, row_map
         self._shape = (m, n)
-        self.width_strategy = parse_width(self.values.shape[1] if width_strategy is None else width_strategy)
+        self.width_strategy = (parse_width(self.values.shape[1]) if width_strategy is None
+                               else parse_width(width_strategy, "width_strategy"))
         self._finish_init(check, check_finite)
 
     @property
@@ -218,7 +221,7 @@ class Hybrid(SparseArray):
         values, indices = be.dense_to_ell(x, w, row_nnz)
         over = row_nnz > w
         backup_rows = xp.nonzero(over)[0].astype(np.int32)
-        backup = xp.ascontiguousarray(_bits(x)[backup_rows]).view(x.dtype)
+        backup = dense_backup_rows(x, backup_rows)  # -0.0 becomes +0.0, as in the slots
         row_nnz = xp.where(over, 0, row_nnz).astype(np.int32)
         return cls(values, indices, row_nnz, shape=(m, n), backup=backup, backup_rows=backup_rows,
                    width_strategy=width, check=False, check_finite=False)
@@ -240,10 +243,10 @@ class Hybrid(SparseArray):
         return cls(values, idx, row_nnz, shape=(m, n), backup=backup, backup_rows=backup_rows,
                    row_map=row_map, width_strategy=width, check=False, check_finite=False)
 
-    def _check_slots_full(self):
+    def _check_slots_full(self, quick=False):
         xp = self.xp
         m, n = self.shape
         lo = xp.zeros(m, np.int64)
         hi = xp.full(m, n, np.int64)
-        self._check_slot_lists(self.values, self.indices, self.row_nnz, lo, hi,
-                               lambda p: f"row {p[0]}", "row_nnz")
+        return self._check_slot_lists(self.values, self.indices, self.row_nnz, lo, hi,
+                                      lambda p: f"row {p[0]}", "row_nnz", quick=quick)

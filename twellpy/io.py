@@ -97,13 +97,20 @@ def load(path, *, device="cpu"):
     if version < 1:
         raise ValueError(f"{p} has an invalid file format version {version}")
     try:
-        d = {"format": str(entries.pop("format")), "shape": tuple(int(s) for s in entries.pop("shape"))}
+        shape = entries.pop("shape")
+        if shape.dtype.kind not in "iu" or shape.ndim != 1:
+            # int() would truncate a float shape such as [9.5, 30] silently
+            raise ValueError(f"shape must be a 1-D integer array (M, N), got {shape.dtype} {shape.tolist()!r}")
+        d = {"format": str(entries.pop("format")), "shape": tuple(int(s) for s in shape)}
         dtype_name = str(entries.pop("dtype"))
         if dtype_name not in _DTYPES:
             raise ValueError(f"unsupported value dtype {dtype_name!r}")
         dtype = _DTYPES[dtype_name]
         for k, v in entries.items():
             if k.startswith("param_"):
+                if v.dtype.kind not in "Uiu" or v.ndim != 0:
+                    raise ValueError(f"parameter {k[6:]!r} must be a string or an integer scalar, "
+                                     f"got {v.dtype} {v.tolist()!r}")
                 d[k[6:]] = str(v) if v.dtype.kind == "U" else int(v)
             elif k in _VALUE_ARRAYS:
                 if v.dtype.itemsize != dtype.itemsize:

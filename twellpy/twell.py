@@ -18,7 +18,7 @@ import numpy as np
 
 from . import _array, backends
 from ._base import (SparseArray, TileOverflowError, _as_host, _bits, _to_int, backup_parts,
-                    check_index_array, check_shape, check_value_array, csr_rows_to_dense,
+                    check_index_array, check_shape, check_value_array, csr_rows_to_dense, dense_backup_rows,
                     positive_int, worst_tile, zero_rows)
 
 _OVERFLOW = ("backup", "raise")
@@ -49,8 +49,11 @@ class TwELL(SparseArray):
     backup_rows : array, (R,), int32, optional
         Sorted ids of the rows held in ``backup``.
     check : bool or "full"
-        ``True``: O(1) validation; ``"full"``: also scan contents
-        (:meth:`check_format`); ``False``: trust the caller.
+        ``True`` (default) validates shapes, dtypes and devices and scans the
+        contents: counts within [0, S], indices of used slots inside their
+        tile and sorted, padding exactly (0, -1), backup rows without slot
+        entries (see :class:`twellpy.ELL`); ``"full"`` is the same;
+        ``False`` trusts the caller.
     check_finite : bool
         Reject NaN/Inf in ``values``/``backup``.
     """
@@ -215,7 +218,7 @@ class TwELL(SparseArray):
         if isinstance(res, cls):
             return res
         backup_rows = xp.nonzero(res)[0].astype(np.int32)
-        backup = xp.ascontiguousarray(_bits(x)[backup_rows]).view(x.dtype)
+        backup = dense_backup_rows(x, backup_rows)  # -0.0 becomes +0.0, as in the slots
         zero_rows(backup_rows, (values, 0), (indices, -1), (counts, 0))
         return cls(values, indices, counts, shape=x.shape, tile=tile, backup=backup,
                    backup_rows=backup_rows, check=False, check_finite=False)
@@ -243,10 +246,10 @@ class TwELL(SparseArray):
         return cls(values, idx, counts, shape=shape, tile=tile, backup=backup, backup_rows=backup_rows,
                    row_map=row_map, check=False, check_finite=False)
 
-    def _check_slots_full(self):
+    def _check_slots_full(self, quick=False):
         xp = self.xp
         m, n = self.shape
         lo = xp.broadcast_to(xp.arange(self.n_tiles, dtype=np.int64) * self.tile, (m, self.n_tiles))
         hi = xp.minimum(lo + self.tile, n)
-        self._check_slot_lists(self.values, self.indices, self.counts, lo, hi,
-                               lambda p: f"row {p[0]}, tile {p[1]}", "counts")
+        return self._check_slot_lists(self.values, self.indices, self.counts, lo, hi,
+                                      lambda p: f"row {p[0]}, tile {p[1]}", "counts", quick=quick)
