@@ -884,7 +884,8 @@ class SparseArray:
         return self._extreme("max", axis)
 
     def min(self, axis=None):
-        """Smallest element, the zeros that are not stored included; as :meth:`max`."""
+        """Smallest element, the zeros that are not stored included; as :meth:`max`
+        (``axis=None`` gives a Python float, an axis an array in the container's dtype)."""
         return self._extreme("min", axis)
 
     def _extreme(self, op, axis):

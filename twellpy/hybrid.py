@@ -29,7 +29,7 @@ import math
 import numpy as np
 
 from . import _array, backends
-from ._base import (SparseArray, _as_host, _bits, _to_int, backup_parts, check_index_array, check_shape,
+from ._base import (SparseArray, _as_host, _to_int, backup_parts, check_index_array, check_shape,
                     check_value_array, csr_rows_to_dense, dense_backup_rows)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _array, backends
-from ._base import (SparseArray, TileOverflowError, _as_host, _bits, _to_int, backup_parts,
+from ._base import (SparseArray, TileOverflowError, _as_host, _to_int, backup_parts,
                     check_index_array, check_shape, check_value_array, csr_rows_to_dense, dense_backup_rows,
                     positive_int, worst_tile, zero_rows)
 
