@@ -1498,8 +1498,9 @@ def dense_backup_rows(x, rows):
     so a backup row must hold the same bits the slot formats would give.
     """
     xp = _array.xp_of(x)
-    b = _bits(x)[rows]
-    b = xp.where(nonzero_mask(x[rows]), b, b.dtype.type(0)).astype(b.dtype)
+    b = _bits(x)[rows]  # gathered as bits: no 16-bit float gather needed on the device
+    live = (b & b.dtype.type(_MASK[x.dtype.itemsize])) != 0
+    b = xp.where(live, b, b.dtype.type(0)).astype(b.dtype)
     return xp.ascontiguousarray(b).view(x.dtype)
 
 
