@@ -99,6 +99,50 @@ def _parse_dtype(name: str):
     return np.dtype(name)
 
 
+def _positive_int(text: str) -> int:
+    """argparse ``type=`` for options that must be an integer >= 1 (``--tile``,
+    ``--slots``): a bad value is a usage error (exit 2) found before any work."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _width_arg(text: str):
+    """argparse ``type=`` for ``convert --width``: a non-negative int or a Hybrid
+    strategy, checked by the same parser :class:`twellpy.Hybrid` uses."""
+    from .hybrid import parse_width
+
+    try:
+        return parse_width(int(text) if text.strip().lstrip("+-").isdigit() else text)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _load_npy(path: Path):
+    """``numpy.load`` for activations and dense matrices.
+
+    numpy.save writes an ml_dtypes bfloat16 array as the 2-byte void dtype
+    ``|V2`` (numpy has no name for bfloat16), so np.load gives back ``V2``.
+    We assume such an array is bfloat16 and reinterpret its bits; a
+    structured dtype (one with fields) is left alone and rejected later.
+    """
+    arr = np.load(path, allow_pickle=False)
+    if arr.dtype.kind == "V" and arr.dtype.itemsize == 2 and arr.dtype.fields is None:
+        arr = arr.view(_parse_dtype("bfloat16"))
+    return arr
+
+
+def _check_output_folder(path: Path, option: str):
+    """Fail before any work when the folder ``path`` would be written in is missing."""
+    parent = path.parent
+    if not parent.is_dir():
+        raise CLIError(f"{option} {path}: folder {parent} does not exist")
+
+
 def _to_host(a):
     return a.get() if hasattr(a, "get") else np.asarray(a)
 
@@ -734,7 +778,7 @@ def _load_any(path: Path):
     if not path.exists():
         raise CLIError(f"input {path} does not exist")
     if path.suffix == ".npy":
-        arr = np.load(path, allow_pickle=False)
+        arr = _load_npy(path)
         if arr.ndim != 2:
             raise CLIError(f"input {path} holds a {arr.ndim}-D array of shape {arr.shape}, expected 2-D")
         return arr, "dense .npy"
@@ -754,60 +798,83 @@ def _describe(obj) -> str:
     return f"scipy {obj.format} {obj.shape[0]}x{obj.shape[1]} {obj.dtype}, nnz {obj.nnz}, {_fmt_bytes(nbytes)}"
 
 
+#: Which ``convert`` options each output format uses; one that the chosen
+#: format ignores draws a warning on stderr, so a mistake does not go unnoticed.
+_CONVERT_OPTIONS = {"twell": ("tile", "slots", "overflow"), "ell": ("width",), "hybrid": ("width",),
+                    "csr": (), "csc": (), "coo": ()}
+_SIXTEEN_BIT = ("float16", "bfloat16")
+
+
 def cmd_convert(args) -> int:
-    """Convert between twellpy.save, scipy.sparse.save_npz and dense .npy files."""
+    """Convert between twellpy.save, scipy.sparse.save_npz and dense .npy files.
+
+    Values keep their dtype unless ``--dtype`` is given: twellpy containers
+    are converted with :meth:`~twellpy.ELL.asformat` and cast with
+    ``astype``, never through scipy (which has no 16-bit floats).
+    """
     import scipy.sparse as sp
 
     import twellpy as tw
 
     src, dst = Path(args.input), Path(args.output)
+    fmt = args.format
     if dst.suffix != ".npz":
         raise CLIError(f"output {dst} must end in .npz (twellpy.save and scipy.sparse.save_npz write .npz)")
     if src.resolve() == dst.resolve():
         raise CLIError(f"output {dst} is the input file; choose another name")
+    _check_output_folder(dst, "output")
+    unused = [o for o in ("tile", "slots", "overflow", "width")
+              if getattr(args, o) is not None and o not in _CONVERT_OPTIONS[fmt]]
+    if unused:
+        # a warning, not an error: scripts may pass one set of options for every format
+        print(f"twellpy convert: warning: {', '.join('--' + o for o in unused)} "
+              f"{'does' if len(unused) == 1 else 'do'} not apply to --format {fmt}; ignored",
+              file=sys.stderr)
+    if fmt == "ell" and isinstance(args.width, str):
+        raise CLIError(f"--width {args.width} is a Hybrid strategy; ELL takes an integer width")
+    if fmt in SCIPY_FORMATS and args.dtype in _SIXTEEN_BIT:
+        # checked before reading: the same answer for every kind of input
+        raise CLIError(f"--dtype {args.dtype} cannot be written with scipy.sparse (it has no "
+                       f"16-bit floats); choose float32/float64 or a twellpy --format")
+    dtype = _parse_dtype(args.dtype) if args.dtype else None
     obj, kind = _load_any(src)
     print(f"read    {src}: {_describe(obj)} ({kind})")
-    if args.dtype:
-        dtype = _parse_dtype(args.dtype)
-        obj = obj.astype(dtype)
-    fmt = args.format
     if fmt in SCIPY_FORMATS:
         if isinstance(obj, np.ndarray):
+            if obj.dtype.itemsize == 2:
+                obj = obj.astype(np.float32)  # scipy has no 16-bit floats; exact
             out = sp.csr_array(obj)
         elif hasattr(obj, "components"):
-            out = obj.to_scipy("csr")
+            out = obj.to_scipy("csr")  # 16-bit values come back as float32 (exact)
         else:
             out = obj
+        if dtype is not None:
+            out = out.astype(dtype)
         out = out.asformat(fmt)
         sp.save_npz(dst, out)
     else:
         cls = {"twell": tw.TwELL, "ell": tw.ELL, "hybrid": tw.Hybrid}[fmt]
-        kw = {}
         if fmt == "twell":
-            kw = {"tile": args.tile, "slots": args.slots, "overflow": args.overflow}
+            kw = {"tile": args.tile or 256, "slots": args.slots or 32,
+                  "overflow": args.overflow or "backup"}
         elif fmt == "hybrid":
-            kw = {"width": _parse_width(args.width)}
-        elif args.width is not None:
-            kw = {"width": _parse_width(args.width)}
+            kw = {"width": "auto" if args.width is None else args.width}
+        else:
+            kw = {"width": args.width}
         if isinstance(obj, np.ndarray):
+            if dtype is not None:
+                obj = obj.astype(dtype)
             out = cls.from_dense(obj, check_finite=args.check_finite, **kw)
         elif hasattr(obj, "components"):
-            # one hub format (CSR) for conversions, exactly as the library does
-            out = cls.from_scipy(obj.to_scipy("csr"), check_finite=args.check_finite, **kw)
+            if dtype is not None:
+                obj = obj.astype(dtype)
+            out = obj.asformat(fmt, **kw)
         else:
-            out = cls.from_scipy(obj, check_finite=args.check_finite, **kw)
+            # scipy holds no 16-bit floats, so the cast happens inside from_scipy
+            out = cls.from_scipy(obj, dtype=dtype, check_finite=args.check_finite, **kw)
         tw.save(dst, out)
     print(f"wrote   {dst}: {_describe(out)}")
     return 0
-
-
-def _parse_width(w):
-    if w is None:
-        return "auto"
-    try:
-        return int(w)
-    except ValueError:
-        return w
 
 
 # ----------------------------------------------------------------------- stats
@@ -818,18 +885,21 @@ def cmd_stats(args) -> int:
         raise CLIError(f"activations file {src} does not exist")
     if src.suffix != ".npy":
         raise CLIError(f"activations file {src} must be a .npy file written by numpy.save")
-    acts = np.load(src, allow_pickle=False)
-    if acts.ndim not in (2, 3):
-        raise CLIError(f"activations in {src} have shape {acts.shape}; expected (tokens, neurons) "
-                       f"or (layers, tokens, neurons)")
-    if not np.issubdtype(acts.dtype, np.floating) and acts.dtype != _parse_dtype("bfloat16"):
-        raise CLIError(f"activations in {src} have dtype {acts.dtype}, expected a floating dtype")
+    # options are checked before the file is read and the statistics computed
     if args.slots is not None and args.slots < 1:
         raise CLIError(f"--slots must be >= 1, got {args.slots}")
     if args.tile < 1:
         raise CLIError(f"--tile must be >= 1, got {args.tile}")
     if not 0.0 < args.target < 1.0:
         raise CLIError(f"--target must be between 0 and 1, got {args.target}")
+    if args.plot:
+        _plot_target(args.plot)
+    acts = _load_npy(src)
+    if acts.ndim not in (2, 3):
+        raise CLIError(f"activations in {src} have shape {acts.shape}; expected (tokens, neurons) "
+                       f"or (layers, tokens, neurons)")
+    if not np.issubdtype(acts.dtype, np.floating) and acts.dtype != _parse_dtype("bfloat16"):
+        raise CLIError(f"activations in {src} have dtype {acts.dtype}, expected a floating dtype")
     if 0 in acts.shape:
         raise CLIError(f"activations in {src} have shape {acts.shape}: no tokens or no neurons")
     report = _stats_report(acts, args)
@@ -905,16 +975,25 @@ def _print_stats(report):
         print("(a row overflows when any of its tiles does; TwELL keeps such rows in dense backup rows)")
 
 
-def _stats_plot(acts, args):
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise CLIError("--plot needs matplotlib: pip install 'twellpy[plot]'") from None
-    from . import plot
-
-    out = Path(args.plot)
+def _plot_target(path) -> Path:
+    """Check ``stats --plot``: extension, folder and matplotlib, before any work."""
+    out = Path(path)
     if out.suffix.lower() not in (".png", ".pdf", ".svg"):
         raise CLIError(f"--plot {out} must end in .png, .pdf or .svg")
+    _check_output_folder(out, "--plot")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise CLIError("--plot needs matplotlib: pip install 'twellpy[plot]'") from None
+    return out
+
+
+def _stats_plot(acts, args):
+    from matplotlib.figure import Figure
+
+    from . import plot
+
+    out = _plot_target(args.plot)
     layers = _stats_layers(acts)
     # One page with four panels: the last layer's histograms and heat map,
     # plus the per-layer summary (or the tile histogram for a single layer).
@@ -945,15 +1024,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"twellpy {__version__}")
     p.add_argument("--traceback", action="store_true",
                    help="show the full traceback on errors (for bug reports)")
+    # --traceback is accepted after the sub-command too. SUPPRESS: a sub-command
+    # that was not given it leaves the value parsed before the sub-command alone.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--traceback", action="store_true", default=argparse.SUPPRESS,
+                        help="show the full traceback on errors (for bug reports)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    s = sub.add_parser("info", help="versions, GPU, compute capability, kernels compiled/cached")
+    s = sub.add_parser("info", parents=[common], help="versions, GPU, compute capability, kernels compiled/cached")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--compile", action="store_true",
                    help="compile every declared kernel on the GPU now (fills CuPy's cache)")
     s.set_defaults(func=cmd_info)
 
-    s = sub.add_parser("demo", help="convert a matrix, compare formats, check products, time them")
+    s = sub.add_parser("demo", parents=[common], help="convert a matrix, compare formats, check products, time them")
     s.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto (default) uses the GPU when one is usable")
     s.add_argument("--rows", type=int, help="rows M (default 16384 on GPU, 1024 on CPU)")
@@ -961,14 +1045,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--features", type=int, help="columns of W = model size (default 2048 on GPU, 1024 on CPU)")
     s.add_argument("--nnz", type=int, help="mean non-zeros per row (default 30 on GPU, 15 on CPU)")
     s.add_argument("--dtype", choices=_DTYPE_NAMES, default="float32")
-    s.add_argument("--tile", type=int, default=256, help="TwELL tile (default 256)")
-    s.add_argument("--slots", type=int, default=32, help="TwELL slots per tile (default 32)")
+    s.add_argument("--tile", type=_positive_int, default=256, help="TwELL tile (default 256)")
+    s.add_argument("--slots", type=_positive_int, default=32, help="TwELL slots per tile (default 32)")
     s.add_argument("--repeat", type=int, default=5, help="timed repetitions (median reported)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--skip-ffn", action="store_true", help="skip the fused FFN step")
     s.set_defaults(func=cmd_demo)
 
-    s = sub.add_parser("bench", help="run the benchmark suites in benchmarks/ and print their tables")
+    s = sub.add_parser("bench", parents=[common], help="run the benchmark suites in benchmarks/ and print their tables")
     s.add_argument("suites", nargs="*", help="suite names (file stems); default: all")
     s.add_argument("--dir", help="folder of benchmark scripts (default: the repository's benchmarks/)")
     s.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
@@ -979,21 +1063,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(passthrough=[])
     s.set_defaults(func=cmd_bench)
 
-    s = sub.add_parser("convert", help="convert a sparse matrix file to another format")
+    s = sub.add_parser("convert", parents=[common], help="convert a sparse matrix file to another format")
     s.add_argument("input", help="twellpy.save .npz, scipy.sparse.save_npz .npz, or dense .npy")
     s.add_argument("output", help="output .npz")
     s.add_argument("--format", required=True, choices=TWELLPY_FORMATS + SCIPY_FORMATS)
-    s.add_argument("--tile", type=int, default=256, help="TwELL tile (default 256)")
-    s.add_argument("--slots", type=int, default=32, help="TwELL slots per tile (default 32)")
-    s.add_argument("--overflow", choices=("backup", "raise"), default="backup",
+    # None defaults: an option the chosen --format does not use is reported.
+    s.add_argument("--tile", type=_positive_int, help="TwELL tile (default 256)")
+    s.add_argument("--slots", type=_positive_int, help="TwELL slots per tile (default 32)")
+    s.add_argument("--overflow", choices=("backup", "raise"),
                    help="TwELL: keep overflowing rows in dense backup rows (default) or raise")
-    s.add_argument("--width", help="ELL width (int) or Hybrid width / strategy: auto, min_storage, quantile:P, fixed:N")
+    s.add_argument("--width", type=_width_arg,
+                   help="ELL width (int >= 0) or Hybrid width / strategy: auto (default), "
+                        "min_storage, quantile:P, fixed:N")
     s.add_argument("--dtype", choices=_DTYPE_NAMES, help="convert the values to this dtype")
     s.add_argument("--no-check-finite", dest="check_finite", action="store_false",
                    help="accept NaN/Inf values (IEEE semantics)")
     s.set_defaults(func=cmd_convert)
 
-    s = sub.add_parser("stats", help="sparsity statistics of activations saved with numpy.save")
+    s = sub.add_parser("stats", parents=[common], help="sparsity statistics of activations saved with numpy.save")
     s.add_argument("activations", help=".npy of shape (tokens, neurons) or (layers, tokens, neurons)")
     s.add_argument("--tile", type=int, default=256, help="TwELL tile used for tile statistics (default 256)")
     s.add_argument("--slots", type=int,
@@ -1029,7 +1116,9 @@ def main(argv=None) -> int:
         return 2
     except (ValueError, TypeError) as exc:
         # Library input errors carry precise messages; show them without a traceback.
-        print(f"twellpy {args.command}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        # The library names its keyword; on the command line it is a flag.
+        msg = str(exc).replace("pass check_finite=False", "pass --no-check-finite")
+        print(f"twellpy {args.command}: error: {type(exc).__name__}: {msg}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -1039,6 +1128,11 @@ def main(argv=None) -> int:
         # /dev/null so the interpreter's final flush does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as exc:  # after BrokenPipeError, one of its subclasses
+        # A file that cannot be read or written (permissions, full disk ...):
+        # one line, like the other errors; --traceback shows where.
+        print(f"twellpy {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

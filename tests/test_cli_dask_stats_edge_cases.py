@@ -1,0 +1,216 @@
+"""Edge cases of the command line, twellpy.dask, twellpy.stats and twellpy.plot
+that reviewers found: dtypes kept by ``convert``, argument and file-system
+errors, bfloat16 ``.npy`` files, benchmark discovery, Dask argument checks and
+``@`` operands, zero-column statistics and one-row heat maps."""
+import json
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+import twellpy as tw
+from twellpy import cli
+from twellpy._array import bfloat16, gpu_available
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run(capsys, *argv):
+    """main(argv) in-process; returns (exit status, stdout, stderr)."""
+    rc = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def usage_error(capsys, *argv):
+    """Run argv, expecting argparse to reject it (exit 2); returns stderr."""
+    with pytest.raises(SystemExit) as e:
+        cli.main([str(a) for a in argv])
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def _acts(m=40, n=600, density=0.05, seed=0):
+    rng = np.random.default_rng(seed)
+    return np.where(rng.random((m, n)) < density, rng.random((m, n)) + 0.1, 0).astype(np.float32)
+
+
+# ----------------------------------------------------------- convert keeps dtypes
+@pytest.fixture
+def files(tmp_path):
+    h = _acts()
+    np.save(tmp_path / "h.npy", h)
+    sp.save_npz(tmp_path / "s.npz", sp.csr_array(h))
+    return tmp_path, h
+
+
+def test_convert_between_twellpy_formats_keeps_16_bit_dtypes(capsys, files):
+    d, h = files
+    assert run(capsys, "convert", d / "h.npy", d / "e.npz", "--format", "ell", "--dtype", "bfloat16")[0] == 0
+    rc, out, err = run(capsys, "convert", d / "e.npz", d / "t.npz", "--format", "twell")
+    assert rc == 0, err
+    t = tw.load(d / "t.npz")
+    assert t.format == "twell" and t.dtype == bfloat16
+    np.testing.assert_array_equal(t.toarray(), h.astype(bfloat16))
+    for fmt in ("ell", "hybrid"):
+        rc, _, err = run(capsys, "convert", d / "t.npz", d / f"x_{fmt}.npz", "--format", fmt)
+        assert rc == 0, err
+        assert tw.load(d / f"x_{fmt}.npz").dtype == bfloat16
+
+
+def test_convert_between_twellpy_formats_honours_dtype(capsys, files):
+    d, h = files
+    assert run(capsys, "convert", d / "h.npy", d / "t.npz", "--format", "twell")[0] == 0
+    rc, _, err = run(capsys, "convert", d / "t.npz", d / "x.npz", "--format", "ell", "--dtype", "float16")
+    assert rc == 0, err
+    x = tw.load(d / "x.npz")
+    assert x.format == "ell" and x.dtype == np.float16
+    np.testing.assert_array_equal(x.toarray(), h.astype(np.float16))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_convert_scipy_input_to_16_bit(capsys, files, dtype):
+    d, h = files
+    rc, _, err = run(capsys, "convert", d / "s.npz", d / "x.npz", "--format", "hybrid", "--dtype", dtype)
+    assert rc == 0, err
+    x = tw.load(d / "x.npz")
+    assert x.dtype == cli._parse_dtype(dtype)
+    np.testing.assert_array_equal(x.toarray(), h.astype(x.dtype))
+
+
+@pytest.mark.parametrize("src", ["h.npy", "s.npz", "t.npz"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_convert_to_scipy_rejects_16_bit_for_every_input(capsys, files, src, dtype):
+    d, _ = files
+    assert run(capsys, "convert", d / "h.npy", d / "t.npz", "--format", "twell")[0] == 0
+    rc, _, err = run(capsys, "convert", d / src, d / "o.npz", "--format", "csr", "--dtype", dtype)
+    assert rc == 2
+    assert f"--dtype {dtype} cannot be written with scipy.sparse" in err
+    assert not (d / "o.npz").exists()
+
+
+def test_convert_16_bit_dense_input_to_scipy_is_exact_float32(capsys, files):
+    d, h = files
+    np.save(d / "hb.npy", h.astype(bfloat16))
+    rc, _, err = run(capsys, "convert", d / "hb.npy", d / "o.npz", "--format", "csc")
+    assert rc == 0, err
+    m = sp.load_npz(d / "o.npz")
+    assert m.dtype == np.float32
+    np.testing.assert_array_equal(m.toarray(), h.astype(bfloat16).astype(np.float32))
+
+
+def test_convert_warns_about_options_the_format_ignores(capsys, files):
+    d, _ = files
+    rc, _, err = run(capsys, "convert", d / "h.npy", d / "o.npz", "--format", "twell", "--width", 4)
+    assert rc == 0 and "warning: --width does not apply to --format twell; ignored" in err
+    rc, _, err = run(capsys, "convert", d / "h.npy", d / "o.npz", "--format", "ell", "--tile", 64, "--slots", 4)
+    assert rc == 0 and "warning: --tile, --slots do not apply to --format ell" in err
+    rc, _, err = run(capsys, "convert", d / "h.npy", d / "o.npz", "--format", "ell", "--width", "quantile:0.5")
+    assert rc == 2 and "ELL takes an integer width" in err
+
+
+def test_convert_nan_error_names_the_command_line_flag(capsys, files):
+    d, h = files
+    h = h.copy()
+    h[0, 0] = np.nan
+    np.save(d / "nan.npy", h)
+    rc, _, err = run(capsys, "convert", d / "nan.npy", d / "o.npz", "--format", "ell")
+    assert rc == 1 and "--no-check-finite" in err and "check_finite=False" not in err
+    assert run(capsys, "convert", d / "nan.npy", d / "o.npz", "--format", "ell", "--no-check-finite")[0] == 0
+
+
+# ------------------------------------------------------- argument and file errors
+@pytest.mark.parametrize("argv_tail, message", [
+    (("--format", "twell", "--tile", 0), "argument --tile: must be >= 1, got 0"),
+    (("--format", "twell", "--slots", 0), "argument --slots: must be >= 1, got 0"),
+    (("--format", "twell", "--slots", "x"), "argument --slots: expected an integer >= 1"),
+    (("--format", "ell", "--width", "foo"), "argument --width: width='foo' is not understood"),
+    (("--format", "hybrid", "--width", -3), "argument --width: width must be non-negative"),
+    (("--format", "hybrid", "--width", "quantile:2"), "argument --width:"),
+])
+def test_convert_bad_option_values_are_usage_errors(capsys, files, argv_tail, message):
+    d, _ = files
+    assert message in usage_error(capsys, "convert", d / "h.npy", d / "o.npz", *argv_tail)
+
+
+@pytest.mark.parametrize("option", ["--tile", "--slots"])
+def test_demo_bad_tile_or_slots_fail_before_any_work(capsys, monkeypatch, option):
+    # The matrix must not be built: argparse rejects the value first.
+    monkeypatch.setattr(cli, "_activation_like", lambda *a, **k: pytest.fail("matrix was built"))
+    assert f"argument {option}: must be >= 1, got 0" in usage_error(capsys, "demo", option, 0)
+
+
+def test_missing_output_folder_is_a_one_line_error(capsys, files):
+    d, _ = files
+    rc, out, err = run(capsys, "convert", d / "h.npy", d / "nodir" / "o.npz", "--format", "ell")
+    assert rc == 2 and "Traceback" not in err
+    assert err.strip() == f"twellpy convert: error: output {d / 'nodir' / 'o.npz'}: folder {d / 'nodir'} does not exist"
+    assert out == ""  # nothing was read or converted
+
+
+def test_unwritable_output_is_a_one_line_error(capsys, files, monkeypatch):
+    d, _ = files
+
+    def refuse(*a, **k):
+        raise PermissionError(13, "Permission denied", str(d / "o.npz"))
+
+    monkeypatch.setattr(tw, "save", refuse)
+    rc, _, err = run(capsys, "convert", d / "h.npy", d / "o.npz", "--format", "ell")
+    assert rc == 1 and "Traceback" not in err
+    assert err.strip().startswith("twellpy convert: error: [Errno 13] Permission denied")
+
+
+@pytest.mark.parametrize("plot, message", [
+    ("p.jpg", "must end in .png, .pdf or .svg"),
+    ("nodir/p.png", "does not exist"),
+])
+def test_stats_checks_plot_before_computing(capsys, files, plot, message):
+    d, _ = files
+    rc, out, err = run(capsys, "stats", d / "h.npy", "--plot", d / plot)
+    assert rc == 2 and message in err
+    assert out == ""  # no statistics printed before the error
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_traceback_flag_before_or_after_the_command(capsys, files, where):
+    d, _ = files
+    argv = ["convert", d / "h.npy", d / "nodir" / "o.npz", "--format", "ell"]
+    argv = ["--traceback", *argv] if where == "before" else [*argv, "--traceback"]
+    with pytest.raises(cli.CLIError, match="does not exist"):
+        cli.main([str(a) for a in argv])
+
+
+def test_no_traceback_flag_means_false(capsys, files):
+    d, _ = files
+    args = cli.build_parser().parse_args(["convert", str(d / "h.npy"), "o.npz", "--format", "ell"])
+    assert args.traceback is False
+
+
+# ------------------------------------------------------------ bfloat16 .npy files
+def test_stats_reads_bfloat16_saved_with_numpy(capsys, files):
+    d, h = files
+    np.save(d / "hb.npy", h.astype(bfloat16))
+    assert np.load(d / "hb.npy").dtype == np.dtype("V2")  # what numpy gives back
+    rc, out, err = run(capsys, "stats", d / "hb.npy", "--json")
+    assert rc == 0, err
+    rep = json.loads(out)
+    assert rep["dtype"] == "bfloat16"
+    assert rep["layers"][0]["nnz_per_token"]["max"] == int(np.count_nonzero(h, axis=1).max())
+
+
+def test_convert_reads_bfloat16_saved_with_numpy(capsys, files):
+    d, h = files
+    np.save(d / "hb.npy", h.astype(bfloat16))
+    rc, _, err = run(capsys, "convert", d / "hb.npy", d / "o.npz", "--format", "twell")
+    assert rc == 0, err
+    t = tw.load(d / "o.npz")
+    assert t.dtype == bfloat16
+    np.testing.assert_array_equal(t.toarray(), h.astype(bfloat16))
+
+
+def test_structured_two_byte_records_are_not_taken_as_bfloat16(capsys, tmp_path):
+    np.save(tmp_path / "r.npy", np.zeros((3, 4), [("a", "u1"), ("b", "u1")]))
+    rc, _, err = run(capsys, "stats", tmp_path / "r.npy")
+    assert rc == 2 and "expected a floating dtype" in err
