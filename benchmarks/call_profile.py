@@ -8,6 +8,7 @@ be cut where it is spent.
 
     PYTHONPATH=. python benchmarks/call_profile.py [--rows 16] [--calls 2000]
 """
+# twellpy-bench: suite gpu-only
 from __future__ import annotations
 
 import argparse

@@ -24,6 +24,7 @@ Usage::
 The table of ratios is printed last. Full numbers go to ``--json`` and, when
 ``$OUT`` is set, to ``$OUT/cpu_benchmark.json``.
 """
+# twellpy-bench: suite
 from __future__ import annotations
 
 import argparse

@@ -27,6 +27,7 @@ together, so Dask's fixed costs per call are amortised as in a real stream.
 
 Full numbers go to ``$OUT/dask_scaling.json`` when ``OUT`` is set.
 """
+# twellpy-bench: suite
 import argparse
 import os
 import sys

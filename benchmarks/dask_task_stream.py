@@ -8,6 +8,7 @@ submission and the first task, and the direct (no Dask) time of one batch.
 
     PYTHONPATH=. python benchmarks/dask_task_stream.py [--cpu] [--batches 8]
 """
+# twellpy-bench: suite
 from __future__ import annotations
 
 import argparse

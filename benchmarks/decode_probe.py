@@ -11,6 +11,7 @@ decides decode speed.
 
 Usage (device): ``python benchmarks/decode_probe.py``
 """
+# twellpy-bench: suite gpu-only
 from __future__ import annotations
 
 import cProfile

@@ -11,6 +11,7 @@ full numbers go to ``$OUT/ffn_bench.json``.
 Usage: ``PYTHONPATH=. python benchmarks/ffn.py [--quick] [--reps 30]``
 (``--cpu`` runs workload C1 on the CPU instead).
 """
+# twellpy-bench: suite cpu-args=--cpu
 from __future__ import annotations
 
 import argparse

@@ -26,6 +26,7 @@ Every product time has its relative error ``||y - ref|| / ||ref||`` against a
 float64 reference next to it. A short ratio table prints last; the full
 numbers go to ``$OUT/kernels.json`` when ``$OUT`` is set.
 """
+# twellpy-bench: suite gpu-only
 from __future__ import annotations
 
 import argparse

@@ -37,6 +37,7 @@ together, so Dask's fixed costs per call are amortised as in a real stream.
 
 Full numbers go to ``$OUT/multi_gpu.json`` when ``OUT`` is set.
 """
+# twellpy-bench: suite cpu-args=--cpu
 import argparse
 import sys
 from pathlib import Path

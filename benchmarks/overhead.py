@@ -14,6 +14,7 @@ and prints a cProfile summary of the slowest host paths. Run on the device::
 
     PYTHONPATH=. python benchmarks/overhead.py [--m 16384] [--d 256] [--h 1024] [--nnz 8]
 """
+# twellpy-bench: suite gpu-only
 from __future__ import annotations
 
 import argparse

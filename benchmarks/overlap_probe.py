@@ -17,6 +17,7 @@ thread's pipeline handles only while the probe runs.
 
 Usage (on the device): ``PYTHONPATH=. python benchmarks/overlap_probe.py [--workload W1-16k] [--reps 20]``
 """
+# twellpy-bench: suite gpu-only
 from __future__ import annotations
 
 import argparse

@@ -22,6 +22,7 @@ thread, and the two largest warp-stall reasons; the raw CSV goes to
 (memory-bound at X% of DRAM peak, or latency-bound at low occupancy, or
 issue-bound), not a guess.
 """
+# twellpy-bench: suite gpu-only
 from __future__ import annotations
 
 import csv

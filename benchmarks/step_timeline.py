@@ -16,6 +16,7 @@ twellpy's RawKernels included, not only torch's), and prints for each:
 Usage (on the device): ``PYTHONPATH=. python benchmarks/step_timeline.py [--workload W1-16k] [--top 25]``.
 The raw Chrome traces go to ``$OUT`` when it is set (``step_timeline_<part>.json``).
 """
+# twellpy-bench: suite gpu-only
 from __future__ import annotations
 
 import argparse

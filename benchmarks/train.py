@@ -21,6 +21,7 @@ measured with a CuPy memory hook on its pool, torch's with
 ``torch.cuda.max_memory_allocated``. A short table is printed last; full
 numbers go to ``$OUT/train_bench.json`` when ``$OUT`` is set.
 """
+# twellpy-bench: suite cpu-args=--cpu
 from __future__ import annotations
 
 import argparse

@@ -310,6 +310,7 @@ def _fake_benchmarks(folder: Path):
     (folder / "workloads.py").write_text("SIZE = 3\n")
     (folder / "alpha.py").write_text(textwrap.dedent('''\
         """Alpha: a suite that passes."""
+        # twellpy-bench: suite
         import json, os, sys
         from benchmarks.workloads import SIZE
         if __name__ == "__main__":
@@ -321,6 +322,7 @@ def _fake_benchmarks(folder: Path):
         '''))
     (folder / "beta.py").write_text(textwrap.dedent('''\
         """Beta: a suite that fails."""
+        # twellpy-bench: suite
         import sys
         if __name__ == "__main__":
             print("beta table")
@@ -370,8 +372,9 @@ def test_bench_from_a_folder_not_named_benchmarks(capsys, tmp_path):
 def test_bench_without_gpu_skips_gpu_suites_and_runs_ffn_on_cpu(capsys, tmp_path):
     d = tmp_path / "benchmarks"
     d.mkdir()
-    for name in ("kernels", "ffn"):
-        (d / f"{name}.py").write_text("import sys\nif __name__ == '__main__':\n    print('argv', sys.argv[1:])\n")
+    for name, marker in (("kernels", "suite gpu-only"), ("ffn", "suite cpu-args=--cpu")):
+        (d / f"{name}.py").write_text(f"# twellpy-bench: {marker}\nimport sys\n"
+                                      "if __name__ == '__main__':\n    print('argv', sys.argv[1:])\n")
     rc, out, err = run(capsys, "bench", "--dir", d, "--json", "--", "--reps", "3")
     assert rc == 0, err
     doc = json.loads(out)
@@ -392,7 +395,7 @@ def test_passthrough_only_for_bench(capsys):
 def test_bench_timeout(capsys, tmp_path):
     d = tmp_path / "benchmarks"
     d.mkdir()
-    (d / "slow.py").write_text("import time\nif __name__ == '__main__':\n"
+    (d / "slow.py").write_text("# twellpy-bench: suite\nimport time\nif __name__ == '__main__':\n"
                                "    print('start', flush=True)\n    time.sleep(30)\n    print('never')\n")
     rc, out, _ = run(capsys, "bench", "--dir", d, "--timeout", 1)
     assert rc == 1
@@ -420,6 +423,6 @@ def test_bench_bad_dir(capsys, tmp_path):
 def test_bench_finds_the_repository_suites():
     suites = cli._find_suites(cli._default_bench_dir())
     scripts = {p.stem for p in (REPO / "benchmarks").glob("*.py")
-               if 'if __name__ == "__main__"' in p.read_text()}
+               if "\n# twellpy-bench: suite" in p.read_text()}
     assert set(suites) == scripts
-    assert all(p.parent == REPO / "benchmarks" for p in suites.values())
+    assert all(s.path.parent == REPO / "benchmarks" for s in suites.values())

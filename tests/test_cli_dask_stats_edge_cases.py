@@ -214,3 +214,85 @@ def test_structured_two_byte_records_are_not_taken_as_bfloat16(capsys, tmp_path)
     np.save(tmp_path / "r.npy", np.zeros((3, 4), [("a", "u1"), ("b", "u1")]))
     rc, _, err = run(capsys, "stats", tmp_path / "r.npy")
     assert rc == 2 and "expected a floating dtype" in err
+
+
+# ------------------------------------------------------------------------- bench
+#: What benchmarks/ holds, classified by hand: a new script with a __main__
+#: guard must be added to one of these (and get a marker if it is a suite).
+REPO_SUITES = {"cpu": (False, ()), "dask_scaling": (False, ()), "dask_task_stream": (False, ()),
+               "ffn": (False, ("--cpu",)), "multi_gpu": (False, ("--cpu",)), "train": (False, ("--cpu",)),
+               **{n: (True, ()) for n in ("kernels", "overhead", "step_timeline", "overlap_probe",
+                                          "profile_kernels", "decode_probe", "call_profile")}}
+REPO_TOOLS = {"memcheck_triage", "timestamp_lines", "sanitizer_probe", "racecheck_cublas_probe",
+              "run_times", "gpu_memory_hygiene", "workloads"}
+
+
+def test_bench_lists_only_the_repository_benchmark_suites():
+    suites = cli._find_suites(REPO / "benchmarks")
+    assert {n: (s.gpu_only, s.cpu_args) for n, s in suites.items()} == REPO_SUITES
+    scripts = {p.stem for p in (REPO / "benchmarks").glob("*.py") if not p.name.startswith("_")}
+    assert scripts == set(REPO_SUITES) | REPO_TOOLS, "classify the new script in benchmarks/"
+
+
+def _script(folder, name, marker, body="print('ran', sys.argv[1:])"):
+    head = f"# twellpy-bench: {marker}\n" if marker else ""
+    (folder / f"{name}.py").write_text(f'"""{name} docstring."""\n{head}import sys\n'
+                                       f"if __name__ == '__main__':\n    {body}\n")
+
+
+@pytest.mark.skipif(gpu_available(), reason="checks the behaviour without a GPU")
+def test_bench_without_arguments_passes_on_a_cpu(capsys, tmp_path):
+    d = tmp_path / "benchmarks"
+    d.mkdir()
+    _script(d, "plain", "suite")
+    _script(d, "gpu_probe", "suite gpu-only", body="raise SystemExit('CUDARuntimeError')")
+    _script(d, "both", "suite cpu-args=--cpu,--small")
+    _script(d, "log_tool", None, body="raise SystemExit('a tool, not a suite')")
+    rc, out, err = run(capsys, "bench", "--dir", d, "--json")
+    assert rc == 0, out + err
+    doc = json.loads(out)
+    by_name = {s["name"]: s for s in doc["suites"]}
+    assert set(by_name) == {"plain", "gpu_probe", "both"}
+    assert by_name["gpu_probe"]["skipped"].startswith("needs a CUDA GPU")
+    assert "ran ['--cpu', '--small']" in by_name["both"]["stdout"]
+    assert "skipping gpu_probe: GPU only" in err
+
+
+def test_bench_list_marks_gpu_only_and_cpu_variants(capsys, tmp_path):
+    _script(tmp_path, "gpu_probe", "suite gpu-only")
+    _script(tmp_path, "both", "suite cpu-args=--cpu")
+    _script(tmp_path, "log_tool", None)
+    rc, out, _ = run(capsys, "bench", "--dir", tmp_path, "--list")
+    assert rc == 0
+    lines = out.splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("both") and lines[0].endswith("(without a GPU: --cpu)")
+    assert lines[1].startswith("gpu_probe") and lines[1].endswith("(GPU only)")
+
+
+def test_bench_names_a_tool_as_not_a_suite(capsys, tmp_path):
+    _script(tmp_path, "plain", "suite")
+    _script(tmp_path, "log_tool", None)
+    rc, _, err = run(capsys, "bench", "--dir", tmp_path, "log_tool")
+    assert rc == 2 and "log_tool.py: no '# twellpy-bench: suite' line" in err
+
+
+@pytest.mark.parametrize("marker, message", [
+    ("suit", "must start with # twellpy-bench: suite"),
+    ("suite gpu_only", "unknown word 'gpu_only'"),
+    ("suite gpu-only cpu-args=--cpu", "contradict"),
+])
+def test_bench_rejects_a_malformed_marker(capsys, tmp_path, marker, message):
+    _script(tmp_path, "bad", marker)
+    rc, _, err = run(capsys, "bench", "--dir", tmp_path, "--list")
+    assert rc == 2 and message in err
+
+
+def test_bench_help_example_runs(capsys):
+    epilog = cli.build_parser()._subparsers._group_actions[0].choices["bench"].epilog
+    example = epilog.split("e.g. ", 1)[1].split()
+    assert example[:2] == ["twellpy", "bench"]
+    # the example's suite and arguments, plus a small size so the test is quick
+    argv = example[2:] + (["--m", "256", "--warmup", "0", "--threads", "1"] if example[2] == "cpu" else [])
+    rc, out, err = run(capsys, "bench", "--dir", REPO / "benchmarks", *argv)
+    assert rc == 0, out + err

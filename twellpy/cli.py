@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -535,10 +536,48 @@ def _demo_ffn(tw, xp, M, H, D, K, dtype, args, rtol, failures):
 
 
 # ----------------------------------------------------------------------- bench
-#: Benchmark suites that only run on a GPU: skipped, with a note, without one.
-GPU_ONLY_SUITES = ("kernels", "train")
-#: Arguments that make a GPU-first suite run its CPU workload instead.
-CPU_SUITE_ARGS = {"ffn": ["--cpu"], "multi_gpu": ["--cpu"]}
+#: The line that makes a script in benchmarks/ a suite of ``twellpy bench``.
+#: ``benchmarks/`` also holds tools run by the device scripts (log followers,
+#: sanitizer probes, pytest plugins) that have a ``__main__`` guard but are no
+#: benchmark; a suite says so itself, in one line after its docstring::
+#:
+#:     # twellpy-bench: suite                  runs anywhere as it is
+#:     # twellpy-bench: suite gpu-only         skipped without a usable CUDA GPU
+#:     # twellpy-bench: suite cpu-args=--cpu   without a GPU, run with these
+#:                                             arguments (comma-separated)
+BENCH_MARKER = "# twellpy-bench:"
+
+
+class _Suite(NamedTuple):
+    """A benchmark script and how to run it without a GPU."""
+
+    path: Path
+    gpu_only: bool = False
+    cpu_args: tuple = ()
+
+
+def _parse_bench_marker(path: Path, text: str):
+    """The :class:`_Suite` declared by ``text`` (a script's source), or None."""
+    for line in text.splitlines():
+        if not line.startswith(BENCH_MARKER):
+            continue
+        words = line[len(BENCH_MARKER):].split()
+        if not words or words[0] != "suite":
+            raise CLIError(f"{path}: {line.strip()!r} must start with {BENCH_MARKER} suite")
+        gpu_only, cpu_args = False, ()
+        for w in words[1:]:
+            if w == "gpu-only":
+                gpu_only = True
+            elif w.startswith("cpu-args=") and len(w) > len("cpu-args="):
+                cpu_args = tuple(w[len("cpu-args="):].split(","))
+            else:
+                # a typo here would silently change how the suite runs
+                raise CLIError(f"{path}: unknown word {w!r} in {line.strip()!r}; "
+                               f"expected gpu-only or cpu-args=ARG[,ARG...]")
+        if gpu_only and cpu_args:
+            raise CLIError(f"{path}: {line.strip()!r}: gpu-only and cpu-args contradict each other")
+        return _Suite(path, gpu_only, cpu_args)
+    return None
 
 
 def _default_bench_dir() -> Path:
@@ -550,8 +589,11 @@ def _default_bench_dir() -> Path:
 
 
 def _find_suites(bench_dir: Path):
-    """Benchmark scripts: ``*.py`` files with a ``__main__`` guard (helper
-    modules such as ``workloads.py`` have none) not starting with ``_``."""
+    """The suites in ``bench_dir``: ``*.py`` scripts carrying a
+    :data:`BENCH_MARKER` line, as a dict name -> :class:`_Suite`.
+
+    An explicit marker, not "has a ``__main__`` guard": helper tools have
+    one too, and running them as benchmarks fails."""
     suites = {}
     for p in sorted(bench_dir.glob("*.py")):
         if p.name.startswith("_"):
@@ -560,8 +602,9 @@ def _find_suites(bench_dir: Path):
             text = p.read_text()
         except (OSError, UnicodeDecodeError):
             continue
-        if "__name__" in text and "__main__" in text:
-            suites[p.stem] = p
+        suite = _parse_bench_marker(p, text)
+        if suite is not None:
+            suites[p.stem] = suite
     return suites
 
 
@@ -685,18 +728,23 @@ def cmd_bench(args) -> int:
 
         for name, p in suites.items():
             try:
-                lines = (ast.get_docstring(ast.parse(p.read_text())) or "").strip().splitlines()
+                lines = (ast.get_docstring(ast.parse(p.path.read_text())) or "").strip().splitlines()
             except (SyntaxError, UnicodeDecodeError):
                 lines = []
-            note = " (GPU only)" if name in GPU_ONLY_SUITES else ""
-            print(f"{name:12s} {lines[0] if lines else ''}{note}")
+            note = " (GPU only)" if p.gpu_only else (
+                f" (without a GPU: {' '.join(p.cpu_args)})" if p.cpu_args else "")
+            width = max(map(len, suites))
+            print(f"{name:{width}s}  {lines[0] if lines else ''}{note}")
         return 0
     if not suites:
-        raise CLIError(f"no benchmark scripts (*.py) in {bench_dir}")
+        raise CLIError(f"no benchmark scripts (*.py with a '{BENCH_MARKER} suite' line) in {bench_dir}")
     chosen = args.suites or list(suites)
     unknown = [s for s in chosen if s not in suites]
     if unknown:
-        raise CLIError(f"unknown suite(s) {', '.join(unknown)}; available: {', '.join(suites)}")
+        tools = [s for s in unknown if (bench_dir / f"{s}.py").is_file()]
+        hint = (f" ({', '.join(t + '.py' for t in tools)}: no '{BENCH_MARKER} suite' line, "
+                f"not a benchmark suite)" if tools else "")
+        raise CLIError(f"unknown suite(s) {', '.join(unknown)}; available: {', '.join(suites)}{hint}")
     extra = list(args.passthrough)
 
     from ._array import gpu_available
@@ -705,11 +753,15 @@ def cmd_bench(args) -> int:
     results = []
     runnable = []
     for name in chosen:
-        if not on_gpu and name in GPU_ONLY_SUITES:
-            results.append({"name": name, "path": str(suites[name]), "returncode": None,
+        if not on_gpu and suites[name].gpu_only:
+            results.append({"name": name, "path": str(suites[name].path), "returncode": None,
                             "skipped": "needs a CUDA GPU; none is usable here"})
         else:
             runnable.append(name)
+    skipped = [r["name"] for r in results]
+    if skipped:
+        print(f"bench: skipping {', '.join(skipped)}: GPU only, and no CUDA GPU is usable here",
+              file=sys.stderr)
     bar = _progress(len(runnable), "bench")
     with tempfile.TemporaryDirectory(prefix="twellpy-bench-") as tmp:
         pythonpath = _bench_pythonpath(bench_dir.resolve(), Path(tmp))
@@ -717,8 +769,8 @@ def cmd_bench(args) -> int:
             bar.set_description(f"bench {name}")
             out_dir = (Path(args.out) / name if args.out else Path(tmp) / "out" / name).resolve()
             out_dir.mkdir(parents=True, exist_ok=True)
-            suite_args = ([] if on_gpu else CPU_SUITE_ARGS.get(name, [])) + extra
-            results.append(_run_suite(suites[name], suite_args, out_dir, args.timeout, bar, pythonpath))
+            suite_args = ([] if on_gpu else list(suites[name].cpu_args)) + extra
+            results.append(_run_suite(suites[name].path, suite_args, out_dir, args.timeout, bar, pythonpath))
             bar.update(1)
     bar.close()
 
@@ -1059,7 +1111,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--list", action="store_true", help="list the suites and exit")
     s.add_argument("--out", help="keep each suite's $OUT files under OUT/<suite> (default: a temporary folder)")
     s.add_argument("--timeout", type=float, default=None, help="seconds allowed per suite")
-    s.epilog = "Arguments after a bare -- are passed to every suite, e.g. twellpy bench cpu -- --quick"
+    s.epilog = "Arguments after a bare -- are passed to every suite, e.g. twellpy bench cpu -- --repeats 3"
     s.set_defaults(passthrough=[])
     s.set_defaults(func=cmd_bench)
 
