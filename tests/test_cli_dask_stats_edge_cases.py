@@ -296,3 +296,79 @@ def test_bench_help_example_runs(capsys):
     argv = example[2:] + (["--m", "256", "--warmup", "0", "--threads", "1"] if example[2] == "cpu" else [])
     rc, out, err = run(capsys, "bench", "--dir", REPO / "benchmarks", *argv)
     assert rc == 0, out + err
+
+
+# ------------------------------------------------------------------ stats, plot
+def test_stats_with_zero_neurons():
+    from twellpy import stats as st
+
+    z = np.zeros((5, 0), np.float32)
+    np.testing.assert_array_equal(st.nnz_per_token(z), np.zeros(5, np.int64))
+    np.testing.assert_array_equal(st.nnz_per_token(np.zeros((2, 3, 0), np.float32)), np.zeros(6, np.int64))
+    assert st.firing_counts(z).shape == (0,) and st.firing_frequency(z).shape == (0,)
+    assert st.tile_occupancy(z, tile=4).shape == (5, 0)
+    np.testing.assert_array_equal(st.tile_occupancy_histogram(z, tile=4), np.zeros(5, np.int64))
+    assert st.nnz_per_layer([z]).density.tolist() == [0.0]
+    with pytest.raises(ValueError, match="acts must hold at least one token and one neuron"):
+        st.fit_overflow_model(z, tile=4)
+    # containers of zero rows or zero columns too
+    np.testing.assert_array_equal(st.nnz_per_token(tw.ELL.from_dense(z)), np.zeros(5, np.int64))
+    assert st.nnz_per_token(tw.TwELL.from_dense(np.zeros((0, 3), np.float32), tile=4, slots=2)).shape == (0,)
+
+
+def test_nnz_per_layer_takes_a_3d_array_like_the_cli():
+    from twellpy import stats as st
+
+    a = np.zeros((3, 4, 5), np.float32)
+    a[1, :, :2] = 1
+    got = st.nnz_per_layer(a)
+    ref = st.nnz_per_layer([a[0], a[1], a[2]])
+    assert got.names == ["0", "1", "2"]
+    np.testing.assert_array_equal(got.mean, ref.mean)
+    np.testing.assert_array_equal(got.mean, [0.0, 2.0, 0.0])
+    with pytest.raises(ValueError, match="must be 3-D"):
+        st.nnz_per_layer(np.zeros((4, 5), np.float32))
+
+
+def test_token_ranking_does_not_truncate_float_counts():
+    from twellpy import stats as st
+
+    most, fewest = st.token_ranking(["a", "b", "a"], np.array([1.5, 2.0, 2.5]), k=2)
+    assert most == [("a", 2.0, 2), ("b", 2.0, 1)]
+    most, _ = st.token_ranking(["a", "b"], np.array([0.9, 0.2]), k=1)
+    assert most == [("a", 0.9, 1)]
+    most, _ = st.token_ranking(["a", "b"], np.array([3, 1]), k=1)
+    assert most == [("a", 3.0, 1)]
+
+
+@pytest.mark.parametrize("shape", [(1, 600), (50, 200), (1, 100), (2, 256)])
+def test_tile_heatmap_marks_overflow_for_any_shape(shape):
+    pytest.importorskip("matplotlib")
+    from matplotlib.collections import LineCollection
+
+    from twellpy import plot as tp
+
+    h = (np.random.default_rng(1).random(shape) < 0.3).astype(np.float32)
+    fig = tp.tile_heatmap(h, tile=256, slots=2)
+    ax = fig.axes[0]
+    lines = [c for c in ax.collections if isinstance(c, LineCollection)]
+    assert len(lines) == 1 and len(lines[0].get_segments()) > 0
+
+
+def test_tile_heatmap_outlines_exactly_the_over_capacity_cells():
+    pytest.importorskip("matplotlib")
+    from twellpy.plot import _outline_cells
+
+    # one over-capacity cell: a unit square around pixel (row 0, column 1)
+    segs = {tuple(map(tuple, s)) for s in _outline_cells(np.array([[False, True]])).get_segments()}
+    assert segs == {((0.5, -0.5), (1.5, -0.5)), ((0.5, 0.5), (1.5, 0.5)),
+                    ((0.5, -0.5), (0.5, 0.5)), ((1.5, -0.5), (1.5, 0.5))}
+
+
+@pytest.mark.parametrize("shape", [(1, 600), (40, 200), (3, 1, 300)])
+def test_cli_stats_plot_for_one_token_or_one_tile(capsys, tmp_path, shape):
+    pytest.importorskip("matplotlib")
+    np.save(tmp_path / "a.npy", (np.random.default_rng(2).random(shape) < 0.3).astype(np.float32))
+    rc, out, err = run(capsys, "stats", tmp_path / "a.npy", "--slots", 16, "--plot", tmp_path / "q.png")
+    assert rc == 0, err
+    assert (tmp_path / "q.png").stat().st_size > 10_000

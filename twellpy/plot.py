@@ -212,11 +212,29 @@ def tile_heatmap(acts, tile=256, slots=None, max_rows=512, ax=None, title=None):
         cbar.ax.axhline(slots, color="tab:red", linewidth=2)
         over = shown > slots
         if over.any():
-            ax.contour(over.astype(float), levels=[0.5], colors="tab:red", linewidths=0.8)
+            ax.add_collection(_outline_cells(over))
     ax.set_xlabel(f"tile (width {tile})")
     ax.set_ylabel("token")
     ax.set_title(title or f"tile occupancy ({shown.shape[0]} of {occ.shape[0]} tokens)")
     return fig
+
+
+def _outline_cells(mask):
+    """A LineCollection tracing the edges of the True cells of ``mask``, in the
+    pixel coordinates of ``imshow`` (cell (i, j) spans j +- 0.5, i +- 0.5).
+
+    Drawn edge by edge rather than with ``Axes.contour``, which needs a grid of
+    at least 2 x 2 and so fails for one token or one tile."""
+    from matplotlib.collections import LineCollection
+
+    padded = np.pad(mask, 1)
+    # a horizontal edge lies between vertically adjacent cells that differ ...
+    hi, hj = np.nonzero(padded[1:, 1:-1] != padded[:-1, 1:-1])
+    # ... a vertical one between horizontally adjacent cells that differ
+    vi, vj = np.nonzero(padded[1:-1, 1:] != padded[1:-1, :-1])
+    segs = [((j - 0.5, i - 0.5), (j + 0.5, i - 0.5)) for i, j in zip(hi, hj)]
+    segs += [((j - 0.5, i - 0.5), (j - 0.5, i + 0.5)) for i, j in zip(vi, vj)]
+    return LineCollection(segs, colors="tab:red", linewidths=0.8)
 
 
 def tile_occupancy_histogram(acts, tile=256, slots=None, model="mixture", ax=None, title=None):

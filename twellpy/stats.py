@@ -107,7 +107,9 @@ class _Acts:
             if len(self.shape) != 2:
                 raise ValueError(f"{name} must be 2-D, got shape {self.shape}")
             m = self.shape[0]
-            self.indices = comp["indices"].reshape(m, -1)
+            idx = comp["indices"]
+            # explicit sizes: reshape(m, -1) is ambiguous when m or K is 0
+            self.indices = idx.reshape(m, math.prod(idx.shape[1:]) if idx.ndim > 1 else idx.size // max(m, 1))
             xp = _xp(self.indices)
             backup = comp.get("backup")
             rows = comp.get("backup_rows")
@@ -122,7 +124,8 @@ class _Acts:
                 raise ValueError(f"{name} must have at least 1 dimension (..., H), got a scalar")
             if arr.ndim == 1:
                 arr = arr.reshape(1, -1)
-            self.dense = arr.reshape(-1, arr.shape[-1])
+            # explicit row count: reshape(-1, 0) fails for zero neurons (H = 0)
+            self.dense = arr.reshape(math.prod(arr.shape[:-1]), arr.shape[-1])
             self.shape = tuple(self.dense.shape)
             self.xp = _xp(self.dense)
 
@@ -401,9 +404,11 @@ def nnz_per_layer(layers):
 
     Parameters
     ----------
-    layers : mapping or sequence
-        ``{name: acts}`` or a sequence of ``acts`` (named ``"0"``, ``"1"``,
-        ...). Each ``acts`` is dense (..., H) or a container.
+    layers : mapping, sequence or array
+        ``{name: acts}``, a sequence of ``acts`` (named ``"0"``, ``"1"``,
+        ...), or one dense array of shape (layers, tokens, H) as
+        ``twellpy stats`` reads from a file (layer ``i`` is ``layers[i]``).
+        Each ``acts`` is dense (..., H) or a container.
 
     Returns
     -------
@@ -413,8 +418,15 @@ def nnz_per_layer(layers):
         items = [(str(k), v) for k, v in layers.items()]
     elif isinstance(layers, (list, tuple)):
         items = [(str(i), v) for i, v in enumerate(layers)]
+    elif hasattr(layers, "__dlpack__") or hasattr(layers, "__array__") or hasattr(layers, "__cuda_array_interface__"):
+        arr, _ = as_array(layers, "layers")
+        if arr.ndim != 3:
+            raise ValueError(f"layers as one array must be 3-D (layers, tokens, neurons), "
+                             f"got shape {tuple(arr.shape)}; pass a list for other shapes")
+        items = [(str(i), arr[i]) for i in range(arr.shape[0])]
     else:
-        raise TypeError(f"layers must be a mapping or a list of activations, got {type(layers).__name__}")
+        raise TypeError(f"layers must be a mapping, a list of activations or a 3-D array, "
+                        f"got {type(layers).__name__}")
     if not items:
         raise ValueError("layers is empty")
     means, stds, maxs, mins, hs = [], [], [], [], []
@@ -443,7 +455,8 @@ def token_ranking(tokens, nnz, k=10, min_count=1):
     tokens : sequence
         One label per token (str, bytes or int), length M.
     nnz : array_like or twellpy container
-        Per-token counts (M,), or activations (M, H) / (..., H).
+        Per-token counts (M,), or activations (M, H) / (..., H). Float
+        counts (averages, say) are used as given, not truncated.
     k : int
         How many to return at each end.
     min_count : int
@@ -458,7 +471,13 @@ def token_ranking(tokens, nnz, k=10, min_count=1):
         counts = nnz_per_token(nnz)
     else:
         arr, _ = as_array(nnz, "nnz")
-        counts = _to_numpy(arr).astype(np.int64) if arr.ndim == 1 else nnz_per_token(arr)
+        if arr.ndim != 1:
+            counts = nnz_per_token(arr)
+        else:
+            counts = _to_numpy(arr)
+            # int64 for integer counts; floats kept as floats (int64 would truncate them)
+            counts = counts.astype(np.float64 if counts.dtype.kind == "f" or counts.dtype == bfloat16
+                                   else np.int64)
     labels = list(tokens)
     if len(labels) != counts.size:
         raise ValueError(f"tokens has {len(labels)} labels but nnz describes {counts.size} tokens")
