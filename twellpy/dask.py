@@ -612,6 +612,13 @@ class SparseDaskArray:
         As for a dask array.
     """
 
+    # ``ndarray @ A`` and ``dask_array @ A`` must reach __rmatmul__ (a clear
+    # error) instead of building a graph that fails at compute time: numpy
+    # and dask both defer to an operand whose __array_ufunc__ is None (NEP 13);
+    # cupy looks at the priority.
+    __array_ufunc__ = None
+    __array_priority__ = 100.0
+
     def __init__(self, blocks, fmt, params, array_meta):
         _register()
         _register_on_workers()
@@ -803,8 +810,10 @@ class SparseDaskArray:
         Returns
         -------
         dask.array.Array
-            float32 (float64 for float64 data); the chunks are combined in a
-            fixed order, so the same bits every run.
+            ``axis`` 0 or 1: float32 (float64 for float64 data). ``axis=None``:
+            a 0-d float64 array, the row sums added in float64 (the container's
+            ``sum()`` likewise returns a Python float). The chunks are combined
+            in a fixed order, so the same bits every run.
         """
         return self._reduce("sum", axis, accum_dtype(self.dtype))
 
@@ -814,7 +823,9 @@ class SparseDaskArray:
         Returns
         -------
         dask.array.Array
-            float32 (float64 for float64 data), like :meth:`twellpy.SparseArray.mean`.
+            ``axis`` 0 or 1: float32 (float64 for float64 data), like
+            :meth:`twellpy.SparseArray.mean`; ``axis=None``: 0-d float64, as
+            :meth:`sum`.
         """
         from ._base import reduction_axis
 
@@ -859,6 +870,7 @@ class SparseDaskArray:
         dask.array.Array
             Shape (M, K), chunks ``(row_chunks, (K,))``.
         """
+        _check_matmul_operand(w)
         w = _describe(w, "w")
         if w.ndim != 2:
             raise ValueError(f"w must be 2-D, got {w.ndim}-D array of shape {w.shape}")
@@ -878,9 +890,25 @@ class SparseDaskArray:
             name=f"twellpy-matmul-{_token(self.blocks, [w], 'matmul', {})}")
 
     def __matmul__(self, w):
-        if isinstance(w, (SparseDaskArray, da.Array)):
-            return NotImplemented
         return self.matmul(w)
+
+    def __rmatmul__(self, w):
+        raise TypeError(f"{type(w).__module__.split('.')[0]}.{type(w).__name__} @ SparseDaskArray is not "
+                        f"supported: twellpy.dask computes A @ w with the sparse A on the left and w a "
+                        f"numpy/cupy array or a SharedArray; for W @ A compute A first (A.compute() is "
+                        f"one container, which supports W @ A)")
+
+
+def _check_matmul_operand(w):
+    """Reject right operands of ``A @ w`` that have no chunk-wise meaning, with a
+    message naming what works (dask would otherwise fail inside the graph)."""
+    if isinstance(w, SparseDaskArray):
+        raise TypeError("SparseDaskArray @ SparseDaskArray is not supported; w must be a dense "
+                        "numpy/cupy array or a SharedArray")
+    if isinstance(w, da.Array):
+        raise TypeError("w is a dask array; SparseDaskArray @ w needs w as one numpy/cupy array or "
+                        "a SharedArray (twellpy.dask.share): compute it first (w.compute()), every "
+                        "chunk task uses all of w")
 
 
 def from_dask(x, format="twell", *, rechunk=True, **params):
@@ -999,6 +1027,7 @@ def _ffn(kind, x, weights, client, broadcast, rechunk, out_name, ffn_kwargs, per
     if unknown:
         raise TypeError(f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
                         f"expected {', '.join(_FFN_INIT_KWARGS)}")
+    _check_ffn_kwargs(ffn_kwargs)
     x = _check_row_chunked(x, "x", rechunk)
     check_float(x, "x")
     named = [(arg, _describe(w, arg)) for arg, w in weights]
@@ -1046,6 +1075,19 @@ def _ffn(kind, x, weights, client, broadcast, rechunk, out_name, ffn_kwargs, per
         name=out_name or f"twellpy-{kind}-forward-{_token(x, shared, kind, ffn_kwargs)}")
 
 
+def _check_ffn_kwargs(ffn_kwargs):
+    """Check FFN keyword values now, with the validators (and messages) of
+    :class:`twellpy.ffn.GatedFFN`: in a chunk task they would only fail at
+    ``compute()``, in a worker's log."""
+    from ._ffn_infer import _check_finite_mode, _check_layout, _check_mode
+
+    _check_layout(ffn_kwargs.get("tile", 256), ffn_kwargs.get("slots", 32))
+    if "mode" in ffn_kwargs:
+        _check_mode(ffn_kwargs["mode"])
+    if "check_finite" in ffn_kwargs:
+        _check_finite_mode(ffn_kwargs["check_finite"])
+
+
 def gated_forward(x, w_gate, w_up, w_down, *, client=None, broadcast=True, rechunk=True,
                   name=None, persist=False, **ffn_kwargs):
     """Gated sparse FFN inference over the row chunks of a dask array.
@@ -1088,8 +1130,9 @@ def gated_forward(x, w_gate, w_up, w_down, *, client=None, broadcast=True, rechu
     **ffn_kwargs
         ``tile``, ``slots``, ``mode``, ``check_finite``: passed to
         :class:`twellpy.ffn.GatedFFN` (``return_activations`` is not
-        supported). Errors in a chunk (e.g. NaN in ``x`` with
-        ``check_finite=True``) raise from ``compute()``.
+        supported). Their values are checked in this call, with the
+        messages of ``GatedFFN``. Errors that depend on the data of a chunk
+        (e.g. NaN in ``x`` with ``check_finite=True``) raise from ``compute()``.
 
     Returns
     -------
@@ -1099,11 +1142,14 @@ def gated_forward(x, w_gate, w_up, w_down, *, client=None, broadcast=True, rechu
     Raises
     ------
     TypeError
-        ``x`` is not a dask array, dtypes differ or are not floating.
+        ``x`` is not a dask array, dtypes differ or are not floating, an
+        unknown keyword is given, or ``check_finite`` is not a bool or
+        ``"sync"``.
     ValueError
         Shapes do not match, ``x`` has several column chunks and
-        ``rechunk=False``, or weights and chunks live on different kinds of
-        device.
+        ``rechunk=False``, weights and chunks live on different kinds of
+        device, or ``tile``, ``slots``, ``mode`` or ``check_finite`` has a
+        bad value.
     """
     weights = [("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)]
     return _ffn("gated", x, weights, client, broadcast, rechunk, name, ffn_kwargs, persist)
