@@ -1,11 +1,13 @@
 """Where a decode-sized FFN call spends its time (issue 4, W4: never slower than dense).
 
-For M in 1, 4, 8, 16 and 128 at W1's D and H, it times, back to back and one
+For M in 1, 4, 8, 16, 32, 64 and 128 at W1's D and H, it times, back to back and one
 call at a time (synchronised), the dense FFN (three cuBLAS GEMMs through CuPy,
 and torch's when torch is installed) and the twellpy call unchecked,
 ``mode="auto"``, with the default NaN/Inf check, and that default call with
-the decode kernels off (``decode_rows = 0``: the general path; M <= 16 only),
-then profiles the checked call with cProfile (host functions by own time). A
+the decode kernels off (``decode_rows = 0``: the general path; M <= 16 only);
+for M > 16 (general path by default) also the same call with ``decode_rows = 128``
+(the decode kernels in groups of 16 rows: "grouped decode"), which decides whether
+the default should rise past 16. Then it profiles the checked call with cProfile (host functions by own time). A
 call that costs more host time than GPU time is host-bound: that is what
 decides decode speed.
 
@@ -60,7 +62,7 @@ def main():
         import torch
     except ImportError:
         torch = None
-    for M in (1, 4, 8, 16, 128):
+    for M in (1, 4, 8, 16, 32, 64, 128):
         w = make_ffn(M, 2048, 5632, 30, dtype=bfloat16, xp=cp, seed=1)
         x, wg, wu, wd = w["x"], w["w_gate"], w["w_up"], w["w_down"]
         wgT, wuT, wdT = (cp.ascontiguousarray(a.T) for a in (wg, wu, wd))
@@ -78,6 +80,11 @@ def main():
             "auto checked": lambda: ffn(x),  # the default: decode calls defer the NaN/Inf report
             "auto sync": lambda: ffn(x, check_finite="sync"),  # every call waits for its count
         }
+        if M > 16:
+            grouped = GatedFFN(wg, wu, wd)
+            grouped.decode_rows = 128
+            variants["grouped decode"] = lambda: grouped(x)  # checked, as "auto checked"
+            variants["grouped unchecked"] = lambda: grouped(x, check_finite=False)
         if M <= 16:
             variants["checked general"] = lambda: general(x)  # the same call without the decode kernels
             # one token firing every neuron (x[:, 0] carries the threshold): the decode down

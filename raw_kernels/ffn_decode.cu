@@ -1,18 +1,22 @@
 // ffn_decode.cu -- the whole ReLU FFN (gated or plain) of a few tokens in two launches.
 //
-// A decode step runs the FFN on M <= 16 tokens. The general path (cuBLAS gate
+// A decode step runs the FFN on a few tokens. The general path (cuBLAS gate
 // GEMM, row pack, fused sparse kernel, plus the NaN/Inf count of x, memsets
 // and copies) is host-bound there: about eight launches whose host cost is
 // several times their GPU time. Here the same FFN takes two kernels:
 //   1. twellpy_ffn_decode_gate: every neuron's gate dot product for all M
 //      rows (the only dense work: w_gate is read once), ReLU, and for the
 //      neurons active in some row the up dot product; h goes to a small
-//      (M, H) scratch, plus a 16-bit mask of the rows each neuron is active in. Block 0
+//      (M, H) scratch, plus a 16-bit mask of the rows each neuron is active in. Block (0, 0)
 //      also counts the NaN/Inf elements of x (no separate check kernel) and
 //      every block its active (row, neuron) pairs (activity statistics);
 //   2. twellpy_ffn_decode_down: y = h @ w_down.T over the active neurons
 //      only; each block owns a slice of y's columns and walks the active list
 //      in neuron order.
+// Calls of more than 16 rows run in groups of MR = 16 rows: the group is a grid
+// dimension of both kernels, each gate block stages its group's rows of x, and
+// the gate blocks of one neuron block are launched next to each other (the
+// group is the fast grid dimension), so that w_gate is read from DRAM about once.
 // Both are exact for any number of active neurons (a row firing every neuron
 // included). Accumulation is fp32 (fp64 for double data) with a fixed order,
 // so the same input always gives the same bits. As on the general path, the
@@ -70,7 +74,7 @@ __device__ __forceinline__ int block_exclusive(int v, int lane, int warp, int* s
 
 // ---------------------------------------------------------------------------
 // twellpy_ffn_decode_gate<T, GATED, MR>: gate, ReLU and up values of every
-// neuron for M <= MR rows.
+// neuron for M rows, in groups of MR rows (one group when M <= MR).
 //   x          (M, D)   T      rows ldx elements apart, 16-byte aligned
 //   w_gate     (H, D)   T      gate weights (the plain ReLU FFN passes w_up)
 //   w_up       (H, D)   T      up weights (GATED only; unused otherwise)
@@ -78,15 +82,18 @@ __device__ __forceinline__ int block_exclusive(int v, int lane, int warp, int* s
 //                              active in row m, 0 elsewhere (A: float, or
 //                              double for double data)
 //   h_out      (M, ldh) T      out, may be null: h rounded to T, every entry
-//   active_rows (H,)    uint16 out: bit m set where the neuron is active in row m
-//   blk_active (grid,)  int    out: active (row, neuron) pairs of each block
-//   counters   (4,)     uint64 [3] = NaN/Inf elements of x, written by block 0
-//                              when check_x (not added: no zeroing needed)
-//   M, D, H                    1 <= M <= MR; D a multiple of the 16-byte vector
-// Grid: ceil(H / (DECODE_WARPS * DECODE_NPW)) blocks of DECODE_THREADS
-// threads; warp w of block b owns neurons (b * DECODE_WARPS + w) * NPW + k.
-// Dynamic shared memory: M * D * sizeof(T) bytes (x, staged once per block; past 48 KB
-// the caller raises the kernel's max_dynamic_shared_size_bytes first).
+//   active_rows (G, Hp) uint16 out: bit m of [g, n] set where neuron n is active
+//                              in row g * MR + m (Hp = H rounded up to 8; the
+//                              padding is the caller's, zero)
+//   blk_active (G, n_blk) int  out: active (row, neuron) pairs of each block
+//   counters   (4,)     uint64 [3] = NaN/Inf elements of all M rows of x, written
+//                              by block (0, 0) when check_x (not added: no zeroing)
+//   M, D, H                    M >= 1; D a multiple of the 16-byte vector
+// Grid: (G, n_blk) blocks of DECODE_THREADS threads, G = ceil(M / MR) row groups
+// and n_blk = ceil(H / (DECODE_WARPS * DECODE_NPW)) neuron blocks; warp w of
+// block (g, b) owns neurons (b * DECODE_WARPS + w) * NPW + k for rows g * MR + m.
+// Dynamic shared memory: min(M, MR) * D * sizeof(T) bytes (a group's x, staged once
+// per block; past 48 KB the caller raises the kernel's max_dynamic_shared_size_bytes first).
 // ---------------------------------------------------------------------------
 template <typename T, bool GATED, int MR>
 __global__ void __launch_bounds__(DECODE_THREADS, 1)
@@ -98,37 +105,46 @@ twellpy_ffn_decode_gate(const T* __restrict__ x, long long ldx, const T* __restr
     using namespace twellpy_decode;
     typedef typename twellpy::accum<T>::type A;
     constexpr int VEC = vec_of<T>::n;
-    extern __shared__ uint4 s_x[];  // M rows of DV vectors
+    extern __shared__ uint4 s_x[];  // the group's rows, DV vectors each
     __shared__ int s_cnt[DECODE_WARPS + 1];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int DV = D / VEC;
+    const int group = blockIdx.x, nblock = blockIdx.y;
+    const bool first = group == 0 && nblock == 0;
+    const int row0 = group * MR;
+    const int Mg = min(MR, M - row0);  // rows of this group, 1..MR
 
-    // stage x; block 0 counts its NaN/Inf elements on the way
+    // block (0, 0) counts the NaN/Inf elements of every row of x (all groups: one count)
     int bad = 0;
-    for (int i = tid; i < M * DV; i += DECODE_THREADS) {
-        const int m = i / DV, v = i - m * DV;
-        const uint4 xv = *reinterpret_cast<const uint4*>(x + (long long)m * ldx + (long long)v * VEC);
-        s_x[i] = xv;
-        if (check_x && blockIdx.x == 0) {
+    if (check_x && first) {
+        for (long long i = tid; i < (long long)M * DV; i += DECODE_THREADS) {
+            const long long m = i / DV, v = i - m * DV;
             A xa[VEC];
-            unpack16<T, A>(xv, xa);
+            unpack16<T, A>(*reinterpret_cast<const uint4*>(x + m * ldx + v * VEC), xa);
 #pragma unroll
             for (int e = 0; e < VEC; ++e) bad += is_nonfinite(xa[e]) ? 1 : 0;
         }
-    }
-    if (check_x && blockIdx.x == 0) {
         bad = twellpy::warp_sum(bad);
         if (lane == 0) s_cnt[warp] = bad;
     }
+    // stage the group's rows of x
+    x += (long long)row0 * ldx;
+    h += (long long)row0 * H;
+    if (h_out != nullptr) h_out += (long long)row0 * ldh;
+    active_rows += (long long)group * ((H + 7) / 8 * 8);
+    for (int i = tid; i < Mg * DV; i += DECODE_THREADS) {
+        const int m = i / DV, v = i - m * DV;
+        s_x[i] = *reinterpret_cast<const uint4*>(x + (long long)m * ldx + (long long)v * VEC);
+    }
     __syncthreads();
-    if (check_x && blockIdx.x == 0 && tid == 0) {
+    if (check_x && first && tid == 0) {
         unsigned long long total = 0;
         for (int w = 0; w < DECODE_WARPS; ++w) total += (unsigned long long)s_cnt[w];
         counters[3] = total;
     }
     __syncthreads();  // s_cnt is reused for the active counts below
 
-    const int n0 = (blockIdx.x * DECODE_WARPS + warp) * DECODE_NPW;
+    const int n0 = (nblock * DECODE_WARPS + warp) * DECODE_NPW;
     const uint4* wg = reinterpret_cast<const uint4*>(w_gate);
     A gs[DECODE_NPW][MR];
 #pragma unroll
@@ -145,7 +161,7 @@ twellpy_ffn_decode_gate(const T* __restrict__ x, long long ldx, const T* __restr
             wv[k] = (n0 + k < H) ? __ldg(wg + (long long)(n0 + k) * DV + v) : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
         for (int m = 0; m < MR; ++m) {
-            if (m < M) {  // a guard rather than an early exit: the loops stay unrolled, gs in registers
+            if (m < Mg) {  // a guard rather than an early exit: the loops stay unrolled, gs in registers
                 A xa[VEC];
                 unpack16<T, A>(s_x[m * DV + v], xa);
 #pragma unroll
@@ -171,7 +187,7 @@ twellpy_ffn_decode_gate(const T* __restrict__ x, long long ldx, const T* __restr
         for (int m = 0; m < MR; ++m) {
             // rounded to T as the general path's GEMM output is; warp-uniform after the butterfly
             g[m] = to_acc<A, T>(from_acc<T, A>(warp_total(gs[k][m])));
-            act[m] = m < M && !(g[m] <= A(0));
+            act[m] = m < Mg && !(g[m] <= A(0));
             rows |= act[m] ? 1u << m : 0u;
         }
         const bool any = rows != 0u;
@@ -189,7 +205,7 @@ twellpy_ffn_decode_gate(const T* __restrict__ x, long long ldx, const T* __restr
                 unpack16<T, A>(__ldg(wu + v), wa);
 #pragma unroll
                 for (int m = 0; m < MR; ++m) {
-                    if (m < M) {
+                    if (m < Mg) {
                         A xa[VEC];
                         unpack16<T, A>(s_x[m * DV + v], xa);
                         A s = us[m];
@@ -208,7 +224,7 @@ twellpy_ffn_decode_gate(const T* __restrict__ x, long long ldx, const T* __restr
         if (lane == 0) {
 #pragma unroll
             for (int m = 0; m < MR; ++m) {
-                if (m < M) {
+                if (m < Mg) {
                     h[(long long)m * H + n] = hv[m];
                     if (h_out != nullptr) h_out[(long long)m * ldh + n] = from_acc<T, A>(hv[m]);
                     my_active += act[m] ? 1 : 0;
@@ -222,23 +238,24 @@ twellpy_ffn_decode_gate(const T* __restrict__ x, long long ldx, const T* __restr
     if (tid == 0) {
         int total = 0;
         for (int w = 0; w < DECODE_WARPS; ++w) total += s_cnt[w];
-        blk_active[blockIdx.x] = total;
+        blk_active[(long long)group * gridDim.y + nblock] = total;
     }
 }
 
 // ---------------------------------------------------------------------------
 // twellpy_ffn_decode_down<T, MR>: y = h @ w_down.T over the active neurons.
 //   h          (M, H)   A      from twellpy_ffn_decode_gate
-//   active_rows (Hp,)   uint16 from twellpy_ffn_decode_gate; Hp = H rounded up
+//   active_rows (G, Hp) uint16 from twellpy_ffn_decode_gate; Hp = H rounded up
 //                              to 8, the padding zero
 //   w_downT    (H, D)   T      row n = column n of w_down
 //   y          (M, ldy) T      out, 16-byte aligned rows
-//   blk_active (n_blk,) int    from twellpy_ffn_decode_gate
-//   counters   (4,)     uint64 block 0 writes [0] = active (row, neuron)
+//   blk_active (n_blk,) int    from twellpy_ffn_decode_gate (all G * n_gate_blocks entries)
+//   counters   (4,)     uint64 block (0, 0) writes [0] = active (row, neuron)
 //                              pairs, [1] = 0 (no heavy rows on this path)
 //   M, D, H, n_blk
-// Grid: ceil(D / VEC / 32) blocks of DECODE_THREADS threads; lane l of every
-// warp of block b owns the 16-byte vector b * 32 + l of each y row. The block
+// Grid: (ceil(D / VEC / 32), G) blocks of DECODE_THREADS threads, G = ceil(M / MR);
+// lane l of every warp of block (b, g) owns the 16-byte vector b * 32 + l of the
+// rows g * MR + m of y. The block
 // lists the active neurons of a window (DECODE_WINDOW flags) in order, its
 // warps take every DECODE_WARPS-th entry, and the warps' sums are added in
 // warp order: a fixed order, so the bits do not depend on timing (they do depend
@@ -263,8 +280,13 @@ twellpy_ffn_decode_down(const typename twellpy::accum<T>::type* __restrict__ h,
     const int DV = D / VEC;
     const int v = blockIdx.x * 32 + lane;
     const bool mine = v < DV;
+    const int row0 = blockIdx.y * MR;
+    const int Mg = min(MR, M - row0);  // rows of this group, 1..MR
+    h += (long long)row0 * H;
+    y += (long long)row0 * ldy;
+    active_rows += (long long)blockIdx.y * ((H + 7) / 8 * 8);
 
-    if (blockIdx.x == 0) {  // activity statistics (an integer sum: any order gives the same)
+    if (blockIdx.x == 0 && blockIdx.y == 0) {  // activity statistics (an integer sum: any order gives the same)
         int s = 0;
         for (int i = tid; i < n_blk; i += DECODE_THREADS) s += blk_active[i];
         int total;
@@ -337,7 +359,7 @@ twellpy_ffn_decode_down(const typename twellpy::accum<T>::type* __restrict__ h,
     // the warps' partial sums, added in warp order
 #pragma unroll
     for (int m = 0; m < MR; ++m) {
-        if (m >= M) continue;  // block-uniform: the barriers below are reached by every thread
+        if (m >= Mg) continue;  // block-uniform: the barriers below are reached by every thread
 #pragma unroll
         for (int e = 0; e < VEC; ++e) s_red[warp][lane][e] = acc[m][e];
         __syncthreads();

@@ -822,7 +822,7 @@ def test_decode_path_choice_and_return_activations():
     assert "kernel" not in ffn.last_info
     ffn.heavy_limit = None
     with pytest.raises(ValueError, match="decode_rows must be an int in"):
-        ffn.decode_rows = 17
+        ffn.decode_rows = 129
     # x of exactly 48 KB (bf16, D = 3072, M = 8): over what needs no opt-in (static shared
     # memory too), so the kernel's attribute is raised; M = 7 needs none
     w3 = make_ffn(8, 3072, 512, 10, dtype=bfloat16, xp=cp, seed=92)
@@ -844,6 +844,43 @@ def test_decode_path_choice_and_return_activations():
     assert rel_err(cp.asarray(h.toarray()), h_ref) <= 1e-2
     assert bool((ffn(x).view(cp.uint16) == y.view(cp.uint16)).all())  # the same y without h
     assert rel_err(y, ref64({k: v[:3] if k == "x" else v for k, v in w.items()})) <= 1e-2
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("M", [17, 33, 100, 128])
+def test_decode_kernels_in_row_groups(M, dtype):
+    # decode_rows up to 128: calls of more than 16 rows run in groups of 16 rows (a grid
+    # dimension of both kernels); an empty row and a row firing every neuron in later
+    # groups; the activity count and a NaN in the last group cover every group
+    w = to_gpu(make_ffn(M, 512, 5632, 30, sigma=0.3, dtype=dtype, xp=np, seed=300 + M))
+    w["x"][16] = 0                       # group 1: nothing fires
+    w["x"][M - 1, 0] = -40.0             # last group: every neuron fires (column 0 holds -threshold)
+    ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"])
+    ffn.decode_rows = 128
+    ref = ref64(w)
+    poison()
+    y, h = ffn(w["x"], return_activations=True)
+    assert ffn.last_info["kernel"] == "decode" and ffn.last_info["mode"] == "sparse"
+    assert rel_err(y, ref) <= TOL[dtype]
+    for m in (0, 15, 16, 17, M - 2, M - 1):
+        assert rel_err(y[m], ref[m]) <= TOL[dtype] or not bool(ref[m].any()), m
+    assert not bool(y[16].astype(cp.float32).any())
+    x64 = cp.asarray(w["x"]).astype(cp.float64)
+    g = x64 @ cp.asarray(w["w_gate"]).astype(cp.float64).T
+    h_ref = cp.where(g <= 0, 0, g * (x64 @ cp.asarray(w["w_up"]).astype(cp.float64).T))
+    assert rel_err(cp.asarray(h.toarray()), h_ref) <= TOL[dtype]
+    want = float((g > 0).sum()) / M
+    assert abs(ffn.activity()["mean_active"] - want) <= 0.01 * want + 1.0 / M
+    poison()
+    assert bool((ffn(w["x"]).view(cp.uint8) == y.view(cp.uint8)).all())  # same bits every call
+    ffn.decode_rows = 16
+    y_general = ffn(w["x"])
+    assert "kernel" not in ffn.last_info and rel_err(y_general, ref) <= TOL[dtype]
+    ffn.decode_rows = 128
+    x_bad = cp.asarray(w["x"]).copy()
+    x_bad[M - 1, 5] = cp.nan
+    with pytest.raises(ValueError, match="x"):
+        ffn(x_bad, check_finite="sync")
 
 
 def test_decode_call_on_a_second_stream_and_a_nan_count():

@@ -1287,11 +1287,13 @@ void decode_##SUF##_##G##_##MR(const T* x, long long ldx, const T* wg, const T* 
                                int H) {                                                                     \
     const int nblk = (H + DECODE_WARPS * DECODE_NPW - 1) / (DECODE_WARPS * DECODE_NPW);                    \
     const int dv = D / (16 / (int)sizeof(T));                                                               \
-    emu::launch(twellpy_ffn_decode_gate<T, G, MR>, dim3(nblk), dim3(DECODE_THREADS),                       \
-                (size_t)M * D * sizeof(T), x, ldx, wg, wu, h, h_out, ldh, flags, blk, counters, check_x,    \
+    const int groups = (M + MR - 1) / MR;                                                                   \
+    const int rows = M < MR ? M : MR;                                                                       \
+    emu::launch(twellpy_ffn_decode_gate<T, G, MR>, dim3(groups, nblk), dim3(DECODE_THREADS),               \
+                (size_t)rows * D * sizeof(T), x, ldx, wg, wu, h, h_out, ldh, flags, blk, counters, check_x, \
                 M, D, H);                                                                                   \
-    emu::launch(twellpy_ffn_decode_down<T, MR>, dim3((dv + 31) / 32), dim3(DECODE_THREADS), 0, h, flags,   \
-                wdT, y, (long long)D, blk, nblk, counters, M, D, H);                                       \
+    emu::launch(twellpy_ffn_decode_down<T, MR>, dim3((dv + 31) / 32, groups), dim3(DECODE_THREADS), 0, h,  \
+                flags, wdT, y, (long long)D, blk, groups * nblk, counters, M, D, H);                      \
 }
 extern "C" {
 DECODE_PAIR(float, f32, true, 1)
@@ -1303,6 +1305,7 @@ DECODE_PAIR(bf16, bf16, true, 1)
 DECODE_PAIR(bf16, bf16, true, 8)
 DECODE_PAIR(bf16, bf16, false, 4)
 DECODE_PAIR(bf16, bf16, true, 16)
+DECODE_PAIR(float, f32, false, 16)
 }
 """
 # two warps a block, so that several gate blocks and several windows of the active
@@ -1339,7 +1342,8 @@ def test_decode_launch_constants_match_the_kernel_defaults():
 
 
 def _decode_run(lib, x, wg, wu, wd, *, gated, mr, check_x=True, h_out=False):
-    """Run the emulated decode pair; returns (y, h, flags, counters, h_out or None)."""
+    """Run the emulated decode pair (row groups of ``mr`` rows when M > mr); returns
+    (y, h, flags (groups, Hp), counters, h_out or None)."""
     dt = x.dtype
     M, D = x.shape
     H = wd.shape[1]
@@ -1347,11 +1351,12 @@ def _decode_run(lib, x, wg, wu, wd, *, gated, mr, check_x=True, h_out=False):
     suffix = {np.dtype(np.float32): "f32", bfloat16: "bf16"}[dt]
     fn = getattr(lib, f"decode_{suffix}_{'true' if gated else 'false'}_{mr}")
     wdT = np.ascontiguousarray(wd.T)
-    h = np.full((16, H), np.nan, acc)                       # poisoned scratch
-    flags = np.zeros(-(-H // 8) * 8, np.uint16)             # padding zero, as the plan allocates it
-    flags[:H] = 0xABCD                                       # poisoned
+    groups = -(-M // mr)
+    h = np.full((max(16, groups * mr), H), np.nan, acc)     # poisoned scratch
+    flags = np.zeros((groups, -(-H // 8) * 8), np.uint16)   # padding zero, as the plan allocates it
+    flags[:, :H] = 0xABCD                                    # poisoned
     per_block = lib.defines["DECODE_WARPS"] * lib.defines["DECODE_NPW"]
-    blk = np.full(-(-H // per_block), -5, np.int32)
+    blk = np.full(groups * -(-H // per_block), -5, np.int32)
     counters = np.full(4, 0xDEAD, np.uint64)
     y = np.full((M, D), np.nan, np.float32).astype(dt)
     ho = np.full((M, H), np.nan, np.float32).astype(dt) if h_out else None
@@ -1402,8 +1407,8 @@ def test_decode_kernels_match_float64(decode_lib, dtype, gated, mr, M):
     assert err <= tol, err
     np.testing.assert_allclose(h[:M], h_ref, rtol=tol, atol=tol * np.abs(h_ref).max())
     assert np.array_equal(ho.astype(np.float32), h[:M].astype(dtype).astype(np.float32))  # every entry written
-    assert np.array_equal(flags[:H], _row_masks(act))
-    assert not flags[H:].any()
+    assert np.array_equal(flags[0, :H], _row_masks(act))
+    assert not flags[0, H:].any()
     assert int(counters[0]) == int(act.sum()) and int(counters[1]) == 0 and int(counters[3]) == 0
     if M >= 3:
         assert not y[1].astype(np.float32).any()            # the empty row is exactly zero
@@ -1444,7 +1449,44 @@ def test_decode_kernels_at_production_sizes(decode_lib_default):
     y, h, flags, counters, _ = _decode_run(decode_lib_default, x, wg, wu, wd, gated=True, mr=2)
     ref, h_ref, act = _decode_reference(x, wg, wu, wd, True)
     assert np.linalg.norm(y - ref) <= 1e-5 * np.linalg.norm(ref)
-    assert np.array_equal(flags[:H], _row_masks(act)) and int(counters[0]) == int(act.sum())
+    assert np.array_equal(flags[0, :H], _row_masks(act)) and int(counters[0]) == int(act.sum())
+
+
+@pytest.mark.parametrize("dtype, gated, M", [(bfloat16, True, 37), (np.dtype(np.float32), False, 33)],
+                         ids=["bf16-gated-M37", "f32-relu-M33"])
+def test_decode_kernels_in_row_groups(decode_lib, dtype, gated, M):
+    # more than 16 rows: groups of 16 (a grid dimension of both kernels), the last one
+    # part-filled (5 rows; 1 row); an empty row and a row firing nearly everything in a
+    # later group; a NaN and an Inf in the last group, counted with the first group's
+    # none in one total by block (0, 0)
+    rng = np.random.default_rng(M)
+    D, H = (320 if dtype == bfloat16 else 160), 150  # 38 neuron blocks a group: the emulator is slow
+    x = (rng.standard_normal((M, D)) / np.sqrt(D)).astype(dtype)
+    wg = rng.standard_normal((H, D)).astype(dtype)
+    wu = rng.standard_normal((H, D)).astype(dtype)
+    wd = (rng.standard_normal((D, H)) / np.sqrt(H)).astype(dtype)
+    x[:, 0] = 1.0
+    wg[:, 0] = 0.05
+    x[17] = 0.0                                  # group 1: an empty row
+    x[20, 0] = 60.0                              # group 1: nearly every neuron
+    y, h, flags, counters, ho = _decode_run(decode_lib, x, wg, wu, wd, gated=gated, mr=16, h_out=True)
+    ref, h_ref, act = _decode_reference(x, wg, wu, wd, gated)
+    tol = 1e-5 if dtype == np.float32 else 1e-2
+    assert np.linalg.norm(y.astype(np.float64) - ref) <= tol * np.linalg.norm(ref)
+    for m in range(M):                           # every row, each group on its own
+        assert np.linalg.norm(y[m].astype(np.float64) - ref[m]) <= tol * np.linalg.norm(ref[m]) + 1e-30, m
+    np.testing.assert_allclose(h[:M], h_ref, rtol=tol, atol=tol * np.abs(h_ref).max())
+    assert np.array_equal(ho.astype(np.float32), h[:M].astype(dtype).astype(np.float32))
+    for g in range(flags.shape[0]):
+        assert np.array_equal(flags[g, :H], _row_masks(act[16 * g:16 * g + 16])), g
+        assert not flags[g, H:].any()
+    assert int(counters[0]) == int(act.sum()) and int(counters[3]) == 0
+    assert not y[17].astype(np.float32).any() and act[20].sum() > 0.95 * H
+    x[M - 1, 3], x[M - 1, 4] = np.nan, np.inf
+    y, _, _, counters, _ = _decode_run(decode_lib, x, wg, wu, wd, gated=gated, mr=16)
+    assert int(counters[3]) == 2
+    assert np.isnan(y[M - 1].astype(np.float32)).all()
+    assert np.linalg.norm(y[:M - 1].astype(np.float64) - ref[:M - 1]) <= tol * np.linalg.norm(ref[:M - 1])
 
 
 def test_decode_inactive_neurons_add_nothing_active_ones_add_even_zero(decode_lib):
@@ -1467,7 +1509,7 @@ def test_decode_inactive_neurons_add_nothing_active_ones_add_even_zero(decode_li
     wu[7, :] = 0.0
     wd[:, 7] = np.nan
     y, h, flags, _, _ = _decode_run(decode_lib, x, wg, wu, wd, gated=True, mr=2)
-    assert flags[5] == 1 and flags[7] == 2
+    assert flags[0, 5] == 1 and flags[0, 7] == 2
     assert np.isnan(y[0]).all() and np.isnan(y[1]).all()
     wd[:, 7] = 1.0                                   # only the NaN up row now: row 1 is exact
     y, *_ = _decode_run(decode_lib, x, wg, wu, wd, gated=True, mr=2)

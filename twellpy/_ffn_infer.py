@@ -27,8 +27,9 @@ call of the same object, or ``ffn.check()``, raises for it, and the offending
 call's output holds NaN/Inf in the rows concerned. An object's first call,
 ``check_finite="sync"`` and the one-shot functions always wait.
 
-Decode sizes. On CUDA a call of at most ``decode_rows`` (16) rows whose ``x``
-fits a block's shared memory runs two kernels for the whole FFN: the gate GEMV with ReLU and the
+Decode sizes. On CUDA a call of at most ``decode_rows`` (16 by default, up to 128,
+in groups of 16 rows) rows whose 16-row groups of ``x`` fit a block's shared
+memory runs two kernels for the whole FFN: the gate GEMV with ReLU and the
 up dot products of the active neurons, then the down projection of those
 neurons only (``last_info["kernel"] == "decode"``). The general path issues
 about eight launches per call, which at these sizes cost more host time than
@@ -221,21 +222,22 @@ class _FFN:
 
     @property
     def decode_rows(self):
-        """CUDA: calls of at most this many rows (default 16, the most allowed) run the
-        two decode kernels when ``M * D * itemsize`` fits a block's shared memory (the
-        device's opt-in limit less 1 KB: 226 KB on Hopper): the whole FFN (gate
+        """CUDA: calls of at most this many rows (default 16; at most 128) run the two
+        decode kernels when ``min(M, 16) * D * itemsize`` fits a block's shared memory
+        (the device's opt-in limit less 1 KB: 226 KB on Hopper): the whole FFN (gate
         GEMV, ReLU, up and down projections of the active neurons, and the NaN/Inf
         count of ``x``) in two launches instead of about eight, for ``"auto"`` and
-        ``"sparse"`` calls with ``heavy_limit=None``. ``last_info["kernel"]`` says
-        ``"decode"`` then. 0 turns them off. None on the CPU."""
+        ``"sparse"`` calls with ``heavy_limit=None``; calls of more than 16 rows run
+        in groups of 16 rows. ``last_info["kernel"]`` says ``"decode"`` then. 0
+        turns them off. None on the CPU."""
         return getattr(self._plan, "decode_rows", None)
 
     @decode_rows.setter
     def decode_rows(self, value):
         if not hasattr(self._plan, "decode_rows"):
             raise AttributeError("decode_rows applies to the CUDA backend only")
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= int(value) <= 16:
-            raise ValueError(f"decode_rows must be an int in [0, 16], got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= int(value) <= 128:
+            raise ValueError(f"decode_rows must be an int in [0, 128], got {value!r}")
         self._plan.decode_rows = int(value)
 
     def activity(self):

@@ -20,8 +20,8 @@ One call (sparse mode):
    block's shared memory, so ``w_down`` is read once per slice instead of once
    per active neuron. Same bits.
 
-Decode calls (at most ``FFNPlan.decode_rows`` = 16 rows, x within a block's shared memory, "auto" or
-"sparse", no ``heavy_limit``) skip all of the above: ``raw_kernels/ffn_decode.cu``
+Decode calls (at most ``FFNPlan.decode_rows`` rows, default 16, up to 128; 16 rows of x
+within a block's shared memory, "auto" or "sparse", no ``heavy_limit``) skip all of the above: ``raw_kernels/ffn_decode.cu``
 does the gate GEMV, ReLU and up dot products of the active neurons in one kernel
 and their down projection in a second, and the first kernel also writes the
 NaN/Inf count of x. Two launches instead of about eight: those calls are
@@ -180,8 +180,12 @@ _registry.declare(_PACK_FILE, [f"twellpy_ffn_{k}<{_registry.ctype(d)}>"
                                for d in _DTYPES for k in ("pack", "gate_mul", "relu", "rowpack")])
 
 _DECODE_FILE = "ffn_decode.cu"
-#: rows a decode launch is instantiated for: a call of M rows uses the smallest >= M
+#: rows a decode launch is instantiated for: a call of M <= 16 rows uses the smallest >= M;
+#: a longer call runs groups of 16 rows (a grid dimension of both kernels)
 _DECODE_MR = (1, 2, 4, 8, 16)
+#: most rows ``decode_rows`` may allow: the gate GEMV runs on CUDA cores, whose time grows
+#: with M while the general path's is host-bound; ``benchmarks/decode_probe.py`` times both
+_DECODE_MAX_ROWS = 128
 #: x is staged in each gate block's shared memory: up to this many bytes without an opt-in
 #: (48 KB less the kernel's few static bytes, with room to spare); beyond it, up to the
 #: device's opt-in limit less the same margin (``_decode_smem_limit``)
@@ -490,10 +494,11 @@ class FFNPlan:
         self.defer_check_rows = 512
         self._calls = 0  # numbers the calls in deferred NaN/Inf reports
         self._unreported = []  # (tag, count) of bad deferred calls collected but not yet raised
-        #: calls of at most this many rows (and at most 16) whose x fits a block's shared
-        #: memory run the decode kernels (``ffn_decode.cu``): the whole FFN in two
-        #: launches instead of about eight, for "auto" and "sparse" calls without
-        #: ``heavy_limit``. 0 turns them off.
+        #: calls of at most this many rows (at most _DECODE_MAX_ROWS) whose 16-row groups
+        #: of x fit a block's shared memory run the decode kernels (``ffn_decode.cu``):
+        #: the whole FFN in two launches instead of about eight, for "auto" and "sparse"
+        #: calls without ``heavy_limit``. 0 turns them off. The default stays at 16 until
+        #: decode_probe.py has timed longer calls against the general path.
         self.decode_rows = _DECODE_MR[-1]
         self._decode_ws = None
         #: event recorded at the end of every call: the next call's stream waits for it,
@@ -884,12 +889,13 @@ class FFNPlan:
     def _decode_fits(self, M, mode):
         """True when a call of ``M`` rows in ``mode`` runs the two decode kernels."""
         return (mode != "dense" and self.sparse_ok and self.heavy_limit is None
-                and 0 < M <= min(int(self.decode_rows), _DECODE_MR[-1])
-                and M * self.D * self.dtype.itemsize <= _decode_smem_limit(self.device_id))
+                and 0 < M <= min(int(self.decode_rows), _DECODE_MAX_ROWS)
+                and min(M, _DECODE_MR[-1]) * self.D * self.dtype.itemsize <= _decode_smem_limit(self.device_id)
+                and -(-self.H // _DECODE_NEURONS_PER_BLOCK) <= 65535)  # the neuron blocks are grid.y
 
     def _decode_kernels(self, M):
         """(gate kernel, down kernel) for calls of ``M`` rows, memoised per plan."""
-        mr = next(r for r in _DECODE_MR if r >= M)
+        mr = next(r for r in _DECODE_MR if r >= min(M, _DECODE_MR[-1]))
         key = (cupy_module().cuda.Device().id, "decode", mr)
         hit = self._kernels.get(key)
         if hit is None:
@@ -898,23 +904,25 @@ class FFNPlan:
                                         _registry.get_kernel(_DECODE_FILE, down))
         return hit
 
-    def _decode_workspace(self):
-        """h scratch (16, H), one uint16 per neuron with bit m set where it is active in
-        row m (zero padding to a multiple of 8), per-block active counts and the two grids;
-        made once per plan."""
+    def _decode_workspace(self, groups):
+        """h scratch (16 * groups, H), per group one uint16 per neuron with bit m set where
+        it is active in the group's row m (zero padding to a multiple of 8), per-block
+        active counts; grow-only, so a call of an already-seen size allocates nothing."""
         ws = self._decode_ws
-        if ws is None:
+        if ws is None or ws["groups"] < groups:
+            if ws is not None:
+                self._before_replacing_buffers()
             cp = cupy_module()
             acc = np.float64 if self.dtype == np.float64 else np.float32
             n_blk = -(-self.H // _DECODE_NEURONS_PER_BLOCK)
-            dv = self.D // (16 // self.dtype.itemsize)
             ws = self._decode_ws = {
-                "h": cp.empty((_DECODE_MR[-1], self.H), acc),
-                "flags": cp.zeros((-(-self.H // 8) * 8,), np.uint16),
-                "blk": cp.empty((n_blk,), np.int32),
-                "n_blk": np.int32(n_blk),
-                "grid_gate": (n_blk,),
-                "grid_down": (-(-dv // 32),),
+                "groups": groups,
+                "h": cp.empty((_DECODE_MR[-1] * groups, self.H), acc),
+                "flags": cp.zeros((groups, -(-self.H // 8) * 8), np.uint16),
+                "blk": cp.empty((groups * n_blk,), np.int32),
+                "n_blk": n_blk,
+                "dv_blocks": -(-(self.D // (16 // self.dtype.itemsize)) // 32),
+                "grids": {},
             }
         return ws
 
@@ -924,7 +932,12 @@ class FFNPlan:
         count kernel, no memset) and the activity counts that :meth:`activity` reads."""
         M = x.shape[0]
         k_gate, k_down = self._decode_kernels(M)
-        ws = self._decode_workspace()
+        groups = -(-M // _DECODE_MR[-1])
+        ws = self._decode_workspace(groups)
+        grids = ws["grids"].get(groups)
+        if grids is None:  # (gate grid, down grid, gate blocks) per group count, made once
+            grids = ws["grids"][groups] = ((groups, ws["n_blk"]), (ws["dv_blocks"], groups),
+                                           np.int32(groups * ws["n_blk"]))
         counters = self._workspace(1)["counters"]
         isz = self.dtype.itemsize
         if h_full is None:
@@ -932,18 +945,18 @@ class FFNPlan:
         else:
             h_ptr, ldh = h_full, np.int64(h_full.strides[0] // isz)
         m32 = np.int32(M)
-        smem = M * self.D * isz
+        smem = min(M, _DECODE_MR[-1]) * self.D * isz
         if smem > _DECODE_SMEM:
             allow_dynamic_smem(k_gate, smem)
-        k_gate(ws["grid_gate"], (_DECODE_THREADS,),
+        k_gate(grids[0], (_DECODE_THREADS,),
                (x, np.int64(x.strides[0] // isz), self.gate_w, self.w_up, ws["h"], h_ptr, ldh, ws["flags"],
                 ws["blk"], counters, np.int32(1 if check_x else 0), m32) + self._dims,
                shared_mem=smem)
         # the gate kernel wrote the count into counters[3]: queue only its copy, before the
         # down kernel, so that a call that waits for it does not wait for the whole FFN
         tag = self._queue_check(None, counters, stream, deferred, rows=M) if check_x else None
-        k_down(ws["grid_down"], (_DECODE_THREADS,),
-               (ws["h"], ws["flags"], self.w_downT, y, np.int64(y.strides[0] // isz), ws["blk"], ws["n_blk"],
+        k_down(grids[1], (_DECODE_THREADS,),
+               (ws["h"], ws["flags"], self.w_downT, y, np.int64(y.strides[0] // isz), ws["blk"], grids[2],
                 counters, m32) + self._dims)
         info["mode"], info["kernel"] = "sparse", "decode"
         self._call_done(stream)
