@@ -259,7 +259,8 @@ twellpy_ffn_decode_gate(const T* __restrict__ x, long long ldx, const T* __restr
 // lists the active neurons of a window (DECODE_WINDOW flags) in order, its
 // warps take every DECODE_WARPS-th entry, and the warps' sums are added in
 // warp order: a fixed order, so the bits do not depend on timing (they do depend
-// on which neurons the other rows of the call fire: the list is their union).
+// on which neurons the other rows of the row group fire: the list is their union, so
+// a row's bits depend on the group it falls in).
 // Each listed neuron adds h * w to exactly the rows it is active in, h = 0
 // included (as the general path's list does), and nothing to the others.
 // ---------------------------------------------------------------------------
