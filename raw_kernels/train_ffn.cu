@@ -75,6 +75,11 @@ __device__ __forceinline__ bool relu_on(__nv_bfloat16 v) {
     return m > 0x7f80u || (m != 0u && !(b >> 15));
 }
 
+// finite (neither NaN nor Inf), decided on bits (no float compare that -ftz could change)
+__device__ __forceinline__ bool finite_acc(float v) { return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u; }
+__device__ __forceinline__ bool finite_acc(double v) {
+    return ((unsigned long long)__double_as_longlong(v) & 0x7ff0000000000000ull) != 0x7ff0000000000000ull;
+}
 __device__ __forceinline__ float abs_acc(float v) { return fabsf(v); }
 __device__ __forceinline__ double abs_acc(double v) { return fabs(v); }
 
@@ -946,6 +951,51 @@ twellpy_train_backup_bwd(const typename accum<T>::type* __restrict__ dh_acc, con
             db[i] = from_acc<T, A>(d * to_acc<A, T>(uv));
         } else {
             da[i] = from_acc<T, A>(d);
+        }
+    }
+}
+
+// twellpy_train_backup_exact<T, DUAL>: the backup rows' dense product summed
+// again over each row's active neurons only, for the rows the GEMM left
+// non-finite.
+//   out    (R, D) A    in: a @ b (+ a2 @ b2) from the GEMM; out: those rows redone
+//   g      (R, H) T    the backup rows' pattern (non-zero bits = active neuron)
+//   a, a2  (R, H) T    left factors, 0 off the pattern (a2 read only when DUAL)
+//   b, b2  (H, D) T    weights, row j = neuron j (b2 read only when DUAL)
+// The GEMM also multiplies the zeros of inactive neurons, and 0 * NaN/Inf is
+// NaN: a non-finite weight of a neuron that a row does not use would poison
+// that row. Such a product always leaves a NaN in the row, so a row whose
+// values are all finite is already exact and costs one read (the common
+// case); any other row is recomputed here, neurons in ascending order, so an
+// inactive neuron contributes exactly nothing (as in the ELL rows).
+// One block per backup row (grid-stride over rows).
+template <typename T, int DUAL>
+__global__ void __launch_bounds__(256)
+twellpy_train_backup_exact(typename accum<T>::type* __restrict__ out, const T* __restrict__ g,
+                           const T* __restrict__ a, const T* __restrict__ a2, const T* __restrict__ b,
+                           const T* __restrict__ b2, int R, int H, int D) {
+    typedef typename accum<T>::type A;
+    __shared__ int redo;
+    for (int r = blockIdx.x; r < R; r += gridDim.x) {
+        A* o = out + (long long)r * D;
+        if (threadIdx.x == 0) redo = 0;
+        __syncthreads();
+        int mine = 0;
+        for (int c = threadIdx.x; c < D; c += blockDim.x) mine |= !finite_acc(o[c]);
+        if (mine) atomicOr(&redo, 1);
+        __syncthreads();
+        const int again = redo;
+        __syncthreads();  // redo is reset for the next row only after every thread read it
+        if (!again) continue;
+        const long long base = (long long)r * H;
+        for (int c = threadIdx.x; c < D; c += blockDim.x) {
+            A s = A(0);
+            for (int j = 0; j < H; ++j) {
+                if (!nonzero(g[base + j])) continue;
+                s = fma(to_acc<A, T>(a[base + j]), to_acc<A, T>(b[(long long)j * D + c]), s);
+                if (DUAL) s = fma(to_acc<A, T>(a2[base + j]), to_acc<A, T>(b2[(long long)j * D + c]), s);
+            }
+            o[c] = s;
         }
     }
 }

@@ -407,8 +407,12 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
         u_acc = be.gemm_acc(be.take_rows(x, backup_rows), w_up.T) if gated else None
         hb = be.backup_rows_forward(g_bk, u_acc, u_bk, backup_rows, h_abs_rows, gated)
         del u_acc
-        be.put_rows_from_acc(y, backup_rows, be.gemm_acc(hb, w_down.T))
-        del hb
+        yb = be.gemm_acc(hb, w_down.T)
+        # the GEMM also multiplies the zeros of inactive neurons: rows it left
+        # non-finite are summed again over their pattern (finite rows: one read)
+        be.backup_exact(yb, g_bk, hb, w_downT)
+        be.put_rows_from_acc(y, backup_rows, yb)
+        del hb, yb
 
     _mark("backup rows fwd", xp)
     # 4) statistics (the L1 value stays on the device until read)
@@ -480,6 +484,8 @@ def _backward(ctx, dy, gated):
         dxb = be.gemm_acc(da_bk, ctx.w_up)
         if gated:
             be.gemm_acc(db_bk, ctx.w_gate, out=dxb)
+        # as in the forward: an inactive neuron's NaN/Inf weights must add nothing
+        be.backup_exact(dxb, g_bk, da_bk, ctx.w_up, db_bk if gated else None, ctx.w_gate if gated else None)
         be.put_rows_from_acc(dx, br, dxb)
         del dxb
 

@@ -538,6 +538,28 @@ def backup_rows_backward(dh_acc, g_bk, u_bk, l1_scale, gated, da_bk, db_bk):
         da_bk[...] = d.astype(dt, copy=False)
 
 
+def backup_exact(out, g_bk, a, b, a2=None, b2=None):
+    """Redo the rows of a backup-row product that came out non-finite, on their pattern only.
+
+    ``out`` (R, D) in the compute dtype holds ``a @ b`` (plus ``a2 @ b2``) from
+    a dense GEMM, ``a``/``a2`` (R, H) being 0 off the pattern of ``g_bk``
+    (R, H) and ``b``/``b2`` (H, D) weights. The GEMM also multiplies those
+    zeros, so a NaN/Inf weight of a neuron inactive in a row would turn the
+    row into NaN; such a product always leaves a NaN in the row, so only rows
+    with a NaN/Inf are summed again over their active neurons (in place).
+    """
+    if not out.size:
+        return out
+    bad = np.flatnonzero(~np.isfinite(out).all(axis=1))
+    for r in bad:  # rare: a non-finite weight or an overflow
+        on = np.flatnonzero(g_bk[r] != 0)  # NaN is active, -0.0 is not (as the pattern)
+        acc = _up(a[r, on]) @ _up(b[on])
+        if a2 is not None:
+            acc = acc + _up(a2[r, on]) @ _up(b2[on])
+        out[r] = acc
+    return out
+
+
 def put_rows_from_acc(dst, rows, src):
     """``dst[rows] = src`` with ``src`` in the compute dtype, rounded once."""
     dst[rows] = src.astype(dst.dtype, copy=False)

@@ -44,7 +44,7 @@ def _names():
         for dt2 in FLOAT_DTYPES:
             if dt2 != dt and 2 in (dt.itemsize, dt2.itemsize):
                 names.append(f"twellpy_train_cast<{t},{_registry.ctype(dt2)}>")
-        for base in ("fwd", "bwd", "wgrad", "backup_fwd", "backup_bwd"):
+        for base in ("fwd", "bwd", "wgrad", "backup_fwd", "backup_bwd", "backup_exact"):
             for gated in (0, 1):
                 names.append(f"twellpy_train_{base}<{t},{gated}>")
         for base in ("fwd", "bwd"):  # the split kernels: y and dx by twellpy_spmm_resident
@@ -557,6 +557,33 @@ def backup_rows_backward(dh_acc, g_bk, u_bk, l1_scale, gated, da_bk, db_bk):
     if n:
         g, b = _elementwise_grid(n)
         _k("backup_bwd", dt, gated)(g, b, (dh_acc, g_bk, u_bk, np.float64(l1_scale), da_bk, db_bk, _i64(n)))
+
+
+def backup_exact(out, g_bk, a, b, a2=None, b2=None):
+    """Redo the rows of a backup-row product that came out non-finite, on their pattern only.
+
+    ``out`` (R, D) accumulator dtype holds ``a @ b`` (plus ``a2 @ b2``) from the
+    GEMM; ``a``/``a2`` (R, H) are 0 off the pattern of ``g_bk`` and
+    ``b``/``b2`` (H, D) are weights. A row with a NaN/Inf is summed again over
+    its active neurons (so a non-finite weight of an inactive neuron adds
+    nothing); a finite row is only read. One launch, no host synchronisation.
+    """
+    R, D = out.shape
+    H = g_bk.shape[1]
+    dt, acc = g_bk.dtype, _acc_dtype(g_bk.dtype)
+    dual = a2 is not None
+    _check_operand("out", out, acc, (R, D))
+    _check_operand("g_bk", g_bk, dt, (R, H))
+    _check_operand("a", a, dt, (R, H))
+    _check_operand("b", b, dt, (H, D))
+    if dual:
+        _check_operand("a2", a2, dt, (R, H))
+        _check_operand("b2", b2, dt, (H, D))
+    else:
+        a2, b2 = a, b  # placeholders, not read when DUAL is 0
+    if R and D:
+        _k("backup_exact", dt, dual)((min(R, 1 << 20),), (256,), (out, g_bk, a, a2, b, b2, _i32(R), _i32(H), _i32(D)))
+    return out
 
 
 def put_rows_from_acc(dst, rows, src):

@@ -1,0 +1,198 @@
+"""Edge cases of the FFN front ends, the training step and the ops primitives.
+
+Each test compares with a float64 numpy reference; the cuda variants (gpu
+marker) repeat the CPU checks on the device.
+"""
+import ctypes
+
+import numpy as np
+import pytest
+
+import twellpy as tw
+from twellpy import ops
+from twellpy._array import bfloat16
+
+from _train_ref import dense_gated, dense_relu, f64, to_gpu
+
+
+def _on(backend, *arrays):
+    """The arrays on the backend's device (numpy for 'cpu')."""
+    if backend == "cuda":
+        return tuple(to_gpu(np.ascontiguousarray(a)) for a in arrays)
+    return arrays
+
+
+# ---------------------------------------------------------------------------
+# 1. an inactive neuron contributes exactly nothing, in backup rows too
+# ---------------------------------------------------------------------------
+def _dead_neuron_problem(dtype):
+    """x > 0 everywhere; neuron 2 never fires (w_gate row -1), neuron 3 fires in row 0 only."""
+    x = np.array([[1., 2., 1.], [1., 1., .5], [2., 1., 1.], [1., 3., 2.]])
+    wg = np.array([[1., 1., 1.], [1., .5, .2], [-1., -1., -1.], [-1., 2., -2.5]])
+    wu = np.array([[1., 0., .5], [0., 1., -1.], [2., 1., 0.], [.5, .5, .5]])
+    wd = np.array([[1., 0., 3., 1.], [0., 1., -2., 1.], [1., 1., 1., 1.]])
+    dy = np.array([[1., -1., .5], [2., 1., 1.], [-1., .5, 1.], [1., 1., 1.]])
+    return tuple(a.astype(dtype) for a in (x, wg, wu, wd, dy))
+
+
+def _rows_close(got, ref, dtype):
+    got = f64(got)
+    assert np.array_equal(np.isnan(got), np.isnan(ref)), (got, ref)
+    fin = np.isfinite(ref)
+    tol = 1e-12 if dtype == np.float64 else 1e-5
+    np.testing.assert_allclose(got[fin], ref[fin], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("width", [8, 1, 2, "auto"])
+@pytest.mark.parametrize("bad", ["up_nan", "up_inf", "gate_inf", "down_nan"])
+def test_inactive_neuron_nonfinite_weights_do_not_reach_backup_rows(backend, dtype, width, bad):
+    x, wg, wu, wd, dy = _dead_neuron_problem(dtype)
+    # the reference sees finite weights: neuron 2 never fires, so they must not matter
+    ref = dense_gated(x, wg, wu, wd, dy, 0.0)
+    assert ref["neuron_counts"][2] == 0
+    if bad == "up_nan":
+        wu[2] = np.nan
+    elif bad == "up_inf":
+        wu[2] = [np.inf, -np.inf, np.inf]
+    elif bad == "gate_inf":
+        wg[2] = -np.inf  # z = -inf: still inactive
+    else:
+        wd[:, 2] = np.nan
+    args = _on(backend, x, wg, wu, wd)
+    y, ctx = tw.ffn.gated_forward_train(*args, width=width, check_finite=False)
+    if width == 1:
+        assert ctx.R >= 3  # most rows are backup rows
+    dx, dwg, dwu, dwd = tw.ffn.gated_backward(ctx, _on(backend, dy)[0])
+    _rows_close(y, ref["y"], dtype)
+    _rows_close(dx, ref["dx"], dtype)
+    # the weight gradients of the dead neuron are exactly 0, the others match
+    for got, name in ((dwg, "dw_gate"), (dwu, "dw_up")):
+        _rows_close(got, ref[name], dtype)
+    _rows_close(dwd, ref["dw_down"], dtype)
+
+
+@pytest.mark.parametrize("width", [8, 1])
+def test_nonfinite_weight_reaches_only_the_rows_where_the_neuron_fires(backend, width):
+    x, wg, wu, wd, dy = _dead_neuron_problem(np.float64)
+    ref = dense_gated(x, wg, wu, wd, dy, 0.0)
+    fires = np.flatnonzero(f64(x) @ f64(wg)[3] > 0)
+    assert fires.tolist() == [0]
+    wu[3] = np.nan  # neuron 3 fires in row 0 only
+    y, ctx = tw.ffn.gated_forward_train(*_on(backend, x, wg, wu, wd), width=width, check_finite=False)
+    dx = tw.ffn.gated_backward(ctx, _on(backend, dy)[0])[0]
+    for got, want in ((y, ref["y"]), (dx, ref["dx"])):
+        got = f64(got)
+        assert np.isnan(got[0]).all()
+        np.testing.assert_allclose(got[1:], want[1:], rtol=1e-12)
+
+
+@pytest.mark.parametrize("width", [8, 1])
+@pytest.mark.parametrize("bad", ["up_inf", "down_nan"])
+def test_relu_inactive_neuron_nonfinite_weights(backend, width, bad):
+    x, _, wu, wd, dy = _dead_neuron_problem(np.float64)
+    wu[2] = [-1., -1., -1.]  # never fires on x > 0
+    ref = dense_relu(x, wu, wd, dy, 0.0)
+    assert ref["neuron_counts"][2] == 0
+    if bad == "up_inf":
+        wu[2] = -np.inf
+    else:
+        wd[:, 2] = np.nan
+    y, ctx = tw.ffn.relu_forward_train(*_on(backend, x, wu, wd), width=width, check_finite=False)
+    dx, dwu, dwd = tw.ffn.relu_backward(ctx, _on(backend, dy)[0])
+    for got, name in ((y, "y"), (dx, "dx"), (dwu, "dw_up"), (dwd, "dw_down")):
+        _rows_close(got, ref[name], np.float64)
+
+
+def test_reviewer_repro_gradient_does_not_depend_on_width():
+    x = np.array([[1., 2.], [1., 1.], [2., 1.]])
+    dy = np.ones((3, 2))
+    wg = np.array([[1., 1.], [1., .5], [-1., -1.]])
+    wu = np.array([[1., 0.], [0., 1.], [np.nan, np.nan]])
+    wd = np.eye(2, 3)
+    out = []
+    for w in (8, 1):
+        _, ctx = tw.ffn.gated_forward_train(x, wg, wu, wd, width=w, check_finite=False)
+        out.append(tw.ffn.gated_backward(ctx, dy)[0])
+    assert np.isfinite(out[1]).all()
+    np.testing.assert_array_equal(out[0], out[1])
+
+
+def test_spmm_backup_rows_skip_nonfinite_rows_of_b(backend):
+    """ops.spmm: a NaN row of B meets only the rows that store that column."""
+    a = np.array([[1., 2., 0., 3.], [0., 0., 1., 0.], [4., 0., 0., 5.]])
+    b = np.array([[1., 2.], [3., 4.], [np.nan, np.nan], [5., 6.]])
+    A = tw.Hybrid.from_dense(_on(backend, a)[0], width=1)
+    assert A.n_backup == 2
+    got = f64(ops.spmm(A, _on(backend, b)[0]))
+    want = np.nan_to_num(a) @ np.where(np.isnan(b), 0, b)
+    want[1] = np.nan
+    _rows_close(got, want, np.float64)
+
+
+_EXACT_HARNESS = r"""
+#include "emu.h"
+#include "kernel_source.cuh"
+extern "C" {
+#define EXACT(SUFFIX, T, DUAL)                                                                          \
+void exact_##SUFFIX(typename twellpy::accum<T>::type* out, const T* g, const T* a, const T* a2, const T* b, \
+                    const T* b2, int R, int H, int D, int grid) {                                      \
+    emu::launch(twellpy_train_backup_exact<T, DUAL>, dim3(grid), dim3(256), 0, out, g, a, a2, b, b2, R, H, D); \
+}
+EXACT(f32_0, float, 0)
+EXACT(f32_1, float, 1)
+EXACT(bf16_1, __nv_bfloat16, 1)
+EXACT(f64_1, double, 1)
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def exact_lib(tmp_path_factory):
+    emu = pytest.importorskip("test_kernel_emulation")
+    return emu._build(tmp_path_factory, "train_ffn.cu", _EXACT_HARNESS, {})
+
+
+@pytest.mark.parametrize("dtype,suffix,dual", [(np.float32, "f32", False), (np.float32, "f32", True),
+                                               (bfloat16, "bf16", True), (np.float64, "f64", True)])
+@pytest.mark.parametrize("grid", [1, 3])
+def test_backup_exact_kernel_emulated(exact_lib, dtype, suffix, dual, grid):
+    """twellpy_train_backup_exact on the CPU emulator against its numpy twin and a float64 reference."""
+    from twellpy.backends import cpu_train
+
+    dtype = np.dtype(dtype)
+    acc = np.float64 if dtype == np.float64 else np.float32
+    rng = np.random.default_rng(7 + grid)
+    R, H, D = 5, 40, 300  # D > 256: every thread owns two columns
+    g = np.maximum(rng.standard_normal((R, H)), 0)
+    g[:, 3] = 0          # neuron 3 is inactive everywhere, neuron 5 only in row 1
+    g[:, 5] = 0
+    g[1, 5] = 1.0
+    a = np.where(g != 0, rng.standard_normal((R, H)), 0)
+    a2 = np.where(g != 0, rng.standard_normal((R, H)), 0)
+    b = rng.standard_normal((H, D))
+    b2 = rng.standard_normal((H, D))
+    b[3] = np.nan        # never reaches a row
+    b2[3, ::2] = np.inf
+    b[5, 7] = np.nan     # reaches row 1 only, column 7
+    g, a, a2, b, b2 = (np.ascontiguousarray(v.astype(dtype)) for v in (g, a, a2, b, b2))
+    with np.errstate(invalid="ignore"):
+        out = f64(a) @ f64(b) + (f64(a2) @ f64(b2) if dual else 0)
+    ref = np.zeros((R, D))
+    for r in range(R):
+        on = f64(g[r]) != 0
+        ref[r] = f64(a[r, on]) @ f64(b[on]) + (f64(a2[r, on]) @ f64(b2[on]) if dual else 0)
+    assert np.isnan(out).any(axis=1).all()  # the GEMM's 0 * NaN poisons every row
+    out[2] = ref[2]
+    out[2, 0] = ref[2, 0] = 123.0  # a finite row is taken as it is (one read), even if wrong
+    out = out.astype(acc)
+    got = out.copy()
+    fn = getattr(exact_lib, f"exact_{suffix}_{int(dual)}")
+    p = lambda v: ctypes.c_void_p(v.ctypes.data)  # noqa: E731
+    fn(p(got), p(g), p(a), p(a2 if dual else a), p(b), p(b2 if dual else b), R, H, D, grid)
+    twin = cpu_train.backup_exact(out.copy(), g, a, b, a2 if dual else None, b2 if dual else None)
+    for res in (got, twin):
+        assert np.array_equal(np.isnan(res), np.isnan(ref))
+        fin = np.isfinite(ref)
+        np.testing.assert_allclose(res[fin], ref[fin], rtol=1e-12 if acc == np.float64 else 2e-5, atol=1e-5)
+    assert np.isnan(got[1, 7]) and np.isfinite(np.delete(got[1], 7)).all()
