@@ -196,3 +196,61 @@ def test_backup_exact_kernel_emulated(exact_lib, dtype, suffix, dual, grid):
         fin = np.isfinite(ref)
         np.testing.assert_allclose(res[fin], ref[fin], rtol=1e-12 if acc == np.float64 else 2e-5, atol=1e-5)
     assert np.isnan(got[1, 7]) and np.isfinite(np.delete(got[1], 7)).all()
+
+
+# ---------------------------------------------------------------------------
+# 2. torch: in-place changes between forward and backward raise, as in torch
+# ---------------------------------------------------------------------------
+def _torch_problem(torch, gated=True):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 8, dtype=torch.float64, generator=g)
+    ws = [torch.randn(16, 8, dtype=torch.float64, generator=g) / 3 for _ in range(2 if gated else 1)]
+    wd = torch.randn(8, 16, dtype=torch.float64, generator=g) / 3
+    return x, [w.requires_grad_() for w in ws] + [wd.requires_grad_()]
+
+
+def _torch_ffn(twt, torch, x, ws, native):
+    if native:
+        if len(ws) == 3:
+            return (torch.relu(x @ ws[0].T) * (x @ ws[1].T)) @ ws[2].T
+        return torch.relu(x @ ws[0].T) @ ws[1].T
+    fn = twt.sparse_gated_ffn if len(ws) == 3 else twt.sparse_relu_ffn
+    return fn(x, *ws)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("which", ["x", "weight"])
+def test_torch_inplace_change_after_forward_raises(gated, native, which):
+    torch = pytest.importorskip("torch")
+    import twellpy.torch as twt
+
+    x0, ws = _torch_problem(torch, gated)
+    x = x0.clone().requires_grad_()
+    x_in = x * 1.0  # a non-leaf, so it may be changed in place
+    y = _torch_ffn(twt, torch, x_in, ws, native)
+    with torch.no_grad():
+        (x_in if which == "x" else ws[-1]).mul_(2)
+    with pytest.raises(RuntimeError, match="inplace"):
+        y.sum().backward()
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_torch_gradients_without_inplace_change_match_float64(gated):
+    torch = pytest.importorskip("torch")
+    import twellpy.torch as twt
+
+    x0, ws = _torch_problem(torch, gated)
+    x = x0.clone().requires_grad_()
+    _torch_ffn(twt, torch, x, ws, False).sum().backward()
+    got = [x.grad] + [w.grad for w in ws]
+    dy = np.ones((6, 8))
+    arrs = [w.detach().numpy() for w in ws]
+    if gated:
+        ref = dense_gated(x0.numpy(), *arrs, dy, 0.0)
+        names = ["dx", "dw_gate", "dw_up", "dw_down"]
+    else:
+        ref = dense_relu(x0.numpy(), *arrs, dy, 0.0)
+        names = ["dx", "dw_up", "dw_down"]
+    for g, n in zip(got, names):
+        np.testing.assert_allclose(g.numpy(), ref[n], rtol=1e-10, atol=1e-12)

@@ -108,7 +108,10 @@ class GatedFFNFunction(torch.autograd.Function):
     ``w_gate``/``w_up`` (H, D), ``w_down`` (D, H) (``nn.Linear`` layout).
     Forward and backward run twellpy's sparse training step; the activation
     is kept sparse (Hybrid) between them. The L1 gradient is injected in
-    backward (see the module docstring). The statistics of the last forward
+    backward (see the module docstring). ``x`` and the weights are saved with
+    ``save_for_backward`` (twellpy's context reads them without a copy), so
+    changing one of them in place between forward and backward makes the
+    backward raise ``RuntimeError``, as for native torch operations. The statistics of the last forward
     pass are available from ``ctx.stats`` through :func:`sparse_gated_ffn`'s
     ``stats_out`` argument.
     """
@@ -118,6 +121,9 @@ class GatedFFNFunction(torch.autograd.Function):
         with _on_torch_stream(x):
             y, tctx = _ffn().gated_forward_train(x, w_gate, w_up, w_down, l1=l1)
         ctx.twell_ctx = tctx
+        # tctx reads x and the weights zero-copy: saving them lets autograd's version
+        # check raise in backward if one was changed in place (as native torch does)
+        ctx.save_for_backward(x, w_gate, w_up, w_down)
         if stats_out is not None:
             stats_out.append(tctx.stats)
         return y
@@ -127,6 +133,7 @@ class GatedFFNFunction(torch.autograd.Function):
     def backward(ctx, dy):
         # The twellpy context is freed with the graph (it stays for
         # retain_graph=True / repeated backward calls).
+        ctx.saved_tensors  # noqa: B018 -- RuntimeError if x or a weight was modified in place
         tctx = ctx.twell_ctx
         with _on_torch_stream(dy):
             dx, dw_gate, dw_up, dw_down = _ffn().gated_backward(tctx, dy.contiguous())
@@ -144,6 +151,7 @@ class ReluFFNFunction(torch.autograd.Function):
         with _on_torch_stream(x):
             y, tctx = _ffn().relu_forward_train(x, w_up, w_down, l1=l1)
         ctx.twell_ctx = tctx
+        ctx.save_for_backward(x, w_up, w_down)  # version check, see GatedFFNFunction
         if stats_out is not None:
             stats_out.append(tctx.stats)
         return y
@@ -151,6 +159,7 @@ class ReluFFNFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
+        ctx.saved_tensors  # noqa: B018 -- RuntimeError if x or a weight was modified in place
         tctx = ctx.twell_ctx
         with _on_torch_stream(dy):
             dx, dw_up, dw_down = _ffn().relu_backward(tctx, dy.contiguous())
