@@ -254,3 +254,39 @@ def test_torch_gradients_without_inplace_change_match_float64(gated):
         names = ["dx", "dw_up", "dw_down"]
     for g, n in zip(got, names):
         np.testing.assert_allclose(g.numpy(), ref[n], rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------
+# 3. GatedFFN / ReluFFN keep their own copies of every weight
+# ---------------------------------------------------------------------------
+def _ffn_ref(x, wg, wu, wd):
+    x, wu, wd = f64(x), f64(wu), f64(wd)
+    if wg is None:
+        return np.maximum(x @ wu.T, 0) @ wd.T
+    return (np.maximum(x @ f64(wg).T, 0) * (x @ wu.T)) @ wd.T
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+@pytest.mark.parametrize("order", ["C", "F"])
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+def test_ffn_object_ignores_later_changes_of_the_weights(backend, dtype, order, gated, mode):
+    rng = np.random.default_rng(3)
+    D, H = 8, 32
+    x = rng.standard_normal((5, D)).astype(dtype)
+    ws = [np.asarray(rng.standard_normal(s) / 2, dtype=dtype, order=order)
+          for s in ([(H, D)] if gated else []) + [(H, D), (D, H)]]
+    want = _ffn_ref(x, *(ws if gated else [None] + ws))
+    if backend == "cuda":
+        import cupy as cp
+
+        dev = [cp.asarray(w, order=order) for w in ws]
+        xd = cp.asarray(x)
+    else:
+        dev, xd = ws, x
+    ffn = tw.ffn.GatedFFN(*dev) if gated else tw.ffn.ReluFFN(*dev)
+    for w, f in zip(dev, (-1, 2, 3)):
+        w *= f  # in place, after construction
+    got = f64(ffn(xd, mode=mode))
+    tol = 2e-2 if dtype == np.float16 else 1e-5
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)

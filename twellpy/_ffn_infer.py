@@ -323,6 +323,12 @@ class GatedFFN(_FFN):
     construction or first call; later calls of a seen size allocate only the
     output.
 
+    The object keeps its own copies of all weights, made at construction:
+    changing the caller's arrays afterwards (in place or not) does not affect
+    it, on any backend, dtype or memory order. Build a new object to use
+    updated weights. The copies take about the weights' size again on their
+    device (the CUDA plan also keeps ``w_down`` transposed).
+
     Parameters
     ----------
     w_gate, w_up : array_like
@@ -366,7 +372,8 @@ class GatedFFN(_FFN):
 class ReluFFN(_FFN):
     """Reusable plain ReLU FFN: ``relu(x @ w_up.T) @ w_down.T``.
 
-    Same parameters and behaviour as :class:`GatedFFN`, without ``w_gate``.
+    Same parameters and behaviour as :class:`GatedFFN`, without ``w_gate``;
+    it also keeps its own copies of the weights, made at construction.
     """
 
     _gated = False

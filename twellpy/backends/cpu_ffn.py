@@ -129,7 +129,12 @@ def pack_activation(h, tile, slots):
 
 
 class FFNPlan:
-    """Prepared weights of one FFN on the CPU (``w_gate`` None for plain ReLU)."""
+    """Prepared weights of one FFN on the CPU (``w_gate`` None for plain ReLU).
+
+    Every weight is copied at construction (into the compute dtype and the
+    kernels' layouts), so later in-place changes of the caller's arrays never
+    reach the plan, whatever their dtype or memory order.
+    """
 
     def __init__(self, w_gate, w_up, w_down):
         self.gated = w_gate is not None
@@ -145,9 +150,10 @@ class FFNPlan:
         if self.gated:
             self.w_pairs[:, 0] = w_up
             self.w_up = self.w_pairs[:, 0]
-            self.gate_w = np.ascontiguousarray(w_gate, dtype=self.cdt)
+            # always a copy (ascontiguousarray would share a float32/float64 C array)
+            self.gate_w = np.array(w_gate, dtype=self.cdt, order="C", copy=True)
         else:
-            self.w_up = np.ascontiguousarray(w_up, dtype=self.cdt)
+            self.w_up = np.array(w_up, dtype=self.cdt, order="C", copy=True)
             self.gate_w = self.w_up
         self.w_downT = self.w_pairs[:, n_pair - 1]
         #: mean active neurons per token above which "auto" runs a chunk dense

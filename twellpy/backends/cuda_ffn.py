@@ -209,6 +209,12 @@ def _contiguous_aligned(a):
     return a if a.data.ptr % 16 == 0 else a.copy()
 
 
+def _own_copy(a):
+    """A C-contiguous copy of ``a`` (cupy) in a new allocation (never a view of ``a``)."""
+    c = cupy_module().ascontiguousarray(a)
+    return c.copy() if c.data.ptr == a.data.ptr else c
+
+
 def _decode_names(dtype, gated, mr):
     """Name expressions of the (gate, down) decode kernels for ``dtype`` and M <= ``mr``."""
     c = _registry.ctype(dtype)
@@ -424,11 +430,12 @@ class FFNPlan:
         self.dtype = np.dtype(w_up.dtype)
         self.H, self.D = w_up.shape
         self.device_id = w_up.device.id
-        # 16-byte loads read the weight rows (sparse and decode kernels): a view at an odd
-        # offset is copied
-        self.w_gate = _contiguous_aligned(w_gate) if self.gated else None
-        self.w_up = _contiguous_aligned(w_up)
-        self.w_down = cp.ascontiguousarray(w_down)
+        # the plan owns copies of all weights (fresh allocations: C-contiguous and
+        # 16-byte aligned for the kernels' vector loads), so later in-place changes of
+        # the caller's arrays reach none of them (the CPU plan copies too)
+        self.w_gate = _own_copy(w_gate) if self.gated else None
+        self.w_up = _own_copy(w_up)
+        self.w_down = _own_copy(w_down)
         self.gate_w = self.w_gate if self.gated else self.w_up
         self.config = self._choose_config()
         #: "wide" or "narrow" batches of neurons in flight (see _KB_FOR_NV)
