@@ -290,3 +290,37 @@ def test_ffn_object_ignores_later_changes_of_the_weights(backend, dtype, order, 
     got = f64(ffn(xd, mode=mode))
     tol = 2e-2 if dtype == np.float16 else 1e-5
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+# ---------------------------------------------------------------------------
+# 4. ctx.stats reads as values under every mapping protocol
+# ---------------------------------------------------------------------------
+def test_stats_mapping_protocols_see_values(backend):
+    x, wg, wu, wd, _ = _dead_neuron_problem(np.float64)
+    l1 = 0.5
+    ref = dense_gated(x, wg, wu, wd, np.zeros_like(x), l1)["l1"]
+    _, ctx = tw.ffn.gated_forward_train(*_on(backend, x, wg, wu, wd), l1=l1)
+    st = ctx.stats
+    views = {"dict": dict(st), "star": {**st}, "copy": st.copy(), "items": dict(st.items()),
+             "values": dict(zip(st.keys(), st.values()))}
+    for name, d in views.items():
+        assert isinstance(d["l1"], float), name
+        assert d["l1"] == pytest.approx(ref, rel=1e-12), name
+    assert st.get("l1") == pytest.approx(ref, rel=1e-12)
+    assert "l1" in st and len(st) == len(views["dict"])
+    assert "<function" not in repr(st)
+    with pytest.raises(TypeError):
+        st["l1"] = 0.0  # read-only
+
+
+def test_torch_stats_out_and_last_stats_are_values():
+    torch = pytest.importorskip("torch")
+    import twellpy.torch as twt
+
+    mlp = twt.SparseGatedMLP(8, 16, l1=0.1).double()
+    mlp(torch.randn(4, 8, dtype=torch.float64)).sum().backward()
+    assert isinstance(dict(mlp.last_stats)["l1"], float)
+    out = []
+    x0, ws = _torch_problem(torch)
+    twt.sparse_gated_ffn(x0, *ws, l1=0.1, stats_out=out)
+    assert isinstance({**out[0]}["l1"], float)

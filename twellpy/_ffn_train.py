@@ -30,6 +30,8 @@ same inputs always give the same bits.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from . import backends
@@ -62,34 +64,39 @@ def _mark(name, xp):
         _PROFILE.append((name, ev, time.perf_counter()))
 
 
-class _Stats(dict):
-    """``ctx.stats``: a dict whose device scalars become floats on first access.
+class _Stats(Mapping):
+    """``ctx.stats``: a read-only mapping whose device scalars become floats on first read.
 
     Keeping the L1 value on the device avoids a host synchronisation in the
-    forward pass; it is read back only when someone asks for it.
+    forward pass; it is read back only when someone asks for it. Being a
+    :class:`collections.abc.Mapping` (not a ``dict`` subclass), every way of
+    reading it -- ``stats[k]``, ``get``, ``items``, ``dict(stats)``,
+    ``{**stats}``, ``copy()`` -- goes through ``__getitem__`` and so sees the
+    value, never the deferred computation.
     """
 
-    def _resolve(self, key):
-        v = dict.__getitem__(self, key)
-        if callable(v):
-            v = v()
-            dict.__setitem__(self, key, v)
-        return v
+    def __init__(self, data):
+        self._data = dict(data)
 
     def __getitem__(self, key):
-        return self._resolve(key)
+        v = self._data[key]
+        if callable(v):
+            v = v()
+            self._data[key] = v
+        return v
 
-    def get(self, key, default=None):
-        return self._resolve(key) if key in self else default
+    def __iter__(self):
+        return iter(self._data)
 
-    def items(self):
-        return [(k, self._resolve(k)) for k in self.keys()]
+    def __len__(self):
+        return len(self._data)
 
-    def values(self):
-        return [self._resolve(k) for k in self.keys()]
+    def copy(self):
+        """A plain ``dict`` with every value computed."""
+        return dict(self.items())
 
     def __repr__(self):
-        return repr(dict(self.items()))
+        return repr(self.copy())
 
 
 # ---------------------------------------------------------------------------
@@ -180,7 +187,8 @@ class TrainContext:
         ELL width W of the saved Hybrid activations.
     backup_rows : array of int32, shape (R,)
         Rows kept as dense backup rows (more than W active neurons).
-    stats : dict
+    stats : collections.abc.Mapping
+        Read-only, dict-like (``dict(ctx.stats)`` gives a plain dict).
         ``"l0"`` mean active neurons per token; ``"l1"`` the penalty value
         ``l1 * sum|h| / M``; ``"l1_coef"`` the coefficient; ``"n_backup_rows"``;
         ``"width"``; ``"token_counts"`` (M,) int32 active neurons per token;
