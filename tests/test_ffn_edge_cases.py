@@ -324,3 +324,16 @@ def test_torch_stats_out_and_last_stats_are_values():
     x0, ws = _torch_problem(torch)
     twt.sparse_gated_ffn(x0, *ws, l1=0.1, stats_out=out)
     assert isinstance({**out[0]}["l1"], float)
+
+
+# ---------------------------------------------------------------------------
+# 6. the documented CPU chunking matches the code
+# ---------------------------------------------------------------------------
+def test_cpu_auto_chunking_documented_as_coded():
+    from twellpy import _ffn_infer
+    from twellpy.backends import cpu_ffn
+
+    doc = " ".join(_ffn_infer.__doc__.split())
+    assert f"each chunk of {cpu_ffn.CHUNK_ROWS} rows" in doc
+    assert f"first {cpu_ffn.SAMPLE_ROWS} rows" in doc
+    assert f"``{cpu_ffn.AUTO_DENSITY} * H``" in doc

@@ -51,8 +51,10 @@ call, copied to the host asynchronously (``last_info["decided_by"]`` says
 which; ``auto_probe="always"`` waits in every call). Calls of at most 512
 rows skip the probe and run sparse;
 threshold ``~0.0086 * H`` for 16-bit data (48 at H = 5632, from the measured
-H200 gather rate and crossover). CPU: each chunk of 1024 rows decides for itself from
-a 64-row sample; threshold ``0.06 * H``. The decision is reported in
+H200 gather rate and crossover). CPU: each chunk of 8192 rows
+(``twellpy.backends.cpu_ffn.CHUNK_ROWS``) decides for itself from the active
+count of its first 256 rows (``SAMPLE_ROWS``); threshold ``0.06 * H``
+(``AUTO_DENSITY``). The decision is reported in
 ``last_info["mode"]``.
 """
 from __future__ import annotations
