@@ -337,3 +337,111 @@ def test_cpu_auto_chunking_documented_as_coded():
     assert f"each chunk of {cpu_ffn.CHUNK_ROWS} rows" in doc
     assert f"first {cpu_ffn.SAMPLE_ROWS} rows" in doc
     assert f"``{cpu_ffn.AUTO_DENSITY} * H``" in doc
+
+
+# ---------------------------------------------------------------------------
+# 7. argument validation and messages
+# ---------------------------------------------------------------------------
+def test_train_check_finite_is_validated(backend):
+    x, wg, wu, wd, dy = _dead_neuron_problem(np.float64)
+    args = _on(backend, x, wg, wu, wd)
+    with pytest.raises(ValueError, match="check_finite must be True, False or 'sync'"):
+        tw.ffn.gated_forward_train(*args, check_finite="no")
+    with pytest.raises(TypeError, match="check_finite"):
+        tw.ffn.gated_forward_train(*args, check_finite=None)
+    with pytest.raises(ValueError, match="check_finite"):
+        tw.ffn.relu_forward_train(*args[:1], *args[2:], check_finite="off")
+    bad = _on(backend, np.where(np.arange(3) == 1, np.nan, x))[0]
+    for flag in (True, "sync", 1):
+        with pytest.raises(ValueError, match="NaN"):
+            tw.ffn.gated_forward_train(bad, *args[1:], check_finite=flag)
+    y, _ = tw.ffn.gated_forward_train(*args, check_finite=0)
+    np.testing.assert_allclose(f64(y), dense_gated(x, wg, wu, wd, dy, 0.0)["y"], rtol=1e-12)
+
+
+@pytest.mark.parametrize("l1", ["0.1", True, np.True_, b"1"])
+def test_train_l1_must_be_a_real_number(backend, l1):
+    x, wg, wu, wd, _ = _dead_neuron_problem(np.float64)
+    with pytest.raises(TypeError, match="l1 must be a real number"):
+        tw.ffn.gated_forward_train(*_on(backend, x, wg, wu, wd), l1=l1)
+
+
+def test_train_l1_accepts_numpy_scalars(backend):
+    x, wg, wu, wd, dy = _dead_neuron_problem(np.float64)
+    _, ctx = tw.ffn.gated_forward_train(*_on(backend, x, wg, wu, wd), l1=np.float32(0.25))
+    assert ctx.stats["l1"] == pytest.approx(dense_gated(x, wg, wu, wd, dy, 0.25)["l1"], rel=1e-7)
+
+
+def test_cpu_heavy_limit_setter_raises_like_other_cuda_tunables():
+    x, wg, wu, wd, _ = _dead_neuron_problem(np.float64)
+    ffn = tw.ffn.GatedFFN(wg, wu, wd)
+    assert ffn.heavy_limit is None
+    for name, value in (("heavy_limit", 5), ("heavy_limit", None), ("auto_probe", "always")):
+        with pytest.raises(AttributeError, match="CUDA backend only"):
+            setattr(ffn, name, value)
+
+
+@pytest.mark.gpu
+def test_cuda_heavy_limit_setter_still_works():
+    x, wg, wu, wd, _ = _dead_neuron_problem(np.float64)
+    ffn = tw.ffn.GatedFFN(*_on("cuda", wg, wu, wd))
+    ffn.heavy_limit = 2
+    assert ffn.heavy_limit == 2
+    np.testing.assert_allclose(f64(ffn(_on("cuda", x)[0])), _ffn_ref(x, wg, wu, wd), rtol=1e-12)
+
+
+def test_auto_threshold_rejects_nan(backend):
+    _, wg, wu, wd, _ = _dead_neuron_problem(np.float64)
+    ffn = tw.ffn.GatedFFN(*_on(backend, wg, wu, wd))
+    before = ffn.auto_threshold
+    with pytest.raises(ValueError, match="NaN"):
+        ffn.auto_threshold = float("nan")
+    with pytest.raises(TypeError):
+        ffn.auto_threshold = "3"
+    assert ffn.auto_threshold == before
+    ffn.auto_threshold = 2
+    assert ffn.auto_threshold == 2.0
+
+
+@pytest.mark.parametrize("fmt,kw", [("hybrid", ({"width": 1}, {"width": 2})),
+                                    ("twell", ({"tile": 2, "slots": 1}, {"tile": 2, "slots": 2}))])
+def test_multiply_names_layout_difference(backend, fmt, kw):
+    a = np.array([[1., 2, 3, 4], [0, 5, 0, 0], [6, 0, 0, 7]])
+    cls = tw.Hybrid if fmt == "hybrid" else tw.TwELL
+    A = cls.from_dense(_on(backend, a)[0], **kw[0])
+    B = cls.from_dense(_on(backend, a)[0], **kw[1])
+    with pytest.raises(ValueError, match=r"different layouts .*asformat") as e:
+        ops.multiply(A, B)
+    assert "backup rows" in str(e.value)
+    C = ops.multiply(A, B.asformat(fmt, **kw[0]))
+    np.testing.assert_array_equal(f64(C.toarray()), a * a)
+
+
+def test_torch_dtype_mismatch_hint_is_torch_like():
+    torch = pytest.importorskip("torch")
+    x0, ws = _torch_problem(torch)
+    ws32 = [w.detach().float() for w in ws]
+    with pytest.raises(TypeError, match=r"x\.to\(torch\.float32\)"):
+        tw.ffn.gated_forward(x0, *ws32)
+    with pytest.raises(TypeError, match=r"x\.astype\('float32'\)"):
+        tw.ffn.gated_forward(x0.numpy(), *[w.numpy() for w in ws32])
+
+
+def test_inference_with_requires_grad_tensor_warns_once(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from twellpy import _ffn_infer
+
+    monkeypatch.setattr(_ffn_infer, "_AUTOGRAD_WARNED", [False])
+    x0, ws = _torch_problem(torch)
+    w = [t.detach() for t in ws]
+    with torch.no_grad():  # no gradients recorded: nothing to warn about
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            tw.ffn.gated_forward(x0.clone().requires_grad_(), *w)
+    with pytest.warns(UserWarning, match="twellpy.torch") as rec:
+        y = tw.ffn.gated_forward(x0.clone().requires_grad_(), *w)
+        tw.ffn.gated_forward(x0, *ws)  # weights that require grad: already warned
+    assert len(rec) == 1 and y.grad_fn is None
+    np.testing.assert_allclose(y.numpy(), _ffn_ref(x0.numpy(), *[t.numpy() for t in w]), rtol=1e-12)

@@ -86,6 +86,37 @@ def _check_finite_mode(value, name="check_finite"):
     return bool(value)
 
 
+def _torch_dtype_name(dtype):
+    """``torch.<name>`` of a numpy dtype, for error hints addressed to torch users."""
+    return "torch." + {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32",
+                       "float64": "float64"}.get(np.dtype(dtype).name, np.dtype(dtype).name)
+
+
+_AUTOGRAD_WARNED = [False]
+
+
+def _warn_autograd(named):
+    """Warn once per process when a torch tensor that records gradients reaches the
+    inference API: its result has no ``grad_fn``, so a later ``backward()`` would
+    silently leave these inputs without gradients."""
+    if _AUTOGRAD_WARNED[0]:
+        return
+    for name, t in named:
+        if getattr(t, "requires_grad", False) and type(t).__module__.startswith("torch"):
+            import torch
+
+            if torch.is_grad_enabled():
+                import warnings
+
+                _AUTOGRAD_WARNED[0] = True
+                warnings.warn(f"{name} is a torch tensor that requires grad, but twellpy.ffn's inference "
+                              f"functions are not differentiable: the result has no grad_fn. Use "
+                              f"twellpy.torch.sparse_gated_ffn / sparse_relu_ffn (or SparseGatedMLP) for "
+                              f"training, or call under torch.no_grad(). (Warned once per process.)",
+                              UserWarning, stacklevel=4)
+                return
+
+
 def _check_layout(tile, slots):
     for name, v in (("tile", tile), ("slots", slots)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or int(v) < 1:
@@ -155,7 +186,12 @@ class _FFN:
 
     @auto_threshold.setter
     def auto_threshold(self, value):
-        self._plan.auto_threshold = float(value)
+        if isinstance(value, (str, bytes, bool, np.bool_)):
+            raise TypeError(f"auto_threshold must be a real number, got {value!r}")
+        v = float(value)
+        if v != v:  # NaN would make every comparison False: "auto" would never go dense
+            raise ValueError("auto_threshold must not be NaN")
+        self._plan.auto_threshold = v
 
     @property
     def auto_probe(self):
@@ -182,11 +218,15 @@ class _FFN:
     @property
     def heavy_limit(self):
         """CUDA: None (the sparse kernel computes every token) or an int <= 2048:
-        tokens firing more neurons go to an exact dense sub-FFN."""
+        tokens firing more neurons go to an exact dense sub-FFN. None on the
+        CPU, where setting it raises ``AttributeError`` (as ``auto_probe``)."""
         return getattr(self._plan, "heavy_limit", None)
 
     @heavy_limit.setter
     def heavy_limit(self, value):
+        if not getattr(self._plan, "supports_heavy_limit", False):
+            # as the other CUDA-only tunables: the CPU kernel computes every row itself
+            raise AttributeError("heavy_limit applies to the CUDA backend only (the CPU kernel computes every row)")
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
                                   or not 0 <= int(value) <= 2048):
             raise ValueError(f"heavy_limit must be None or an int in [0, 2048], got {value!r}")
@@ -278,6 +318,7 @@ class _FFN:
         """
         mode = self.mode if mode is None else _check_mode(mode)
         chk = self.check_finite if check_finite is None else _check_finite_mode(check_finite)
+        _warn_autograd([("x", x)])
         arr, kind = as_array(x, "x")
         if arr.ndim < 1:
             raise ValueError(f"x must have at least 1 dimension (..., {self.D}), got a scalar")
@@ -288,8 +329,9 @@ class _FFN:
             names = ", ".join(str(d) for d in FLOAT_DTYPES)
             raise TypeError(f"x has dtype {arr.dtype}, expected one of {names}")
         if arr.dtype != self.dtype:
+            how = f"x.to({_torch_dtype_name(self.dtype)})" if kind == "torch" else f"x.astype({self.dtype.name!r})"
             raise TypeError(f"x has dtype {arr.dtype} but the weights have dtype {self.dtype}; "
-                            f"cast x with x.astype(...)")
+                            f"cast x with {how}")
         dev = device_of(arr)
         if dev != self.device:
             raise ValueError(f"x is on {dev} but the weights are on {self.device}; "
@@ -415,7 +457,11 @@ def gated_forward(x, w_gate, w_up, w_down, *, return_activations=False, slots=32
     Notes
     -----
     Prepares the weights on every call; use :class:`GatedFFN` for repeated calls.
+    Not differentiable: a torch tensor that requires grad gets a result
+    without ``grad_fn`` (warned once per process); train through
+    :mod:`twellpy.torch`.
     """
+    _warn_autograd([("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)])
     ffn = GatedFFN(w_gate, w_up, w_down, tile=tile, slots=slots, mode=mode, check_finite=check_finite)
     return ffn(x, return_activations=return_activations, check_finite="sync" if ffn.check_finite else False)
 
@@ -427,5 +473,6 @@ def relu_forward(x, w_up, w_down, *, return_activations=False, slots=32, tile=25
     Same parameters and returns as :func:`gated_forward`, without ``w_gate``;
     the returned activation is ``relu(x @ w_up.T)``.
     """
+    _warn_autograd([("w_up", w_up), ("w_down", w_down)])
     ffn = ReluFFN(w_up, w_down, tile=tile, slots=slots, mode=mode, check_finite=check_finite)
     return ffn(x, return_activations=return_activations, check_finite="sync" if ffn.check_finite else False)

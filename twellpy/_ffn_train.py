@@ -253,6 +253,9 @@ def _check_shape(a, name, want, why=""):
 
 
 def _check_l1(l1):
+    # float() would also take "0.1" and True; reliability.md promises TypeError for them
+    if isinstance(l1, (str, bytes, bool, np.bool_)):
+        raise TypeError(f"l1 must be a real number, got {type(l1).__name__}")
     try:
         l1f = float(l1)
     except (TypeError, ValueError):
@@ -260,6 +263,18 @@ def _check_l1(l1):
     if not np.isfinite(l1f) or l1f < 0:
         raise ValueError(f"l1 must be a finite number >= 0, got {l1f}")
     return l1f
+
+
+def _check_finite_flag(value):
+    """``check_finite`` of the training step: True, False (or 0/1) or "sync" (= True:
+    the forward always waits for its NaN/Inf counts), as the inference functions take."""
+    if isinstance(value, str):
+        if value != "sync":
+            raise ValueError(f"check_finite must be True, False or 'sync', got {value!r}")
+        return True
+    if not isinstance(value, (bool, np.bool_, int, np.integer)):
+        raise TypeError(f"check_finite must be True, False or 'sync', got {value!r}")
+    return bool(value)
 
 
 def _queue_finite_checks(cp, named, n_tokens):
@@ -323,6 +338,7 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
         _check_shape(w_gate, "w_gate", (H, D), " (the shape of w_up)")
     _check_shape(w_down, "w_down", (D, H), f" (nn.Linear layout (D, H) for w_up of shape {(H, D)})")
     l1 = _check_l1(l1)
+    check_finite = _check_finite_flag(check_finite)
     be = backends.get(x, "train")
     xp = xp_of(x)
     read_checked = None  # reads the NaN/Inf counts and the token counts in one copy
@@ -540,8 +556,10 @@ def gated_forward_train(x, w_gate, w_up, w_down, l1=0.0, width="auto", determini
         Rows with more active neurons become dense backup rows.
     deterministic : bool
         Accepted for API stability: every kernel is already deterministic.
-    check_finite : bool
+    check_finite : bool or "sync"
         Raise ``ValueError`` on NaN/Inf in the inputs (and in dy later).
+        ``"sync"`` is accepted as True (the forward always waits for the
+        count); any other value raises ``ValueError``/``TypeError``.
 
     Returns
     -------
@@ -555,6 +573,8 @@ def gated_forward_train(x, w_gate, w_up, w_down, l1=0.0, width="auto", determini
     ------
     TypeError
         Non-float dtypes, or arrays of different dtypes.
+    TypeError
+        Also for an ``l1`` that is not a real number (a string, a bool).
     ValueError
         Mismatched shapes, different devices, NaN/Inf, negative ``l1``.
     """

@@ -260,8 +260,21 @@ def multiply(A, B):
     Raises
     ------
     ValueError
-        Different formats, shapes or patterns.
+        Different formats, shapes or patterns; the same matrix stored with
+        different layout parameters (Hybrid ``width``, TwELL ``tile``/``slots``)
+        is named as such, with the ``asformat`` call that aligns them.
     """
     A = _container(A, "A")
     B = _container(B, "B")
+    layout = [k for k in A._params() if k != "width_strategy"]  # how "auto" was resolved: not layout
+    pa, pb = A._params(), B._params()
+    if A.format == B.format and A.shape == B.shape and any(pa[k] != pb.get(k) for k in layout):
+        # the same matrix stored with another width (tile/slots) has other slots and
+        # backup rows: name the layout parameters and how to align them
+        diff = ", ".join(f"{k} {pa[k]!r} vs {pb[k]!r}" for k in layout if pa[k] != pb.get(k))
+        how = ", ".join(f"{k}={pa[k]!r}" for k in layout)
+        raise ValueError(f"A and B store their entries in different layouts ({diff}; backup rows "
+                         f"{A.n_backup} vs {B.n_backup}), so their slots cannot be paired; element-wise "
+                         f"products need identical patterns: convert one to the other's layout, e.g. "
+                         f"B.asformat({A.format!r}, {how})")
     return A._mul_same_pattern(B, "B")

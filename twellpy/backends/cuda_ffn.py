@@ -423,6 +423,8 @@ class FFNPlan:
 
     #: the device-side list of active neurons of one row holds this many entries
     LIST_CAP = _LIST_CAP
+    #: GatedFFN.heavy_limit may be set (the CPU plan has no such hand-off)
+    supports_heavy_limit = True
 
     def __init__(self, w_gate, w_up, w_down):
         cp = cupy_module()
