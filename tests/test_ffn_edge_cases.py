@@ -445,3 +445,20 @@ def test_inference_with_requires_grad_tensor_warns_once(monkeypatch):
         tw.ffn.gated_forward(x0, *ws)  # weights that require grad: already warned
     assert len(rec) == 1 and y.grad_fn is None
     np.testing.assert_allclose(y.numpy(), _ffn_ref(x0.numpy(), *[t.numpy() for t in w]), rtol=1e-12)
+
+
+# ---------------------------------------------------------------------------
+# 5. sddmm on backup rows: the documented behaviour (dense rows store no zeros)
+# ---------------------------------------------------------------------------
+def test_sddmm_backup_rows_combine_with_pattern_before_transpose(backend):
+    g = np.array([[1., 2, 3, 4], [0, 5, 0, 0], [6, 0, 0, 7]])
+    G = tw.Hybrid.from_dense(_on(backend, g)[0], width=1)
+    dy = np.array([[0.], [1], [1]])
+    W = np.ones((4, 1))
+    dh = ops.sddmm(*_on(backend, dy, W), G)
+    want = np.where(g != 0, dy @ W.T, 0)
+    np.testing.assert_array_equal(f64(dh.toarray()), want)
+    prod = ops.multiply(dh, G)  # same slots and backup rows: allowed
+    np.testing.assert_array_equal(f64(ops.transpose(prod).toarray()), (want * g).T)
+    E = tw.ELL.from_dense(_on(backend, g)[0])
+    assert ops.sddmm(*_on(backend, dy, W), E).nnz == G.nnz  # slots keep exact zeros

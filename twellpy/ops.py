@@ -156,6 +156,17 @@ def sddmm(X, Y, pattern):
     container of ``pattern``'s format
         Same indices/counts/backup rows as ``pattern``; values in the promoted
         dtype of X and Y (float32 accumulation).
+
+    Notes
+    -----
+    Slots keep every position of ``pattern``, also where the product is
+    exactly 0. Backup rows are dense and so cannot store a zero: there a
+    product of exactly 0 is not an entry of the result (``nnz`` and
+    :func:`transpose` count fewer entries than for ``pattern``). Combine such
+    results with ``pattern`` before transposing (``multiply(result, pattern)``
+    compares the slots and backup rows only), or build ``pattern`` without
+    backup rows (``ELL``, or a Hybrid wide enough) when the exact pattern
+    must survive.
     """
     P = _container(pattern, "pattern")
     x, _ = _dense(X, "X")
