@@ -224,12 +224,12 @@ class _FFN:
 
     @heavy_limit.setter
     def heavy_limit(self, value):
-        if not getattr(self._plan, "supports_heavy_limit", False):
-            # as the other CUDA-only tunables: the CPU kernel computes every row itself
-            raise AttributeError("heavy_limit applies to the CUDA backend only (the CPU kernel computes every row)")
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
                                   or not 0 <= int(value) <= 2048):
             raise ValueError(f"heavy_limit must be None or an int in [0, 2048], got {value!r}")
+        if not getattr(self._plan, "supports_heavy_limit", False):
+            # as the other CUDA-only tunables: the CPU kernel computes every row itself
+            raise AttributeError("heavy_limit applies to the CUDA backend only (the CPU kernel computes every row)")
         self._plan.heavy_limit = None if value is None else int(value)
 
     def check(self):

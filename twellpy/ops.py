@@ -284,7 +284,8 @@ def multiply(A, B):
         # backup rows: name the layout parameters and how to align them
         diff = ", ".join(f"{k} {pa[k]!r} vs {pb[k]!r}" for k in layout if pa[k] != pb.get(k))
         how = ", ".join(f"{k}={pa[k]!r}" for k in layout)
-        raise ValueError(f"A and B store their entries in different layouts ({diff}; backup rows "
+        raise ValueError(f"B has a different sparsity pattern: A and B store their entries in different "
+                         f"layouts ({diff}; backup rows "
                          f"{A.n_backup} vs {B.n_backup}), so their slots cannot be paired; element-wise "
                          f"products need identical patterns: convert one to the other's layout, e.g. "
                          f"B.asformat({A.format!r}, {how})")
