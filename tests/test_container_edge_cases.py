@@ -367,3 +367,38 @@ def test_nnz_documents_stored_zeros():
         Z = cls.from_dense(x, **BACKUP_PARAMS[cls]) * 0.0
         assert Z.count_nonzero() == 0 and not Z.toarray().any()
     assert "count_nonzero" in SparseArray.nnz.__doc__ and "differ between" in SparseArray.nnz.__doc__
+
+
+@pytest.mark.parametrize("dtype", [np.float32, bfloat16], ids=str)
+def test_nan_in_w_reaches_only_rows_storing_its_column(backend, xp, dtype):
+    # A @ W and W @ A with a NaN/Inf in W where A stores nothing: as scipy.sparse, the
+    # result must not depend on the format (dense backup rows multiply their zeros too)
+    rng = np.random.default_rng(4)
+    x = np.zeros((6, 8), np.float32)
+    x[0, :7] = rng.standard_normal(7)            # a full-ish row: a backup row below
+    x[1, 2], x[2, 5], x[3, 1], x[4, 0] = 1.5, -2.0, 0.5, 3.0
+    x = x.astype(dtype)
+    W = rng.standard_normal((8, 3)).astype(dtype)
+    W[7] = np.nan                                # column 7 is stored by no row
+    W[6, 1] = np.inf                             # column 6 is stored by row 0 only
+    G = rng.standard_normal((2, 6)).astype(dtype)
+    G[1, 5] = np.nan                             # row 5 of A is empty
+    G[0, 0] = np.nan                             # row 0 of A (a backup row) stores columns 0-6, not 7
+    ref = sp.csr_array(x.astype(np.float64))
+    with np.errstate(invalid="ignore"):
+        want = ref @ W.astype(np.float64)
+        want_l = (ref.T @ G.astype(np.float64).T).T
+    params = {tw.ELL: {}, tw.TwELL: {"tile": 4, "slots": 1}, tw.Hybrid: {"width": 1}}
+    for cls, kw in params.items():
+        A = cls.from_dense(xp.asarray(x), **kw)
+        assert cls is tw.ELL or A.n_backup == 1
+        got = np.asarray(host(A @ xp.asarray(W)), np.float64)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=cls.__name__)
+        np.testing.assert_array_equal(np.isinf(got), np.isinf(want), err_msg=cls.__name__)
+        fin = np.isfinite(want)
+        np.testing.assert_allclose(got[fin], want[fin], rtol=1e-2, err_msg=cls.__name__)
+        got_l = np.asarray(host(xp.asarray(G) @ A), np.float64)
+        np.testing.assert_array_equal(np.isnan(got_l), np.isnan(want_l), err_msg=cls.__name__)
+        fin = np.isfinite(want_l)
+        np.testing.assert_allclose(got_l[fin], want_l[fin], rtol=1e-2, err_msg=cls.__name__)
+

@@ -1243,7 +1243,9 @@ class SparseArray:
 
         Accumulates in float32 (float64 if either side is float64); the
         result has the promoted dtype and the caller's array type (numpy,
-        cupy, torch ...). No NaN/Inf check is made on ``W`` (IEEE semantics).
+        cupy, torch ...). No NaN/Inf check is made on ``W``: as in scipy.sparse, a
+        NaN/Inf in row j of ``W`` reaches exactly the rows of A that store column j,
+        whatever the format (dense backup rows included).
         """
         w, kind = self._dense_operand(w, "W")
         m, n = self.shape
@@ -1301,20 +1303,33 @@ class SparseArray:
         return self._backend().slots_spmm_t(vals, idx, b, self.shape[1])
 
     def _backup_spmm(self, b):
-        """``backup @ b`` (R, K): a backend fast path when present, else xp matmul."""
+        """``backup @ b`` (R, K): a backend fast path when present (it skips zeros), else
+        a GEMM whose non-finite rows are summed again over the row's stored entries only.
+        The GEMM multiplies a backup row's zeros too, so a NaN/Inf row of ``b`` would
+        reach every backup row, where the slots (and scipy) add only the stored entries."""
         fast = getattr(self._backend(), "dense_rows_spmm", None)
         if fast is not None:
             return fast(self.backup, b)
-        acc = _acc(result_dtype(self.dtype, b.dtype))
-        return cast(self.backup, acc) @ cast(b, acc)
+        res = result_dtype(self.dtype, b.dtype)
+        acc = _acc(res)
+        a, bb = cast(self.backup, res), _array.contiguous(cast(b, res), "W")
+        prod = cast(a, acc) @ cast(bb, acc)
+        backends.get(prod, "train").backup_exact(prod, a, a, bb)  # one launch, no host sync
+        return prod
 
     def _backup_spmm_t(self, b):
-        """``backup.T @ b`` (N, P) for b (R, P)."""
+        """``backup.T @ b`` (N, P) for b (R, P); as :meth:`_backup_spmm`, a NaN/Inf row of
+        ``b`` reaches only the columns its backup row stores."""
         fast = getattr(self._backend(), "dense_rows_spmm_t", None)
         if fast is not None:
             return fast(self.backup, b)
-        acc = _acc(result_dtype(self.dtype, b.dtype))
-        return cast(self.backup, acc).T @ cast(b, acc)
+        res = result_dtype(self.dtype, b.dtype)
+        acc = _acc(res)
+        at = self.xp.ascontiguousarray(cast(self.backup, res).T)  # (N, R): R is small
+        bb = _array.contiguous(cast(b, res), "W")
+        prod = cast(at, acc) @ cast(bb, acc)
+        backends.get(prod, "train").backup_exact(prod, at, at, bb)
+        return prod
 
     def dot(self, w):
         """Same as ``self @ w``."""

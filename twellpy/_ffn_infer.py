@@ -355,8 +355,9 @@ class _FFN:
 
         values, indices, counts, backup, backup_rows = self._backend.pack_activation(h_dense, self.tile, self.slots)
         # h may legitimately hold NaN/Inf (check_finite=False, fp16 overflow)
+        # built here from the packer's arrays: no content scan (a host sync on the GPU)
         return TwELL(values, indices, counts, shape=tuple(h_dense.shape), tile=self.tile,
-                     backup=backup, backup_rows=backup_rows, check_finite=False)
+                     backup=backup, backup_rows=backup_rows, check=False, check_finite=False)
 
 
 class GatedFFN(_FFN):
