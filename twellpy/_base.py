@@ -1311,11 +1311,7 @@ class SparseArray:
         if fast is not None:
             return fast(self.backup, b)
         res = result_dtype(self.dtype, b.dtype)
-        acc = _acc(res)
-        a, bb = cast(self.backup, res), _array.contiguous(cast(b, res), "W")
-        prod = cast(a, acc) @ cast(bb, acc)
-        backends.get(prod, "train").backup_exact(prod, a, a, bb)  # one launch, no host sync
-        return prod
+        return backends.backup_gemm(cast(self.backup, res), _array.contiguous(cast(b, res), "W"))
 
     def _backup_spmm_t(self, b):
         """``backup.T @ b`` (N, P) for b (R, P); as :meth:`_backup_spmm`, a NaN/Inf row of
@@ -1324,12 +1320,8 @@ class SparseArray:
         if fast is not None:
             return fast(self.backup, b)
         res = result_dtype(self.dtype, b.dtype)
-        acc = _acc(res)
         at = self.xp.ascontiguousarray(cast(self.backup, res).T)  # (N, R): R is small
-        bb = _array.contiguous(cast(b, res), "W")
-        prod = cast(at, acc) @ cast(bb, acc)
-        backends.get(prod, "train").backup_exact(prod, at, at, bb)
-        return prod
+        return backends.backup_gemm(at, _array.contiguous(cast(b, res), "W"))
 
     def dot(self, w):
         """Same as ``self @ w``."""

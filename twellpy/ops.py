@@ -97,11 +97,7 @@ def spmm(A, B):
     vals, idx, backup, backup_rows, _ = _parts(A)
     out = be.slots_spmm(be.from_acc(vals, dt), idx, b2)
     if backup_rows.shape[0]:
-        bk = be.from_acc(backup, dt)
-        prod = be.gemm_acc(bk, b2)
-        # the GEMM multiplies a backup row's zeros too: a NaN/Inf row of B must reach
-        # only the rows that store its column (rows left non-finite are redone sparse)
-        be.backup_exact(prod, bk, bk, b2)
+        prod = backends.backup_gemm(be.from_acc(backup, dt), b2)
         be.put_rows(out, backup_rows, be.from_acc(prod, dt))
     if vec:
         out = out[:, 0]

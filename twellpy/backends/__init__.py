@@ -27,6 +27,17 @@ def get(arr, area: str = ""):
     return importlib.import_module(f"twellpy.backends.{name}")
 
 
+def backup_gemm(a, b):
+    """``a @ b`` in the accumulator dtype for dense backup rows ``a`` (R, H) and a dense
+    ``b`` (H, K) of a's dtype, as if ``a`` were sparse: the GEMM also multiplies a's
+    zeros (0 * NaN = NaN), so the rows it leaves non-finite are summed again over a's
+    non-zeros only (``backup_exact`` of the training backend: one launch on the GPU,
+    no host sync). A NaN/Inf row of ``b`` then reaches exactly the rows that store
+    its column, as in the slot formats and scipy.sparse. ``a`` C-contiguous."""
+    be = get(a, "train")
+    return be.backup_exact(be.gemm_acc(a, b), a, a, b)
+
+
 def overflow_rows_to_backup(xp, h, values, indices, counts, row_max, slots):
     """Move the rows of a packed activation whose fullest tile overflowed into dense backup.
 
