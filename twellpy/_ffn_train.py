@@ -37,6 +37,7 @@ import numpy as np
 from . import backends
 from ._array import (as_array, check_finite as _check_finite, check_float, contiguous, count_in_range, device_of,
                      raise_nonfinite, same_device, to_caller, xp_of)
+from ._ffn_infer import _check_finite_mode
 
 __all__ = ["gated_forward_train", "gated_backward", "relu_forward_train", "relu_backward",
            "TrainContext", "choose_width"]
@@ -265,18 +266,6 @@ def _check_l1(l1):
     return l1f
 
 
-def _check_finite_flag(value):
-    """``check_finite`` of the training step: True, False (or 0/1) or "sync" (= True:
-    the forward always waits for its NaN/Inf counts), as the inference functions take."""
-    if isinstance(value, str):
-        if value != "sync":
-            raise ValueError(f"check_finite must be True, False or 'sync', got {value!r}")
-        return True
-    if not isinstance(value, (bool, np.bool_, int, np.integer)):
-        raise TypeError(f"check_finite must be True, False or 'sync', got {value!r}")
-    return bool(value)
-
-
 def _queue_finite_checks(cp, named, n_tokens):
     """Queue a NaN/Inf count of each (name, cupy array) on the current stream.
 
@@ -338,7 +327,8 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
         _check_shape(w_gate, "w_gate", (H, D), " (the shape of w_up)")
     _check_shape(w_down, "w_down", (D, H), f" (nn.Linear layout (D, H) for w_up of shape {(H, D)})")
     l1 = _check_l1(l1)
-    check_finite = _check_finite_flag(check_finite)
+    # the inference validator; "sync" is True here (the forward always waits for its counts)
+    check_finite = bool(_check_finite_mode(check_finite))
     be = backends.get(x, "train")
     xp = xp_of(x)
     read_checked = None  # reads the NaN/Inf counts and the token counts in one copy

@@ -135,11 +135,9 @@ def _vstack(parts):
     if first.format == "ell":
         return cls(values, indices, row_nnz, shape=shape, check=False, check_finite=False)
     backup, backup_rows = _stack_backup(xp, parts, shape[1], first.dtype)
-    # a strategy shared by every part still describes the result; otherwise (e.g. fixed
-    # widths 1 and 3) only the width the result has does
+    # a strategy string shared by every part still describes the result; otherwise
+    # (different strategies, or fixed widths such as 1 and 3) only its width does
     strategies = {p.width_strategy for p in parts}
-    strategy = strategies.pop() if len(strategies) == 1 else width
-    if isinstance(strategy, int):
-        strategy = width
+    strategy = first.width_strategy if len(strategies) == 1 and isinstance(first.width_strategy, str) else width
     return cls(values, indices, row_nnz, shape=shape, backup=backup, backup_rows=backup_rows,
                width_strategy=strategy, check=False, check_finite=False)

@@ -995,6 +995,7 @@ def _device_limits(device_id):
     return (int(rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, device_id)),
             int(rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id)))
 
+
 _SMEM_OPTIN_LOCK = threading.Lock()
 _SMEM_OPTIN = {}  # id(kernel) -> dynamic shared memory it is allowed (the registry keeps kernels alive)
 
@@ -1011,7 +1012,6 @@ def allow_dynamic_smem(kernel, nbytes):
         if _SMEM_OPTIN.get(key, 0) < nbytes:
             kernel.max_dynamic_shared_size_bytes = int(nbytes)
             _SMEM_OPTIN[key] = int(nbytes)
-
 
 
 def _resident_plan(m, n_rows_b, k_cols, n_slots_per_row, dtype, *arrays, mode=None, dual=False):
@@ -1070,7 +1070,6 @@ def resident_layout(m, n_rows_b, k_cols, itemsize, n_sm, smem_limit, threads, st
     return lpr, smem, n_slices, n_chunks, rows_per_chunk
 
 
-#: (device, kernel name, defines) whose dynamic shared memory limit was raised
 _NULL_PTR = np.uint64(0)
 
 
