@@ -54,6 +54,20 @@ def _parts(A):
             backup_rows, xp.ascontiguousarray(row_map))
 
 
+def _plain(arr, name):
+    """``arr`` as a plain numpy/cupy array: numpy subclasses are reduced to their base class.
+
+    A masked array is refused: the kernels read its data, so masked entries would be
+    used silently (and its ``@`` broadcasts instead of multiplying).
+    """
+    if isinstance(arr, np.ma.MaskedArray):
+        raise TypeError(f"{name} is a numpy.ma.MaskedArray; twellpy ignores masks, so pass "
+                        f"{name}.filled(0) (or the value masked entries should have)")
+    if isinstance(arr, np.ndarray) and type(arr) is not np.ndarray:
+        return arr.view(np.ndarray)  # np.matrix and other subclasses: the data, no copy
+    return arr
+
+
 def _contig(be, a):
     """C-contiguous ``a`` (a byte copy through unsigned views when needed)."""
     if a.flags.c_contiguous:
@@ -67,6 +81,7 @@ def _dense_rhs(A, B, transposed):
     1-D, B's caller kind and the result dtype."""
     A = _container(A, "A")
     b, kind = _dense(B, "B", (1, 2))
+    b = _plain(b, "B")
     _array.same_device([("B", b), ("A", A.values)])
     m, n = A.shape
     vec = b.ndim == 1
@@ -97,7 +112,10 @@ def spmm(A, B):
     vals, idx, backup, backup_rows, _ = _parts(A)
     out = be.slots_spmm(be.from_acc(vals, dt), idx, b2)
     if backup_rows.shape[0]:
-        prod = backends.backup_gemm(be.from_acc(backup, dt), b2)
+        # the dense GEMM also multiplies the zeros of the backup rows (0 * Inf is NaN) and
+        # backup_gemm redoes those rows; the slot kernels never warn, so neither does this
+        with np.errstate(invalid="ignore", over="ignore"):
+            prod = backends.backup_gemm(be.from_acc(backup, dt), b2)
         be.put_rows(out, backup_rows, be.from_acc(prod, dt))
     if vec:
         out = out[:, 0]
@@ -167,6 +185,7 @@ def sddmm(X, Y, pattern):
     P = _container(pattern, "pattern")
     x, _ = _dense(X, "X")
     y, _ = _dense(Y, "Y")
+    x, y = _plain(x, "X"), _plain(y, "Y")
     _array.same_device([("X", x), ("Y", y), ("pattern", P.values)])
     m, n = P.shape
     if x.shape[0] != m:
@@ -184,7 +203,10 @@ def sddmm(X, Y, pattern):
     new_backup = None
     if P.backup is not None:
         if backup_rows.shape[0]:
-            dense = be.gemm_acc(be.take_rows(x, backup_rows), y.T)
+            # dense over every column: a NaN it makes off the pattern is masked below, and
+            # the slot kernel never warns, so numpy must not warn here either
+            with np.errstate(invalid="ignore", over="ignore"):
+                dense = be.gemm_acc(be.take_rows(x, backup_rows), y.T)
             new_backup = be.from_acc(xp.where(nonzero_mask(backup), dense, 0), dt)
         else:
             new_backup = xp.zeros((0, n), dtype=dt)
@@ -247,8 +269,10 @@ def transpose(A, format="hybrid", width="auto"):
     row_map, backup_rows = maps[:n], maps[n:]
     vals, ell_idx, ell_nnz = be.csr_to_hybrid(indptr.astype(np.int64), rows, data, row_map, W, m, R)
     ell_val, backup = be.split_combined(vals, n, W, R, m)
+    # keep the strategy (not only the width it resolved to), as Hybrid.from_dense does:
+    # .T and conversions of the result rebuild with it
     return Hybrid(ell_val, ell_idx, ell_nnz, shape=(n, m), backup=backup,
-                  backup_rows=backup_rows, check=False, check_finite=False)
+                  backup_rows=backup_rows, width_strategy=width, check=False, check_finite=False)
 
 
 def multiply(A, B):

@@ -1,0 +1,115 @@
+"""Edge cases of twellpy.ops, twellpy.save/load and twellpy.jax found in review (CPU only)."""
+import warnings
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+import twellpy as tw
+from twellpy import ops
+
+
+def _activation(seed=0, m=8, n=300):
+    """Sparse rows, one full row (a backup row at width 2) and one empty row."""
+    rng = np.random.default_rng(seed)
+    h = np.maximum(rng.standard_normal((m, n)) - 1.5, 0).astype(np.float32)
+    h[2] = rng.uniform(0.5, 2.0, n)
+    h[5] = 0
+    return h
+
+
+def _assert_ieee_close(got, ref, tol=1e-5):
+    """Same NaN/+Inf/-Inf positions, finite values within ``tol``."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    for test in (np.isnan, np.isposinf, np.isneginf):
+        np.testing.assert_array_equal(test(got), test(ref))
+    fin = np.isfinite(ref)
+    np.testing.assert_allclose(got[fin], ref[fin], rtol=tol, atol=tol)
+
+
+def _formats(h):
+    return {
+        "ell": tw.ELL.from_dense(h),
+        "twell": tw.TwELL.from_dense(h, tile=64, slots=8),
+        "hybrid": tw.Hybrid.from_dense(h, width=2),
+    }
+
+
+# --------------------------------------------------------------------------
+# ops: no spurious numpy warnings from the backup-row GEMMs
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["ell", "twell", "hybrid"])
+def test_spmm_inf_in_b_does_not_warn_and_matches_scipy(fmt):
+    h = _activation()
+    A = _formats(h)[fmt]
+    rng = np.random.default_rng(1)
+    B = rng.standard_normal((300, 3)).astype(np.float32)
+    B[13, 0] = np.inf  # row 2 (a backup row of the Hybrid) stores column 13
+    B[11, 1] = np.nan
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the slot formats are silent, so every format must be
+        y = ops.spmm(A, B)
+    _assert_ieee_close(y, sp.csr_array(h.astype(np.float64)) @ B.astype(np.float64))
+
+
+@pytest.mark.parametrize("fmt", ["ell", "twell", "hybrid"])
+def test_sddmm_inf_in_y_off_pattern_does_not_warn(fmt):
+    h = _activation()
+    h[2, 7] = 0.0  # the full row (a backup row of the Hybrid) misses column 7
+    A = _formats(h)[fmt]
+    rng = np.random.default_rng(2)
+    X = rng.standard_normal((8, 4)).astype(np.float32)
+    X[2, 0] = 0.0  # so the dense product of that row meets 0 * Inf off the pattern
+    Y = rng.standard_normal((300, 4)).astype(np.float32)
+    Y[7, 0] = np.inf
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        S = ops.sddmm(X, Y, A)
+    with np.errstate(invalid="ignore"):  # the reference's own 0 * Inf, off the pattern
+        ref = np.where(h != 0, X.astype(np.float64) @ Y.astype(np.float64).T, 0)
+    _assert_ieee_close(S.toarray(), ref)
+
+
+# --------------------------------------------------------------------------
+# ops: numpy subclasses as dense operands
+# --------------------------------------------------------------------------
+def test_masked_array_operand_is_refused_by_name():
+    h = _activation()
+    A = tw.Hybrid.from_dense(h, width=2)
+    W = np.random.default_rng(3).standard_normal((300, 3)).astype(np.float32)
+    Wm = np.ma.masked_array(W, mask=W > 1)
+    with pytest.raises(TypeError, match=r"B is a numpy.ma.MaskedArray.*filled"):
+        ops.spmm(A, Wm)
+    with pytest.raises(TypeError, match=r"B is a numpy.ma.MaskedArray"):
+        ops.spmm_t(A, Wm[:8])
+    with pytest.raises(TypeError, match=r"X is a numpy.ma.MaskedArray"):
+        ops.sddmm(Wm[:8], W, A)
+    with pytest.raises(TypeError, match=r"Y is a numpy.ma.MaskedArray"):
+        ops.sddmm(W[:8], Wm, A)
+
+
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # np.matrix itself warns
+def test_matrix_operand_gives_plain_arrays():
+    h = _activation()
+    rng = np.random.default_rng(4)
+    W = rng.standard_normal((300, 3)).astype(np.float32)
+    for A in _formats(h).values():
+        y = ops.spmm(A, np.matrix(W))
+        assert type(y) is np.ndarray
+        np.testing.assert_allclose(y, h.astype(np.float64) @ W, rtol=1e-5, atol=1e-5)
+        z = ops.spmm_t(A, np.matrix(W[:8]))
+        assert type(z) is np.ndarray
+        np.testing.assert_allclose(z, h.T.astype(np.float64) @ W[:8], rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------
+# ops.transpose keeps the width strategy
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("width", ["auto", "min_storage", "quantile:0.5", 3])
+def test_transpose_records_width_strategy(width):
+    h = _activation()
+    A = tw.Hybrid.from_dense(h, width=2)
+    T = ops.transpose(A, width=width)
+    assert T.width_strategy == tw.Hybrid.from_dense(h.T, width=width).width_strategy
+    np.testing.assert_array_equal(T.toarray(), h.T)
+    np.testing.assert_array_equal(T.T.toarray(), h)
