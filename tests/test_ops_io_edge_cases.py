@@ -1,5 +1,7 @@
 """Edge cases of twellpy.ops, twellpy.save/load and twellpy.jax found in review (CPU only)."""
+import io
 import warnings
+import zipfile
 
 import numpy as np
 import pytest
@@ -113,3 +115,80 @@ def test_transpose_records_width_strategy(width):
     assert T.width_strategy == tw.Hybrid.from_dense(h.T, width=width).width_strategy
     np.testing.assert_array_equal(T.toarray(), h.T)
     np.testing.assert_array_equal(T.T.toarray(), h)
+
+
+# --------------------------------------------------------------------------
+# io: file objects, non-npz files, damaged compressed archives, versions
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["ell", "twell", "hybrid"])
+def test_save_load_file_objects(tmp_path, fmt):
+    h = _activation()
+    A = _formats(h)[fmt]
+    buf = io.BytesIO()
+    tw.save(buf, A)
+    assert not buf.closed
+    buf.seek(0)
+    B = tw.load(buf)
+    assert not buf.closed
+    np.testing.assert_array_equal(B.toarray(), h)
+    path = tmp_path / "a.npz"
+    with open(path, "wb") as f:
+        tw.save(f, A)
+    with open(path, "rb") as f:
+        np.testing.assert_array_equal(tw.load(f).toarray(), h)
+
+
+def test_bad_path_type_names_the_argument():
+    A = tw.ELL.from_dense(_activation())
+    with pytest.raises(TypeError, match=r"path must be a str, an os.PathLike or a binary file object, got builtins.int"):
+        tw.save(3, A)
+    with pytest.raises(TypeError, match=r"path must be .*got builtins.NoneType"):
+        tw.load(None)
+
+
+def test_load_npy_file_is_a_clear_value_error(tmp_path):
+    path = tmp_path / "x.npy"
+    np.save(path, np.zeros(3))
+    with pytest.raises(ValueError, match=r"x.npy is not a readable twellpy .npz file.*not an .npz archive"):
+        tw.load(path)
+
+
+def test_load_damaged_compressed_archive(tmp_path):
+    A = tw.Hybrid.from_dense(_activation(), width=2)
+    plain = tmp_path / "a.npz"
+    tw.save(plain, A)
+    with np.load(plain) as z:
+        entries = {k: z[k] for k in z.files}
+    comp = tmp_path / "c.npz"
+    np.savez_compressed(comp, **entries)
+    np.testing.assert_array_equal(tw.load(comp).toarray(), A.toarray())  # a compressed file loads
+    raw = comp.read_bytes()
+    with zipfile.ZipFile(comp) as zf:
+        info = zf.getinfo("values.npy")
+    # flip bytes inside the deflate stream of one member (after its local header)
+    # the data start after the local header (its name and extra lengths are at bytes 26..29)
+    h0 = info.header_offset
+    start = h0 + 30 + int.from_bytes(raw[h0 + 26:h0 + 28], "little") + int.from_bytes(raw[h0 + 28:h0 + 30], "little")
+    seen = set()
+    for off in range(0, info.compress_size, 7):
+        b = bytearray(raw)
+        b[start + off] ^= 0xFF
+        bad = tmp_path / "bad.npz"
+        bad.write_bytes(bytes(b))
+        with pytest.raises(ValueError, match=r"bad.npz is not a readable twellpy .npz file") as e:
+            tw.load(bad)
+        seen.add(str(e.value).split("(")[1].split(":")[0])
+    assert "error" in seen  # zlib.error was among the failures, and it became a ValueError
+
+
+@pytest.mark.parametrize("version", [np.float64(1.7), np.bool_(True), np.str_("1"), np.array([1, 1])])
+def test_load_version_must_be_an_integer_scalar(tmp_path, version):
+    A = tw.ELL.from_dense(_activation())
+    path = tmp_path / "a.npz"
+    tw.save(path, A)
+    with np.load(path) as z:
+        entries = {k: z[k] for k in z.files}
+    entries["__twellpy_version__"] = version
+    np.savez(path, **entries)
+    with pytest.raises(ValueError, match=r"unreadable __twellpy_version__ entry: expected an integer scalar"):
+        tw.load(path)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import zipfile
+import zlib
 
 import numpy as np
 
@@ -31,15 +32,33 @@ _VALUE_ARRAYS = ("values", "backup")
 _DTYPES = {str(d): d for d in FLOAT_DTYPES}
 
 
+def _is_file(path):
+    """True for an open file object (anything with ``read`` or ``write``), not a path."""
+    return hasattr(path, "write") or hasattr(path, "read")
+
+
+def _fspath(path):
+    """``os.fspath(path)`` with an error that names the argument."""
+    try:
+        return os.fspath(path)
+    except TypeError:
+        raise TypeError(f"path must be a str, an os.PathLike or a binary file object, "
+                        f"got {type(path).__module__}.{type(path).__name__}") from None
+
+
 def save(path, A):
     """Write container ``A`` to ``path`` (npz, written to exactly that path).
 
     Parameters
     ----------
-    path : str or os.PathLike
+    path : str, os.PathLike or binary file object
+        A file object (opened ``"wb"``, or ``io.BytesIO``) is written from its
+        current position and left open.
     A : ELL, TwELL or Hybrid
         Arrays on the GPU are copied to the host first.
     """
+    if not _is_file(path):
+        path = _fspath(path)  # checked before A is copied off the GPU
     if not isinstance(A, SparseArray):
         raise TypeError(f"A must be a twellpy ELL, TwELL or Hybrid, got {type(A).__module__}.{type(A).__name__}")
     d = A.components()
@@ -56,7 +75,10 @@ def save(path, A):
         out[name] = a
     for k, v in d.items():
         out[f"param_{k}"] = np.str_(v) if isinstance(v, str) else np.int64(v)
-    with open(os.fspath(path), "wb") as f:
+    if _is_file(path):
+        np.savez(path, **out)
+        return
+    with open(path, "wb") as f:
         np.savez(f, **out)
 
 
@@ -65,7 +87,9 @@ def load(path, *, device="cpu"):
 
     Parameters
     ----------
-    path : str or os.PathLike
+    path : str, os.PathLike or binary file object
+        A file object must be readable and seekable (opened ``"rb"``, or
+        ``io.BytesIO``); it is left open.
     device : str
         ``"cpu"`` (default), ``"cuda"`` or ``"cuda:N"``.
 
@@ -77,20 +101,33 @@ def load(path, *, device="cpu"):
         The file is truncated, corrupt, not a twellpy file, or was written by
         a newer twellpy (the message names the file).
     """
-    p = os.fspath(path)
+    if _is_file(path):
+        src, p = path, getattr(path, "name", None)
+        p = p if isinstance(p, str) else f"the file object {type(path).__name__}"
+    else:
+        src = p = _fspath(path)
     try:
-        with np.load(p, allow_pickle=False) as z:
+        z = np.load(src, allow_pickle=False)
+        if not isinstance(z, np.lib.npyio.NpzFile):
+            # a .npy file (one array) or a text file: np.load gives an array, no archive
+            raise ValueError(f"it holds a single {type(z).__name__}, not an .npz archive")
+        with z:
             entries = {k: z[k] for k in z.files}
     except FileNotFoundError:
         raise
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError) as e:
+    # zlib.error: a damaged np.savez_compressed member; NotImplementedError/RuntimeError:
+    # an unknown zip compression method or an encrypted member
+    except (zipfile.BadZipFile, zlib.error, ValueError, OSError, EOFError, KeyError,
+            NotImplementedError, RuntimeError) as e:
         raise ValueError(f"{p} is not a readable twellpy .npz file ({type(e).__name__}: {e})") from None
     if "__twellpy_version__" not in entries:
         raise ValueError(f"{p} is not a twellpy file (no __twellpy_version__ entry)")
-    try:
-        version = int(entries.pop("__twellpy_version__"))
-    except (TypeError, ValueError):
-        raise ValueError(f"{p} has an unreadable __twellpy_version__ entry") from None
+    v = entries.pop("__twellpy_version__")
+    if v.dtype.kind not in "iu" or v.ndim != 0:
+        # int() would read 1.7 or True as version 1, "1" as well
+        raise ValueError(f"{p} has an unreadable __twellpy_version__ entry: expected an integer "
+                         f"scalar, got {v.dtype} {v.tolist()!r}")
+    version = int(v)
     if version > FORMAT_VERSION:
         raise ValueError(f"{p} was written with twellpy file format version {version}; this twellpy "
                          f"reads versions up to {FORMAT_VERSION}; upgrade twellpy to load it")
