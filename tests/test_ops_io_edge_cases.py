@@ -192,3 +192,39 @@ def test_load_version_must_be_an_integer_scalar(tmp_path, version):
     np.savez(path, **entries)
     with pytest.raises(ValueError, match=r"unreadable __twellpy_version__ entry: expected an integer scalar"):
         tw.load(path)
+
+
+# --------------------------------------------------------------------------
+# jax adapter: dtype errors name the culprit
+# --------------------------------------------------------------------------
+def test_jax_int_x_is_named():
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    import twellpy.jax as twj
+
+    rng = np.random.default_rng(0)
+    wg, wu = (jnp.asarray(rng.standard_normal((16, 4)), jnp.float32) for _ in range(2))
+    wd = jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
+    x = jnp.ones((3, 4), jnp.int32)
+    with pytest.raises(TypeError, match=r"^x has dtype int32, expected one of float16"):
+        twj.gated_ffn(x, wg, wu, wd)
+    with pytest.raises(TypeError, match=r"^x has dtype int32"):
+        twj.relu_ffn(x, wu, wd)
+    with pytest.raises(TypeError, match=r"^x has dtype bool"):
+        twj.relu_ffn(x.astype(bool), wu, wd)
+
+
+def test_jax_bool_array_l1_is_refused():
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    import twellpy.jax as twj
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((3, 4)), jnp.float32)
+    wu = jnp.asarray(rng.standard_normal((16, 4)), jnp.float32)
+    wd = jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
+    for l1 in (np.array(True), jnp.asarray(True)):
+        with pytest.raises(TypeError, match="l1 must be a real number"):
+            twj.relu_ffn(x, wu, wd, l1=l1)
+    y = twj.relu_ffn(x, wu, wd, l1=np.array(0.5, np.float32))  # a numeric 0-d array is fine
+    assert y.shape == (3, 4)

@@ -47,6 +47,8 @@ from collections import OrderedDict
 
 import numpy as np
 
+from ._array import FLOAT_DTYPES
+
 try:
     import jax
     import jax.numpy as jnp
@@ -185,8 +187,8 @@ def _check_l1(l1):
     if isinstance(l1, jax.core.Tracer):
         raise TypeError("l1 must be a Python float (a static value), got a traced jax value; "
                         "mark it static (e.g. jax.jit(..., static_argnames='l1'))")
-    if isinstance(l1, (np.ndarray, jax.Array)) and np.ndim(l1) == 0:
-        l1 = float(l1)
+    if isinstance(l1, (np.ndarray, jax.Array)) and np.ndim(l1) == 0 and l1.dtype.kind not in "bc":
+        l1 = float(l1)  # a bool or complex array stays and is refused below
     if not isinstance(l1, numbers.Real) or isinstance(l1, bool):
         raise TypeError(f"l1 must be a real number, got {type(l1).__name__}")
     l1 = float(l1)
@@ -198,6 +200,10 @@ def _check_l1(l1):
 def _prepare(kind, x, weights):
     names = _KINDS[kind][3]
     x = jnp.asarray(x)
+    if x.dtype not in FLOAT_DTYPES:
+        # checked first: otherwise an int x is reported as a wrong dtype of the first weight
+        raise TypeError(f"x has dtype {x.dtype}, expected one of "
+                        f"{', '.join(str(d) for d in FLOAT_DTYPES)}")
     ws = []
     for name, w in zip(names, weights):
         w = jnp.asarray(w)
