@@ -146,6 +146,18 @@ def test_bad_path_type_names_the_argument():
         tw.load(None)
 
 
+def test_text_mode_file_objects_are_refused(tmp_path):
+    A = tw.ELL.from_dense(_activation())
+    path = tmp_path / "a.npz"
+    with open(path, "w") as f, pytest.raises(TypeError, match=r"path is a text-mode file object.*'wb'"):
+        tw.save(f, A)
+    tw.save(path, A)
+    with open(path, "r") as f, pytest.raises(TypeError, match=r"path is a text-mode file object.*'rb'"):
+        tw.load(f)
+    with pytest.raises(TypeError, match=r"text-mode.*StringIO"):
+        tw.load(io.StringIO("x"))
+
+
 def test_load_npy_file_is_a_clear_value_error(tmp_path):
     path = tmp_path / "x.npy"
     np.save(path, np.zeros(3))

@@ -16,6 +16,7 @@ so a corrupt file gives a ``ValueError`` naming the file, never a crash.
 """
 from __future__ import annotations
 
+import io
 import os
 import zipfile
 import zlib
@@ -32,9 +33,18 @@ _VALUE_ARRAYS = ("values", "backup")
 _DTYPES = {str(d): d for d in FLOAT_DTYPES}
 
 
-def _is_file(path):
-    """True for an open file object (anything with ``read`` or ``write``), not a path."""
-    return hasattr(path, "write") or hasattr(path, "read")
+def _is_file(path, mode):
+    """True for an open file object (anything with ``read`` or ``write``), not a path.
+
+    A text-mode file is refused here: npz archives are bytes, and the error of the
+    first write (or the decode error of the first read) would not say so.
+    """
+    if not (hasattr(path, "write") or hasattr(path, "read")):
+        return False
+    if isinstance(path, io.TextIOBase):
+        raise TypeError(f"path is a text-mode file object ({type(path).__name__}); open the file "
+                        f"in binary mode ({mode!r}) or pass io.BytesIO")
+    return True
 
 
 def _fspath(path):
@@ -57,7 +67,8 @@ def save(path, A):
     A : ELL, TwELL or Hybrid
         Arrays on the GPU are copied to the host first.
     """
-    if not _is_file(path):
+    is_file = _is_file(path, "wb")
+    if not is_file:
         path = _fspath(path)  # checked before A is copied off the GPU
     if not isinstance(A, SparseArray):
         raise TypeError(f"A must be a twellpy ELL, TwELL or Hybrid, got {type(A).__module__}.{type(A).__name__}")
@@ -75,7 +86,7 @@ def save(path, A):
         out[name] = a
     for k, v in d.items():
         out[f"param_{k}"] = np.str_(v) if isinstance(v, str) else np.int64(v)
-    if _is_file(path):
+    if is_file:
         np.savez(path, **out)
         return
     with open(path, "wb") as f:
@@ -101,7 +112,7 @@ def load(path, *, device="cpu"):
         The file is truncated, corrupt, not a twellpy file, or was written by
         a newer twellpy (the message names the file).
     """
-    if _is_file(path):
+    if _is_file(path, "rb"):
         src, p = path, getattr(path, "name", None)
         p = p if isinstance(p, str) else f"the file object {type(path).__name__}"
     else:
