@@ -240,3 +240,20 @@ def test_jax_bool_array_l1_is_refused():
             twj.relu_ffn(x, wu, wd, l1=l1)
     y = twj.relu_ffn(x, wu, wd, l1=np.array(0.5, np.float32))  # a numeric 0-d array is fine
     assert y.shape == (3, 4)
+
+
+@pytest.mark.parametrize("d, h", [(0, 4), (4, 0)])
+def test_jax_empty_weights_are_refused_in_every_mode(d, h):
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    import twellpy.jax as twj
+
+    x = jnp.ones((3, d))
+    wg, wu, wd = jnp.ones((h, d)), jnp.ones((h, d)), jnp.ones((d, h))
+    msg = r"w_gate has shape .*expected \(H, D\) with H, D >= 1"
+    with pytest.raises(ValueError, match=msg):
+        twj.gated_ffn(x, wg, wu, wd)
+    with pytest.raises(ValueError, match=msg):  # jax.grad took the training path, which accepted H = 0
+        jax.grad(lambda *p: twj.gated_ffn(*p).sum(), argnums=(0, 1, 2, 3))(x, wg, wu, wd)
+    with pytest.raises(ValueError, match=r"w_up has shape .*H, D >= 1"):
+        jax.jit(lambda x: twj.relu_ffn(x, wu, wd))(x)

@@ -213,6 +213,10 @@ def _prepare(kind, x, weights):
             raise TypeError(f"{name} has dtype {w.dtype}, expected {x.dtype} (the dtype of x)")
         ws.append(w)
     h, d = ws[0].shape
+    if h < 1 or d < 1:
+        # as the inference functions; x.reshape(-1, 0) would raise ZeroDivisionError, and
+        # H = 0 failed in the primal but not under jax.grad (the training step accepts it)
+        raise ValueError(f"{names[0]} has shape {(h, d)}, expected (H, D) with H, D >= 1")
     for name, w in zip(names[1:-1], ws[1:-1]):
         if w.shape != (h, d):
             raise ValueError(f"{name} has shape {tuple(w.shape)}, expected {(h, d)}")
