@@ -257,3 +257,73 @@ def test_jax_empty_weights_are_refused_in_every_mode(d, h):
         jax.grad(lambda *p: twj.gated_ffn(*p).sum(), argnums=(0, 1, 2, 3))(x, wg, wu, wd)
     with pytest.raises(ValueError, match=r"w_up has shape .*H, D >= 1"):
         jax.jit(lambda x: twj.relu_ffn(x, wu, wd))(x)
+
+
+# --------------------------------------------------------------------------
+# the same operand rules everywhere (twellpy._array.as_array is the one entry)
+# --------------------------------------------------------------------------
+def test_masked_arrays_are_refused_by_every_entry_point():
+    h = _activation()
+    A = tw.TwELL.from_dense(h, tile=64, slots=16)
+    rng = np.random.default_rng(5)
+    W = rng.standard_normal((300, 3)).astype(np.float32)
+    Wm = np.ma.masked_array(W, mask=W > 1)
+    with pytest.raises(TypeError, match=r"W is a numpy.ma.MaskedArray|numpy.ma.MaskedArray"):
+        A @ Wm
+    x = rng.standard_normal((4, 8)).astype(np.float32)
+    wg = rng.standard_normal((16, 8)).astype(np.float32)
+    wd = rng.standard_normal((8, 16)).astype(np.float32)
+    with pytest.raises(TypeError, match=r"x is a numpy.ma.MaskedArray"):
+        tw.ffn.gated_forward(np.ma.masked_array(x), wg, wg, wd)
+    with pytest.raises(TypeError, match=r"w_down is a numpy.ma.MaskedArray"):
+        tw.ffn.relu_forward_train(x, wg, np.ma.masked_array(wd))
+    with pytest.raises(TypeError, match=r"numpy.ma.MaskedArray"):
+        tw.ELL.from_dense(np.ma.masked_array(h))
+
+
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")
+def test_matrix_operands_compute_as_plain_arrays():
+    h = _activation()
+    W = np.random.default_rng(6).standard_normal((300, 3)).astype(np.float32)
+    A = tw.ELL.from_dense(h)
+    y = A @ np.matrix(W)
+    assert type(y) is np.ndarray
+    np.testing.assert_allclose(y, h.astype(np.float64) @ W, rtol=1e-5, atol=1e-5)
+    B = tw.ELL.from_dense(np.matrix(h))
+    np.testing.assert_array_equal(B.toarray(), h)
+
+
+# --------------------------------------------------------------------------
+# training refuses empty layers like inference; fixed widths are capped at N
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("d, h", [(0, 4), (4, 0)])
+def test_training_refuses_empty_weights(d, h):
+    x = np.ones((3, d), np.float32)
+    with pytest.raises(ValueError, match=r"w_up has shape .*H, D >= 1"):
+        tw.ffn.gated_forward_train(x, np.ones((h, d), np.float32), np.ones((h, d), np.float32),
+                                   np.ones((d, h), np.float32))
+    with pytest.raises(ValueError, match=r"w_up has shape .*H, D >= 1"):
+        tw.ffn.relu_forward_train(x, np.ones((h, d), np.float32), np.ones((d, h), np.float32))
+
+
+def test_fixed_width_beyond_the_row_length_is_capped():
+    h = _activation()
+    n = h.shape[1]
+    for width in (10**12, f"fixed:{10**12}", n + 1):
+        A = tw.Hybrid.from_dense(h, width=width)
+        assert A.width == n and A.backup_rows.shape[0] == 0
+        np.testing.assert_array_equal(A.toarray(), h)
+    # a strategy read back from a crafted file must not allocate M x 2**64 slots either
+    A = tw.Hybrid.from_dense(h, width=3)
+    B = tw.Hybrid(A.values, A.indices, A.row_nnz, shape=A.shape, backup=A.backup,
+                  backup_rows=A.backup_rows, width_strategy=2**64 - 1)
+    np.testing.assert_array_equal(B.T.T.toarray(), h)
+    assert B.T.width <= h.shape[0]
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((5, 8)).astype(np.float32)
+    wu = rng.standard_normal((16, 8)).astype(np.float32)
+    wd = rng.standard_normal((8, 16)).astype(np.float32)
+    y, ctx = tw.ffn.relu_forward_train(x, wu, wd, width=10**12)
+    assert ctx.width <= 16
+    np.testing.assert_allclose(y, np.maximum(x.astype(np.float64) @ wu.T, 0) @ wd.T.astype(np.float64),
+                               rtol=1e-5, atol=1e-5)

@@ -152,8 +152,14 @@ def as_array(x, name: str, *, ndim=None, allow_none: bool = False):
         if allow_none:
             return None, None
         raise TypeError(f"{name} must be an array, got None")
+    if isinstance(x, np.ma.MaskedArray):
+        # the kernels read the data buffer, so masked entries would count silently
+        raise TypeError(f"{name} is a numpy.ma.MaskedArray; twellpy ignores masks, so pass "
+                        f"{name}.filled(0) (or the value masked entries should have)")
     if isinstance(x, np.ndarray):
-        arr, kind = x, "numpy"
+        # np.matrix and other subclasses: their operators differ (matrix * is @), so
+        # compute on the plain data (a view, no copy)
+        arr, kind = (x if type(x) is np.ndarray else x.view(np.ndarray)), "numpy"
     elif is_cupy(x):
         arr, kind = x, "cupy"
     elif _torch_kind(x):

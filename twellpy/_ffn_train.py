@@ -118,7 +118,8 @@ def choose_width(token_counts, spec="auto", *, slot_bytes=8, row_bytes=None, n_c
     row_bytes : int, optional
         Bytes of one dense backup row; defaults to ``n_cols * slot_bytes``.
     n_cols : int, optional
-        Row length N (needed when ``row_bytes`` is not given).
+        Row length N (needed when ``row_bytes`` is not given); a fixed width
+        larger than N is capped at N.
 
     Returns
     -------
@@ -132,7 +133,7 @@ def choose_width(token_counts, spec="auto", *, slot_bytes=8, row_bytes=None, n_c
     if isinstance(spec, (int, np.integer)):
         if spec < 0:
             raise ValueError(f"width must be >= 0, got {spec}")
-        return max(int(spec), 1)
+        return _at_most_cols(max(int(spec), 1), n_cols)
     if not isinstance(spec, str):
         raise TypeError(f"width must be an int or a strategy string, got {type(spec).__name__}")
     name, _, arg = spec.partition(":")
@@ -141,7 +142,7 @@ def choose_width(token_counts, spec="auto", *, slot_bytes=8, row_bytes=None, n_c
             n = int(arg)
         except ValueError:
             raise ValueError(f"width {spec!r}: expected 'fixed:<int>'") from None
-        return choose_width(counts, n)
+        return choose_width(counts, n, n_cols=n_cols)
     if M == 0:
         return 1
     if name == "quantile":
@@ -167,6 +168,12 @@ def choose_width(token_counts, spec="auto", *, slot_bytes=8, row_bytes=None, n_c
         return max(w, 1)
     raise ValueError(f"unknown width strategy {spec!r}; expected an int, 'fixed:n', 'quantile:p', "
                      f"'min_storage' or 'auto'")
+
+
+def _at_most_cols(w, n_cols):
+    """A fixed width past the row length N buys nothing (a row holds at most N entries)
+    and would allocate M x w slots, so it is capped at N."""
+    return w if n_cols is None else min(w, max(int(n_cols), 1))
 
 
 def _quantile_higher(counts, p, cum=None):
@@ -326,6 +333,8 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
     if gated:
         _check_shape(w_gate, "w_gate", (H, D), " (the shape of w_up)")
     _check_shape(w_down, "w_down", (D, H), f" (nn.Linear layout (D, H) for w_up of shape {(H, D)})")
+    if H < 1 or D < 1:  # as the inference functions: an empty layer is a caller's mistake
+        raise ValueError(f"w_up has shape {tuple(w_up.shape)}, expected (H, D) with H, D >= 1")
     l1 = _check_l1(l1)
     # the inference validator; "sync" is True here (the forward always waits for its counts)
     check_finite = bool(_check_finite_mode(check_finite))
@@ -393,7 +402,7 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
     _mark("counts to host (sync)", xp)
     n_vals = 2 if gated else 1
     W = choose_width(counts_host, width, slot_bytes=n_vals * dt.itemsize + 4,
-                     row_bytes=n_vals * dt.itemsize * H)
+                     row_bytes=n_vals * dt.itemsize * H, n_cols=H)
     R = int(np.count_nonzero(counts_host > W))
     # [row_map (M,) | backup_rows (R,)], built where the counts are (on the GPU:
     # one launch, no host work or upload while the device waits)

@@ -4,7 +4,7 @@ Width strategies (modelled on Ginkgo's ``hybrid::strategy_type``)
 -----------------------------------------------------------------
 ``width`` accepts:
 
-* an ``int`` n, or ``"fixed:n"``: W = n.
+* an ``int`` n, or ``"fixed:n"``: W = min(n, N) (a row holds at most N entries).
 * ``"quantile:p"`` (0 <= p <= 1): W is the row-nnz value at fraction p of the
   rows sorted by nnz, rounded up: ``sorted(row_nnz)[ceil(p*M) - 1]`` (p = 0
   gives the smallest row, p = 1 the widest; ``M = 0`` gives W = 0).
@@ -92,7 +92,9 @@ def choose_width(row_nnz, n_cols, itemsize, width="auto"):
     """
     strat = parse_width(width)
     if isinstance(strat, int):
-        return strat
+        # a row holds at most n_cols entries: a wider ELL part would only allocate padding
+        # (a width strategy read from a file could otherwise ask for any amount of memory)
+        return min(strat, int(n_cols))
     s = np.sort(np.asarray(_as_host(row_nnz), dtype=np.int64))
     if strat == "min_storage":
         return _min_storage_width(s, n_cols, itemsize)

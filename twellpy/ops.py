@@ -54,20 +54,6 @@ def _parts(A):
             backup_rows, xp.ascontiguousarray(row_map))
 
 
-def _plain(arr, name):
-    """``arr`` as a plain numpy/cupy array: numpy subclasses are reduced to their base class.
-
-    A masked array is refused: the kernels read its data, so masked entries would be
-    used silently (and its ``@`` broadcasts instead of multiplying).
-    """
-    if isinstance(arr, np.ma.MaskedArray):
-        raise TypeError(f"{name} is a numpy.ma.MaskedArray; twellpy ignores masks, so pass "
-                        f"{name}.filled(0) (or the value masked entries should have)")
-    if isinstance(arr, np.ndarray) and type(arr) is not np.ndarray:
-        return arr.view(np.ndarray)  # np.matrix and other subclasses: the data, no copy
-    return arr
-
-
 def _contig(be, a):
     """C-contiguous ``a`` (a byte copy through unsigned views when needed)."""
     if a.flags.c_contiguous:
@@ -81,7 +67,6 @@ def _dense_rhs(A, B, transposed):
     1-D, B's caller kind and the result dtype."""
     A = _container(A, "A")
     b, kind = _dense(B, "B", (1, 2))
-    b = _plain(b, "B")
     _array.same_device([("B", b), ("A", A.values)])
     m, n = A.shape
     vec = b.ndim == 1
@@ -185,7 +170,6 @@ def sddmm(X, Y, pattern):
     P = _container(pattern, "pattern")
     x, _ = _dense(X, "X")
     y, _ = _dense(Y, "Y")
-    x, y = _plain(x, "X"), _plain(y, "Y")
     _array.same_device([("X", x), ("Y", y), ("pattern", P.values)])
     m, n = P.shape
     if x.shape[0] != m:
