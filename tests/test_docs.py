@@ -185,3 +185,55 @@ def test_readme_tour_names_exist():
             obj = getattr(obj, part)
         assert callable(obj), dotted
     assert hasattr(twellpy.ffn, "gated_backward")
+
+
+def _python_blocks(page):
+    return _fenced_blocks((REPO / page).read_text(), "python")
+
+
+def test_readme_tour_runs(tmp_path, monkeypatch):
+    """The README's tour is one self-contained block that runs as written."""
+    monkeypatch.chdir(tmp_path)
+    blocks = _python_blocks("README.md")
+    assert len(blocks) == 1
+    ns = {}
+    exec(compile(blocks[0], "README.md", "exec"), ns)
+    assert np.array_equal(ns["A2"].toarray(), ns["h"])
+    x, w_gate, w_up, w_down = ns["x"], ns["w_gate"], ns["w_up"], ns["w_down"]
+    ref = (np.maximum(x @ w_gate.T, 0) * (x @ w_up.T)) @ w_down.T
+    assert np.allclose(ns["tw"].ffn.gated_forward(x, w_gate, w_up, w_down), ref, rtol=1e-4, atol=1e-5)
+    assert ns["dw_down"].shape == w_down.shape and ns["dx"].shape == x.shape
+    # the comment promises a sparse activation: a few percent of the neurons
+    assert 0 < ns["ctx"].stats["l0"] < 0.1 * w_gate.shape[0]
+
+
+def test_choosing_snippet_runs():
+    """docs/choosing.md measures slots on the reader's ``acts``: run it on synthetic ones."""
+    (code,) = _python_blocks("docs/choosing.md")
+    acts = np.maximum(np.random.default_rng(0).standard_normal((512, 1000), dtype=np.float32) - 2.0, 0)
+    ns = {"acts": acts}
+    exec(compile(code, "choosing.md", "exec"), ns)
+    assert ns["occ"].shape == (512, 4)
+    assert isinstance(ns["slots"], (int, np.integer)) and 1 <= ns["slots"] <= 256
+
+
+def test_interop_torch_snippets_run():
+    """The PyTorch blocks of docs/interop.md, then the components block, run as written."""
+    torch = pytest.importorskip("torch")
+    blocks = [b for b in _python_blocks("docs/interop.md") if "cupy" not in b and "jax" not in b]
+    assert len(blocks) == 3, "interop.md: expected two PyTorch blocks and the components block"
+    ns = {}
+    for code in blocks:
+        exec(compile(code, "interop.md", "exec"), ns)
+    assert isinstance(ns["y"], torch.Tensor) and ns["mlp"].down_proj.weight.grad is not None
+    assert np.array_equal(ns["A2"].toarray(), ns["A"].toarray())
+
+
+def test_interop_jax_snippet_runs():
+    jax = pytest.importorskip("jax")
+    (code,) = [b for b in _python_blocks("docs/interop.md") if "import jax" in b]
+    ns = {}
+    exec(compile(code, "interop.md", "exec"), ns)
+    grads = ns["grads"]
+    assert [g.shape for g in grads] == [(256, 128), (512, 128), (512, 128), (128, 512)]
+    assert all(bool(jax.numpy.isfinite(g).all()) for g in grads)
