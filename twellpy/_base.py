@@ -502,15 +502,49 @@ class SparseArray:
     def from_scipy(cls, m, *, dtype=None, check_finite=True, **params):
         """Build from any ``scipy.sparse`` array or matrix (result on the CPU).
 
-        Exact: duplicate entries are summed first, then explicit zeros
-        (stored entries equal to 0, including sums that cancel) are dropped;
-        neither changes the matrix. Column order in the input does not
-        matter. ``dtype`` casts the values (scipy has no 16-bit types, so
-        this is how float16/bfloat16 containers are made from scipy; integer
-        matrices are accepted when ``dtype`` is given); values that the cast
-        rounds to zero are dropped too. With ``check_finite`` the values are
-        checked before and after the cast, so a cast that overflows to Inf
-        raises ``ValueError``.
+        Exact: duplicate entries are summed first (by scipy's
+        ``sum_duplicates``), then explicit zeros (stored entries equal to 0,
+        including sums that cancel) are dropped; neither changes the matrix.
+        The float rounding of a sum of three or more duplicates depends on
+        their order: ``m.toarray()`` adds them in another order and can differ
+        from the container in the last bit, while ``m.sum_duplicates()``
+        followed by ``m.toarray()`` gives the container's values exactly.
+        Column order in the input does not matter. ``dtype`` casts the values
+        (scipy has no 16-bit types, so this is how float16/bfloat16
+        containers are made from scipy; integer matrices are accepted when
+        ``dtype`` is given); values that the cast rounds to zero are dropped
+        too. With ``check_finite`` the values are checked before and after
+        the cast, so a cast that overflows to Inf raises ``ValueError``.
+
+        Parameters
+        ----------
+        m : scipy.sparse array or matrix
+            (M, N), any sparse format; float32 or float64 values (integers
+            only together with ``dtype``).
+        dtype : dtype, optional
+            Value dtype of the container: float16, bfloat16, float32 or
+            float64. Default: the dtype of ``m``.
+        check_finite : bool
+            Reject NaN/Inf in the values (before and after the cast).
+        **params
+            Format parameters, as for :meth:`from_dense` of the subclass
+            (``tile``, ``slots``, ``overflow`` for TwELL; ``width`` for ELL
+            and Hybrid).
+
+        Returns
+        -------
+        SparseArray
+            A container of the calling class, on the CPU.
+
+        Raises
+        ------
+        TypeError
+            ``m`` is not a scipy.sparse array or matrix, or has integer
+            values and no ``dtype``.
+        ValueError
+            NaN/Inf values with ``check_finite``, a cast that overflows to
+            Inf, or invalid format parameters (including
+            :class:`TileOverflowError` with ``overflow="raise"``).
         """
         if dtype is not None:
             dtype = _value_dtype(dtype, "dtype")

@@ -210,7 +210,20 @@ class Hybrid(SparseArray):
 
     @classmethod
     def from_scipy(cls, m, *, width="auto", dtype=None, check_finite=True):
-        """Build from a scipy.sparse array/matrix; see :meth:`SparseArray.from_scipy`."""
+        """Build from a scipy.sparse array/matrix; see :meth:`SparseArray.from_scipy`.
+
+        Parameters
+        ----------
+        m : scipy.sparse array or matrix
+            (M, N) matrix; float32 or float64 (integers only with ``dtype``).
+        width : int or str
+            ELL width or strategy (``"auto"``, ``"min_storage"``,
+            ``"quantile:p"``, ``"fixed:n"``); see :mod:`twellpy.hybrid`.
+        dtype : dtype, optional
+            Value dtype (float16, bfloat16, float32 or float64); default that of ``m``.
+        check_finite : bool
+            Reject NaN/Inf values.
+        """
         return super().from_scipy(m, width=width, dtype=dtype, check_finite=check_finite)
 
     @classmethod

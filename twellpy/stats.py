@@ -655,6 +655,13 @@ def tile_occupancy(acts, tile=256):
 def tile_occupancy_histogram(acts, tile=256):
     """Histogram of tile occupancy: how many (token, tile) cells hold k entries.
 
+    Parameters
+    ----------
+    acts : array_like or twellpy container
+        (M, H) activations.
+    tile : int
+        Tile width T (default 256).
+
     Returns
     -------
     numpy.ndarray
@@ -676,10 +683,28 @@ def empirical_overflow_rate(acts, slots, tile=256, per="tile"):
 
     Parameters
     ----------
+    acts : array_like or twellpy container
+        (M, H) activations.
+    slots : int
+        Capacity S per (token, tile) cell; a cell overflows when it holds
+        more than ``slots`` active neurons.
+    tile : int
+        Tile width T (default 256).
     per : {"tile", "row"}
         ``"tile"``: fraction of (token, tile) cells that overflow;
         ``"row"``: fraction of tokens with at least one overflowing tile
         (the rows TwELL moves to its dense backup).
+
+    Returns
+    -------
+    float
+        The observed fraction, in [0, 1].
+
+    Raises
+    ------
+    ValueError
+        ``slots`` is not a non-negative integer, ``per`` is not ``"tile"``
+        or ``"row"``, or ``acts`` holds no tiles.
     """
     slots = _check_slots(slots)
     occ = tile_occupancy(acts, tile)

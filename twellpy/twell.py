@@ -164,7 +164,22 @@ class TwELL(SparseArray):
 
     @classmethod
     def from_scipy(cls, m, *, tile=256, slots=32, overflow="backup", dtype=None, check_finite=True):
-        """Build from a scipy.sparse array/matrix; see :meth:`SparseArray.from_scipy`."""
+        """Build from a scipy.sparse array/matrix; see :meth:`SparseArray.from_scipy`.
+
+        Parameters
+        ----------
+        m : scipy.sparse array or matrix
+            (M, N) matrix; float32 or float64 (integers only with ``dtype``).
+        tile, slots : int
+            Tile width T (default 256) and capacity S per (row, tile)
+            (default 32).
+        overflow : {"backup", "raise"}
+            What to do with rows having a tile over capacity (module docstring).
+        dtype : dtype, optional
+            Value dtype (float16, bfloat16, float32 or float64); default that of ``m``.
+        check_finite : bool
+            Reject NaN/Inf values.
+        """
         return super().from_scipy(m, tile=tile, slots=slots, overflow=overflow, dtype=dtype,
                                   check_finite=check_finite)
 
