@@ -804,7 +804,23 @@ class OverflowModel:
         """Smallest ``slots`` whose predicted overflow probability is <= target.
 
         The result is rounded up to a multiple of ``multiple_of`` and never
-        exceeds ``tile`` (a full tile cannot overflow).
+        exceeds ``tile`` (a full tile cannot overflow): when the rounding
+        would pass ``tile``, the result is ``tile``, whether or not it is a
+        multiple of ``multiple_of``.
+
+        Parameters
+        ----------
+        target_overflow : float
+            Acceptable overflow probability (see :meth:`probability`).
+        per : {"tile", "row"}
+            Probability of a (token, tile) cell or of a token row.
+        multiple_of : int
+            Positive; round the result up to a multiple of this.
+
+        Returns
+        -------
+        int
+            In ``[1, tile]``.
         """
         if not (0.0 <= float(target_overflow) < 1.0):
             raise ValueError(f"target_overflow must be in [0, 1), got {target_overflow!r}")
@@ -894,7 +910,8 @@ def suggest_slots(acts, tile=256, target_overflow=1e-3, per="tile", kind="mixtur
     kind : {"mixture", "binomial"}
         See :class:`OverflowModel`.
     multiple_of : int
-        Round the result up to a multiple of this (e.g. 8 for vector loads).
+        Round the result up to a multiple of this (e.g. 8 for vector loads);
+        the result is then capped at ``tile``, which need not be a multiple.
 
     Returns
     -------
