@@ -89,7 +89,8 @@ def spmm(A, B):
     Returns
     -------
     array, shape (M,) or (M, K)
-        Promoted dtype of A and B, float32 accumulation, the caller's array type.
+        Promoted dtype of A and B, accumulated in float32 (float64 when the
+        promoted dtype is float64), the caller's array type.
     """
     A, b2, vec, kind, dt = _dense_rhs(A, B, transposed=False)
     be = backends.get(b2, "train")
@@ -128,7 +129,8 @@ def spmm_t(A, B):
     Returns
     -------
     array, shape (N,) or (N, K)
-        Promoted dtype, float32 accumulation, the caller's array type.
+        Promoted dtype, accumulated in float32 (float64 when the promoted
+        dtype is float64), the caller's array type.
     """
     A, b2, vec, kind, dt = _dense_rhs(A, B, transposed=True)
     be, indptr, rows, pos, combined = _transposed(A)
@@ -154,7 +156,8 @@ def sddmm(X, Y, pattern):
     -------
     container of ``pattern``'s format
         Same indices/counts/backup rows as ``pattern``; values in the promoted
-        dtype of X and Y (float32 accumulation).
+        dtype of X and Y (accumulated in float32, float64 when that dtype is
+        float64).
 
     Notes
     -----
