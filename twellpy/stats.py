@@ -500,12 +500,39 @@ def token_ranking(tokens, nnz, k=10, min_count=1):
 # which neurons fire
 
 def firing_counts(acts):
-    """How many tokens activate each neuron: int64 array of shape (H,)."""
+    """How many tokens activate each neuron.
+
+    Parameters
+    ----------
+    acts : array_like or twellpy container
+        (M, H) activations (see the module docstring).
+
+    Returns
+    -------
+    numpy.ndarray
+        int64, shape (H,).
+    """
     return _to_numpy(_Acts(acts).per_neuron()).astype(np.int64)
 
 
 def firing_frequency(acts):
-    """Fraction of tokens that activate each neuron: float64 array (H,)."""
+    """Fraction of tokens that activate each neuron.
+
+    Parameters
+    ----------
+    acts : array_like or twellpy container
+        (M, H) activations (see the module docstring).
+
+    Returns
+    -------
+    numpy.ndarray
+        float64, shape (H,), in [0, 1].
+
+    Raises
+    ------
+    ValueError
+        ``acts`` holds no tokens (M = 0).
+    """
     view = _Acts(acts)
     if view.m == 0:
         raise ValueError("acts holds no tokens")
@@ -889,6 +916,25 @@ def overflow_probability(acts, slots, tile=256, per="tile", kind="mixture"):
 
     Shorthand for ``fit_overflow_model(acts, tile, kind).probability(slots, per)``;
     see :class:`OverflowModel` for the model.
+
+    Parameters
+    ----------
+    acts : array_like or twellpy container
+        (M, H) activations (see the module docstring).
+    slots : int
+        Capacity S per (token, tile) cell.
+    tile : int
+        Tile width T (default 256).
+    per : {"tile", "row"}
+        Probability that a (token, tile) cell overflows, or that a token row
+        has at least one overflowing tile.
+    kind : {"mixture", "binomial"}
+        See :class:`OverflowModel`.
+
+    Returns
+    -------
+    float
+        In [0, 1].
     """
     return fit_overflow_model(acts, tile, kind).probability(slots, per)
 
