@@ -237,3 +237,19 @@ def test_interop_jax_snippet_runs():
     grads = ns["grads"]
     assert [g.shape for g in grads] == [(256, 128), (512, 128), (512, 128), (128, 512)]
     assert all(bool(jax.numpy.isfinite(g).all()) for g in grads)
+
+
+def test_links_outside_the_site_resolve():
+    """README.md and examples/ are not built by mkdocs (whose strict mode checks the
+    links inside docs/): their links, and the Markdown files the example scripts
+    name, must exist in the repository."""
+    missing = []
+    for page in ("README.md", "examples/README.md"):
+        for target in re.findall(r"\]\(([^)#\s]+)", (REPO / page).read_text()):
+            if "://" not in target and not (REPO / page).parent.joinpath(target).exists():
+                missing.append(f"{page}: {target}")
+    for script in sorted((REPO / "examples").glob("*.py")):
+        for name in set(re.findall(r"[\w./-]+\.md\b", script.read_text())):
+            if not any((REPO / base / name).exists() for base in ("", "docs", "examples")):
+                missing.append(f"examples/{script.name}: {name}")
+    assert not missing, missing
