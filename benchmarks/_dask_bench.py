@@ -1,6 +1,6 @@
 """Shared engine of benchmarks/dask_scaling.py and benchmarks/multi_gpu.py.
 
-Runs ``twellpy.dask.gated_forward`` on a synthetic workload (BENCHMARKS.md)
+Runs ``twellpy.dask.gated_forward`` on a synthetic workload (docs/workloads.md)
 with 1, 2, ... workers and compares it with a direct, single-process
 ``twellpy.ffn.GatedFFN`` call on the same data:
 

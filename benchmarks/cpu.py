@@ -1,4 +1,4 @@
-"""CPU benchmark on workload C1 (see BENCHMARKS.md): twellpy vs scipy.sparse and numpy.
+"""CPU benchmark on workload C1 (see docs/workloads.md): twellpy vs scipy.sparse and numpy.
 
 Workload C1: the activation ``h = relu(x @ w_gate.T) * (x @ w_up.T)`` of a
 synthetic gated FFN with M=8192 tokens, D=1024, H=2816, about 15 non-zeros per

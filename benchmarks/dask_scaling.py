@@ -1,6 +1,6 @@
 """Dask scale-out benchmark: throughput with 1 and 2 workers, overhead against direct calls.
 
-Runs ``twellpy.dask.gated_forward`` on a synthetic gated FFN (BENCHMARKS.md)
+Runs ``twellpy.dask.gated_forward`` on a synthetic gated FFN (docs/workloads.md)
 with 1 and 2 Dask workers, and the same FFN directly in this process
 (``twellpy.ffn.GatedFFN`` on the whole batch), then prints one table:
 time, tokens/s, scaling against 1 worker, overhead against the direct call,
@@ -40,7 +40,7 @@ import _dask_bench as bench  # noqa: E402  (sets the NVLS variables before CUDA 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cpu", action="store_true", help="force a CPU LocalCluster")
-    p.add_argument("--workload", default=None, help="BENCHMARKS.md name (default W1-64k on GPU, C1 on CPU)")
+    p.add_argument("--workload", default=None, help="workload name, see docs/workloads.md (default W1-64k on GPU, C1 on CPU)")
     p.add_argument("--rows", type=int, default=None, help="override M")
     p.add_argument("--chunks", type=int, default=None,
                    help="row chunks per batch (default: one per worker, so the 1-worker row measures "

@@ -1,4 +1,4 @@
-"""Fused FFN inference benchmark on the BENCHMARKS.md workloads (one GPU call).
+"""Fused FFN inference benchmark on the docs/workloads.md workloads (one GPU call).
 
 For every workload (bf16, gated): dense FFN through torch/cuBLAS, the gate
 GEMM alone (the practical floor), twellpy's fused path in several kernel

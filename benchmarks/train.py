@@ -5,7 +5,7 @@ One command on the GPU machine::
     PYTHONPATH=. python benchmarks/train.py [--workloads W1-16k W2] [--reps 30]
     PYTHONPATH=. python benchmarks/train.py --cpu      # small model on the CPU (Numba)
 
-For each workload (BENCHMARKS.md recipe, bf16) it times, with CUDA events
+For each workload (docs/workloads.md recipe, bf16) it times, with CUDA events
 (median of ``--reps`` after warm-up):
 
 * twellpy ``gated_forward_train`` + ``gated_backward`` (l1 = 2e-5), also the

@@ -1,4 +1,4 @@
-"""Synthetic FFN workloads of BENCHMARKS.md (shared by every benchmark and test).
+"""Synthetic FFN workloads of docs/workloads.md (shared by every benchmark and test).
 
 ``x`` (M, D) has N(0, 1) entries, each row scaled by ``exp(sigma * N(0, 1))``
 (uneven sparsity across tokens), then ``x[:, 0] = 1``. The gate weights are
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-#: BENCHMARKS.md reference workloads (W4 is run at M = 1, 16 and 128)
+#: docs/workloads.md reference workloads (W4 is run at M = 1, 16 and 128)
 WORKLOADS = {
     "W1-16k": dict(M=16384, D=2048, H=5632, nnz=30, sigma=0.0),
     "W1-64k": dict(M=65536, D=2048, H=5632, nnz=30, sigma=0.0),

@@ -19,7 +19,7 @@ import numpy as np
 import scipy.sparse as sp
 
 import twellpy as tw
-from twellpy._array import gpu_available
+from twellpy import gpu_available
 
 
 def make_matrix(m, n, density, seed):

@@ -13,10 +13,11 @@ import statistics
 import time
 
 import numpy as np
+from ml_dtypes import bfloat16
 import scipy.sparse as sp
 
 import twellpy as tw
-from twellpy._array import bfloat16, gpu_available
+from twellpy import gpu_available
 
 
 def timer(xp, fn, repeat):

@@ -19,9 +19,10 @@ import statistics
 import time
 
 import numpy as np
+from ml_dtypes import bfloat16
 
 import twellpy as tw
-from twellpy._array import bfloat16, gpu_available
+from twellpy import gpu_available
 
 
 def synthetic_ffn(M, D, H, K, seed=0):

@@ -18,9 +18,10 @@ Run: ``python examples/04_training_step.py [--small] [--device cpu|cuda]``
 import argparse
 
 import numpy as np
+from ml_dtypes import bfloat16
 
 import twellpy as tw
-from twellpy._array import bfloat16, gpu_available
+from twellpy import gpu_available
 
 
 def dense_step(x, wg, wu, wd, dy, l1):

@@ -23,7 +23,7 @@ import numpy as np
 
 import twellpy as tw
 from twellpy import plot, stats
-from twellpy._array import gpu_available
+from twellpy import gpu_available
 
 
 class Adam:

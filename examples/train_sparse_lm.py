@@ -645,9 +645,9 @@ def bench_inference(layers, ms, jax, jnp, on_gpu, reps):
             # the same prepared objects on cupy arrays, converted once: the
             # library's own time without the per-call jax <-> cupy conversions,
             # next to the dense cuBLAS path of the same object (mode="dense")
-            from twellpy._array import as_array
+            import cupy as cp
 
-            zc = as_array(z, "z")[0]
+            zc = cp.from_dlpack(z)
             native["twellpy_sparse_cupy_ms"] = timeit(lambda: sparse_ffn(zc))[0]
             native["dense_cublas_cupy_ms"] = timeit(lambda: sparse_ffn(zc, mode="dense"))[0]
 
@@ -808,7 +808,7 @@ def main(argv=None):
     import jax
     import jax.numpy as jnp
 
-    from twellpy._array import gpu_available
+    from twellpy import gpu_available
 
     platform = jax.devices()[0].platform
     on_gpu = platform in ("gpu", "cuda")

@@ -47,7 +47,7 @@ def sparse_rows(m, n, seed, density=0.08, dtype=np.float32):
 
 
 def ffn_problem(m, d, h, seed, active=12, dtype=np.float32):
-    """x, w_gate, w_up, w_down per BENCHMARKS.md, about ``active`` gate positives per row."""
+    """x, w_gate, w_up, w_down per docs/workloads.md, about ``active`` gate positives per row."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((m, d)).astype(np.float64)
     x[:, 0] = 1.0

@@ -253,3 +253,15 @@ def test_links_outside_the_site_resolve():
             if not any((REPO / base / name).exists() for base in ("", "docs", "examples")):
                 missing.append(f"examples/{script.name}: {name}")
     assert not missing, missing
+
+
+def test_examples_use_only_the_public_api():
+    """Examples are what users copy: a private import there becomes user code that breaks."""
+    import re
+
+    private = []
+    for path in sorted((REPO / "examples").glob("*.py")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\btwellpy\.(_\w+|backends)\b", line):
+                private.append(f"{path.name}:{n}: {line.strip()}")
+    assert not private, "examples import private twellpy modules:\n" + "\n".join(private)

@@ -1,8 +1,8 @@
 """twellpy: activation-sparse computation with TwELL, ELL and Hybrid formats.
 
 The containers :class:`ELL`, :class:`TwELL` and :class:`Hybrid`, the
-:class:`TileOverflowError`, :func:`vstack` and :func:`save`/:func:`load` are
-imported eagerly.
+:class:`TileOverflowError`, :func:`vstack`, :func:`save`/:func:`load` and
+:func:`gpu_available` are imported eagerly.
 The optional areas ``twellpy.ops``, ``twellpy.ffn``, ``twellpy.stats``,
 ``twellpy.plot`` and ``twellpy.dask`` are imported on first attribute access,
 so a missing optional dependency never breaks ``import twellpy``.
@@ -13,6 +13,7 @@ import importlib
 
 __version__ = "0.1.0"
 
+from ._array import gpu_available
 from ._base import SparseArray, TileOverflowError
 from .ell import ELL
 from .hybrid import Hybrid
@@ -23,7 +24,7 @@ from .twell import TwELL
 _LAZY = ("ops", "ffn", "stats", "plot", "dask")
 
 __all__ = ["ELL", "TwELL", "Hybrid", "SparseArray", "TileOverflowError", "vstack", "save", "load",
-           "__version__", *_LAZY]
+           "gpu_available", "__version__", *_LAZY]
 
 
 def __getattr__(name):

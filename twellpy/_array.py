@@ -48,7 +48,19 @@ def cupy_module():
 
 @functools.lru_cache(maxsize=1)
 def gpu_available() -> bool:
-    """True when CuPy is installed and at least one CUDA device is usable."""
+    """Whether twellpy's GPU backend can run here.
+
+    Returns
+    -------
+    bool
+        True when CuPy is installed and at least one CUDA device is usable;
+        False otherwise (never raises).
+
+    Examples
+    --------
+    >>> import twellpy as tw
+    >>> device = "cuda" if tw.gpu_available() else "cpu"
+    """
     cp = cupy_module()
     if cp is None:
         return False
