@@ -308,7 +308,11 @@ twellpy_dense_to_twell(const T* __restrict__ x, T* __restrict__ values, int* __r
     const int t_end = min(n_tiles, t_begin + tpw);
     const T* __restrict__ xrow = x + (long long)row * N;
     const int chunk = 32 * VEC;
-    const int chunks_per_tile = (tile + chunk - 1) / chunk;
+    // A tile wider than the row is the row (n_tiles = 1, the same columns): walking it
+    // whole would visit (tile - N) / chunk empty chunks. Rounded up without tile + chunk - 1,
+    // which overflows int for a tile within one chunk of 2^31 (the loop then ran zero times).
+    tile = min(tile, N);
+    const int chunks_per_tile = (tile - 1) / chunk + 1;
     const int c_begin = t_begin * chunks_per_tile;
     const int c_end = t_end * chunks_per_tile;
 

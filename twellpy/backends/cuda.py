@@ -641,6 +641,7 @@ def _dense_to_twell(x, tile, slots):
     if m == 0 or n_tiles == 0:
         return values, indices, counts, cp.zeros(m, _I32), nonfinite
     row_max = cp.zeros(m, _I32) if n_groups > 1 else _alloc(m, _I32)
+    tile = min(tile, n)  # a tile wider than the row is the row (one tile; fits the int32 argument)
     vec = _dense_vec(x, n, tile)
     k = reg.get_kernel("construct.cu", _name_dense("dense_to_twell", x.dtype, vec), **CONSTRUCT_DEFINES)
     k((_blocks(m * n_groups, CONSTRUCT_WARPS),), (32 * CONSTRUCT_WARPS,),
@@ -799,7 +800,7 @@ def csr_to_twell(indptr, indices, data, n_cols, tile, slots):
     k = reg.get_kernel("construct.cu", _name_t("csr_to_twell", data.dtype))
     k((_blocks(m, CONSTRUCT_WARPS),), (32 * CONSTRUCT_WARPS,),
       (indptr, cols, data, values, out_idx, counts, row_max, bad,
-       _i32(m), _i32(n_cols), _i32(tile), _i32(slots), _i32(n_tiles)))
+       _i32(m), _i32(n_cols), _i32(max(1, min(tile, n_cols))), _i32(slots), _i32(n_tiles)))
     _raise_if_bad(bad, _BAD_CSR)
     return values, out_idx, counts, row_max
 

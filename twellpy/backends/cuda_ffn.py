@@ -404,7 +404,8 @@ def pack_activation(h, tile, slots):
         warps = 8
         grid = ((M * n_tiles + warps - 1) // warps,)
         k = _registry.get_kernel(_PACK_FILE, f"twellpy_ffn_pack<{_registry.ctype(h.dtype)}>")
-        k(grid, (warps * 32,), (h, np.int64(N), np.int32(M), np.int32(N), np.int32(tile),
+        # a tile wider than the row is the row (one tile; fits the int32 argument)
+        k(grid, (warps * 32,), (h, np.int64(N), np.int32(M), np.int32(N), np.int32(min(tile, N)),
                                 np.int32(slots), np.int32(n_tiles), values, indices, counts, row_max))
     backup, backup_rows = overflow_rows_to_backup(cp, h, values, indices, counts, row_max, slots)
     return values, indices, counts, backup, backup_rows
