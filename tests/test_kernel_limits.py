@@ -106,3 +106,27 @@ def test_wide_tiles_reach_the_construction_kernels_as_the_row_width(host_only, t
     host_only.cuda_ffn.pack_activation(x, tile, 4)
     (_, _, args), = host_only.rec.launches
     assert int(args[4]) == 300 and _fits_int32(args)  # (h, lds, M, N, tile, slots, n_tiles, ...)
+
+
+# ---------------------------------------------------------------------------
+# rows of more than 2**30 columns
+# ---------------------------------------------------------------------------
+def test_rows_wider_than_2_30_columns_are_refused_by_name(host_only):
+    """The kernels' int column counters may run a chunk (or, in the last tile, a tile)
+    past the row's end before their bounds check; near 2**31 columns that wrapped
+    negative and read before the row (a CUDA fault). Such rows now get a ValueError
+    before any launch. Zero-row inputs of that width need no memory."""
+    cuda = host_only.cuda
+    wide = 2**30 + 1
+    x = np.zeros((0, wide), np.float16)
+    with pytest.raises(ValueError, match=r"the number of columns is 1073741825; .*at most 2\*\*30"):
+        cuda.dense_to_twell(x, 256, 8)
+    with pytest.raises(ValueError, match=r"at most 2\*\*30"):
+        cuda._dense_row_nnz(x)
+    with pytest.raises(ValueError, match=r"at most 2\*\*30"):
+        cuda.csr_to_twell(np.zeros(1, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32), wide, 256, 8)
+    with pytest.raises(ValueError, match=r"the number of columns of B is 1073741825"):
+        cuda._dense_operand(x, "B")
+    assert not host_only.rec.launches
+    # 2**30 columns exactly are accepted (the zero-row launch returns early)
+    cuda.dense_to_twell(np.zeros((0, 2**30), np.float16), 256, 8)

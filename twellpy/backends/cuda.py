@@ -512,6 +512,19 @@ def _check_int32(n, what):
         raise ValueError(f"{what} is {n}, which does not fit the int32 index type (max {_INT32_MAX})")
 
 
+# The kernels walk a row in int column counters that may step a chunk (up to
+# 2**16) past the row's end, or a whole tile past it in the last tile, before the
+# bounds check; rows of at most 2**30 columns keep every such counter below 2**31.
+GPU_MAX_COLUMNS = 2**30
+
+
+def _check_columns(n, what="the number of columns"):
+    if n > GPU_MAX_COLUMNS:
+        raise ValueError(f"{what} is {n}; the GPU kernels take rows of at most 2**30 = "
+                         f"{GPU_MAX_COLUMNS} columns: split the matrix into column blocks, or use "
+                         f"the CPU backend (int32 columns)")
+
+
 def _gpu_array(a, name, ndim=None):
     """``a`` as a C-contiguous cupy array (TypeError for host arrays)."""
     cp = _cp()
@@ -629,7 +642,7 @@ def _dense_to_twell(x, tile, slots):
     tile = _positive(tile, "tile")
     slots = _positive(slots, "slots")
     m, n = x.shape
-    _check_int32(n, "the number of columns")
+    _check_columns(n)
     _check_int32(m, "the number of rows")
     n_tiles = -(-n // tile) if n else 0
     values = _alloc((m, n_tiles, slots), x.dtype)
@@ -689,7 +702,7 @@ def _dense_row_nnz(x):
     cp = _cp()
     x = _values_array(x, "x", ndim=2)
     m, n = x.shape
-    _check_int32(n, "the number of columns")
+    _check_columns(n)
     out = _alloc(m, _I32)
     nonfinite = cp.zeros(1, _I32)
     if m == 0:
@@ -787,7 +800,7 @@ def csr_to_twell(indptr, indices, data, n_cols, tile, slots):
     n_cols = _positive(n_cols, "n_cols", minimum=0)
     tile = _positive(tile, "tile")
     slots = _positive(slots, "slots")
-    _check_int32(n_cols, "the number of columns")
+    _check_columns(n_cols)
     m = indptr.shape[0] - 1
     n_tiles = -(-n_cols // tile) if n_cols else 0
     values = _alloc((m, n_tiles, slots), data.dtype)
@@ -930,7 +943,7 @@ def transpose_slots(values, indices, n_cols):
     n_cols = _positive(n_cols, "n_cols", minimum=0)
     m, k_slots = values.shape
     _check_int32(m, "the number of rows")
-    _check_int32(n_cols, "the number of columns")
+    _check_columns(n_cols)
     if m == 0 or n_cols == 0 or k_slots == 0:
         return cp.zeros(n_cols + 1, _I32), _alloc(0, _I32), _alloc(0, values.dtype)
     n_chunks, chunk_rows = _transpose_chunks(m, n_cols)
@@ -1127,7 +1140,7 @@ def _resident_spmm(cols, vals, B, out, plan, indptr=None, row_count=None, stride
 def _dense_operand(B, name):
     B = _values_array(B, name, ndim=2)
     _check_int32(B.shape[0], f"the number of rows of {name}")
-    _check_int32(B.shape[1], f"the number of columns of {name}")
+    _check_columns(B.shape[1], f"the number of columns of {name}")
     return B
 
 
