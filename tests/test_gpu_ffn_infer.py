@@ -155,8 +155,9 @@ def test_return_activations_matches_dense_h():
     w = to_gpu(make_ffn(300, 128, 1024, 40, sigma=0.3, dtype=np.float32, xp=np, seed=8))
     y, h = gated_forward(w["x"], w["w_gate"], w["w_up"], w["w_down"], return_activations=True,
                          slots=8, tile=128)
-    g = w["x"] @ w["w_gate"].T
-    h_ref = cp.where(g <= 0, 0, g * (w["x"] @ w["w_up"].T))
+    x64, wg64, wu64 = (w[k].astype(cp.float64) for k in ("x", "w_gate", "w_up"))
+    g = x64 @ wg64.T  # an independent float64 reference, not the float32 GEMM under test
+    h_ref = cp.where(g <= 0, 0, g * (x64 @ wu64.T))
     assert h.shape == (300, 1024) and h.format == "twell"
     assert rel_err(cp.asarray(h.toarray()), h_ref) <= 1e-5
     assert rel_err(y, ref64(w)) <= 2e-5
