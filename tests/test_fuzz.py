@@ -219,17 +219,26 @@ def formats(draw):
 
 
 def _expected_error(x, cls, params):
-    """The ValueError class a valid-looking construction must raise, or None."""
+    """(ValueError class, regex of its message) a valid-looking construction must raise, or None.
+
+    The messages name the argument and the numbers computed here: the slots (width)
+    that would suffice and how many rows overflow."""
     nz = (x.astype(np.float64) != 0)
     if cls is tw.TwELL and params["overflow"] == "raise" and x.size:
         t = params["tile"]
         n = x.shape[1]
         pad = (-n) % t
         per_tile = np.pad(nz, ((0, 0), (0, pad))).reshape(x.shape[0], -1, t).sum(-1)
-        if per_tile.size and per_tile.max() > params["slots"]:
-            return tw.TileOverflowError
+        slots = params["slots"]
+        if per_tile.size and per_tile.max() > slots:
+            row_max = per_tile.max(1)
+            need, n_over = int(row_max.max()), int((row_max > slots).sum())
+            return tw.TileOverflowError, (rf"row {int(np.argmax(row_max))}, tile \d+ .* holds {need} non-zeros "
+                                          rf"but slots={slots} \({n_over} rows overflow\); pass slots={need} or more")
     if cls is tw.ELL and params["width"] is not None and x.size and nz.sum(1).max() > params["width"]:
-        return ValueError
+        w, row_nnz = params["width"], nz.sum(1)
+        return ValueError, (rf"width={w} is too small: {int((row_nnz > w).sum())} rows have more than {w} "
+                            rf"non-zeros, the widest has {int(row_nnz.max())}")
     return None
 
 
@@ -243,7 +252,7 @@ def build(x, cls, params, backend):
     err = _expected_error(x, cls, params)
     xd = _device(x, backend)
     if err is not None:
-        with pytest.raises(err):
+        with pytest.raises(err[0], match=err[1]):
             cls.from_dense(xd, **params)
         return None
     return cls.from_dense(xd, **params)
@@ -300,8 +309,9 @@ def test_from_scipy_with_duplicates_and_zeros(backend, data, fmt, n_dup):
             cols += [c, c, c]
             vals += [0.0, 0.75, -0.75]
     m_in = sp.coo_array((vals, (rows, cols)), shape=(m, n)).tocsr()
-    if _expected_error(x, cls, params) is not None:
-        with pytest.raises(ValueError):
+    err = _expected_error(x, cls, params)
+    if err is not None:
+        with pytest.raises(err[0], match=err[1]):
             cls.from_scipy(m_in, dtype=dtype, **params)
         return
     A = cls.from_scipy(m_in, dtype=dtype, **params)
@@ -331,8 +341,9 @@ def test_components_save_load_asformat(backend, data, fmt, fmt2):
     for k in A._array_names:
         assert bits_equal(getattr(A, k), getattr(L, k)), k
     cls2, params2 = fmt2
-    if _expected_error(x, cls2, params2) is not None:
-        with pytest.raises(ValueError):
+    err = _expected_error(x, cls2, params2)
+    if err is not None:
+        with pytest.raises(err[0], match=err[1]):
             A.asformat(cls2.format, **params2)
         return
     C = A.asformat(cls2.format, **params2)
