@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 import twellpy as tw
+from _train_ref import dense_gated, dense_relu
+from conftest import rel_err
 from twellpy._array import as_array, bfloat16, to_caller
 
 torch = pytest.importorskip("torch")
@@ -200,9 +202,13 @@ def test_containers_from_any_array_and_matmul_in_callers_type(kind, fmt):
     _assert_kind(kind, y, y2)
     _same(y, ref @ w, kind)
     _same(y2, w2 @ ref, kind)
+    # ref @ w is the same call for the numpy kind: hold the products against float64 too
+    a64 = a.astype(np.float64)
+    assert rel_err(_np(y), a64 @ w) <= 1e-5 and rel_err(_np(y2), w2 @ a64) <= 1e-5
     y3 = A.dot(wk)
     _assert_kind(kind, y3)
     _same(y3, ref @ w, kind)
+    assert rel_err(_np(y3), a64 @ w) <= 1e-5
     vals = _conv(kind, np.asarray(_np(A.values)) * 2)[0]
     bk = None if A.backup is None else _conv(kind, np.asarray(_np(A.backup)) * 2)[0]
     np.testing.assert_array_equal(_np(A.with_values(vals, backup=bk).toarray()), 2 * a)
@@ -240,20 +246,27 @@ def test_ops_in_callers_type(kind, fmt):
     A = FORMATS[fmt](_conv(kind, a)[0])
     bk, gk, xk, yk = _conv(kind, b, g, xs, ys)
 
+    # the numpy call of the same function is no reference for the numpy kind (it is
+    # the same call): every result is also held against float64
+    a64 = a.astype(np.float64)
     out = tw.ops.spmm(A, bk)
     _assert_kind(kind, out)
     _same(out, tw.ops.spmm(ref, b), kind)
+    assert rel_err(_np(out), a64 @ b) <= 1e-5
     out_t = tw.ops.spmm_t(A, gk)
     _assert_kind(kind, out_t)
     _same(out_t, tw.ops.spmm_t(ref, g), kind)
+    assert rel_err(_np(out_t), a64.T @ g) <= 1e-5
     vec = tw.ops.spmm(A, bk[:, 0])
     _assert_kind(kind, vec)
     assert tuple(vec.shape) == (37,)
+    assert rel_err(_np(vec), a64 @ b[:, 0]) <= 1e-5
 
     S = tw.ops.sddmm(xk, yk, A)
     S_ref = tw.ops.sddmm(xs, ys, ref)
     assert S.format == fmt
     _same(S.toarray(), _np(S_ref.toarray()), kind)
+    assert rel_err(_np(S.toarray()), np.where(a != 0, xs.astype(np.float64) @ ys.T, 0.0)) <= 1e-5
     T = tw.ops.transpose(A)
     np.testing.assert_array_equal(_np(T.toarray()), a.T)
     P = tw.ops.multiply(A, A)
@@ -276,18 +289,23 @@ def _ffn_problem(dtype=np.float32, m=23, d=32, h=96, seed=3):
 def test_ffn_inference_in_callers_type(kind):
     x, wg, wu, wd, _ = _ffn_problem()
     xk, wgk, wuk, wdk = _conv(kind, x, wg, wu, wd)
-    for got, want in (
-        (tw.ffn.gated_forward(xk, wgk, wuk, wdk), tw.ffn.gated_forward(x, wg, wu, wd)),
-        (tw.ffn.relu_forward(xk, wuk, wdk), tw.ffn.relu_forward(x, wu, wd)),
-        (tw.ffn.GatedFFN(wgk, wuk, wdk)(xk), tw.ffn.GatedFFN(wg, wu, wd)(x)),
-        (tw.ffn.ReluFFN(wuk, wdk)(xk), tw.ffn.ReluFFN(wu, wd)(x)),
+    x64, wg64, wu64, wd64 = (v.astype(np.float64) for v in (x, wg, wu, wd))
+    y_gated = (np.maximum(x64 @ wg64.T, 0) * (x64 @ wu64.T)) @ wd64.T  # float64 references: the
+    y_relu = np.maximum(x64 @ wu64.T, 0) @ wd64.T                      # numpy call is the same call
+    for got, want, y64 in (
+        (tw.ffn.gated_forward(xk, wgk, wuk, wdk), tw.ffn.gated_forward(x, wg, wu, wd), y_gated),
+        (tw.ffn.relu_forward(xk, wuk, wdk), tw.ffn.relu_forward(x, wu, wd), y_relu),
+        (tw.ffn.GatedFFN(wgk, wuk, wdk)(xk), tw.ffn.GatedFFN(wg, wu, wd)(x), y_gated),
+        (tw.ffn.ReluFFN(wuk, wdk)(xk), tw.ffn.ReluFFN(wu, wd)(x), y_relu),
     ):
         _assert_kind(kind, got)
         _same(got, want, kind)
+        assert rel_err(_np(got), y64) <= 1e-5
     y, h = tw.ffn.gated_forward(xk, wgk, wuk, wdk, return_activations=True)
     _assert_kind(kind, y)
     ref_h = np.maximum(x.astype(np.float64) @ wg.T.astype(np.float64), 0) * (x.astype(np.float64) @ wu.T)
     np.testing.assert_array_equal(_np(h.toarray()) != 0, ref_h != 0)
+    assert rel_err(_np(h.toarray()), ref_h) <= 1e-5  # the values too, not only the pattern
     # (..., D) inputs keep their leading shape
     y3 = tw.ffn.gated_forward(_conv(kind, x[:22].reshape(2, 11, 32))[0], wgk, wuk, wdk)
     _assert_kind(kind, y3)
@@ -297,22 +315,28 @@ def test_ffn_inference_in_callers_type(kind):
 def test_ffn_training_in_callers_type(kind):
     x, wg, wu, wd, dy = _ffn_problem()
     xk, wgk, wuk, wdk, dyk = _conv(kind, x, wg, wu, wd, dy)
+    # float64 references besides the numpy call (which is the same call for the numpy kind)
+    ref_g, ref_r = dense_gated(x, wg, wu, wd, dy, 1e-3), dense_relu(x, wu, wd, dy, 1e-3)
     y, ctx = tw.ffn.gated_forward_train(xk, wgk, wuk, wdk, l1=1e-3)
     y_ref, ctx_ref = tw.ffn.gated_forward_train(x, wg, wu, wd, l1=1e-3)
     _assert_kind(kind, y)
     _same(y, y_ref, kind)
+    assert rel_err(_np(y), ref_g["y"]) <= 1e-5
     grads = tw.ffn.gated_backward(ctx, dyk)
     _assert_kind(kind, *grads)
-    for g, r in zip(grads, tw.ffn.gated_backward(ctx_ref, dy)):
+    for g, r, name in zip(grads, tw.ffn.gated_backward(ctx_ref, dy), ("dx", "dw_gate", "dw_up", "dw_down")):
         _same(g, r, kind)
+        assert rel_err(_np(g), ref_g[name]) <= 1e-5, name
     y, ctx = tw.ffn.relu_forward_train(xk, wuk, wdk, l1=1e-3)
     y_ref, ctx_ref = tw.ffn.relu_forward_train(x, wu, wd, l1=1e-3)
     _assert_kind(kind, y)
     _same(y, y_ref, kind)
+    assert rel_err(_np(y), ref_r["y"]) <= 1e-5
     grads = tw.ffn.relu_backward(ctx, dyk)
     _assert_kind(kind, *grads)
-    for g, r in zip(grads, tw.ffn.relu_backward(ctx_ref, dy)):
+    for g, r, name in zip(grads, tw.ffn.relu_backward(ctx_ref, dy), ("dx", "dw_up", "dw_down")):
         _same(g, r, kind)
+        assert rel_err(_np(g), ref_r[name]) <= 1e-5, name
 
 
 @pytest.mark.parametrize("src", ["numpy", "torch", "jax"])
