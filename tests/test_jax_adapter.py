@@ -90,19 +90,28 @@ def test_relu_ffn_grads_match_jax(x64, l1, jit):
 
 
 def test_float32_and_bfloat16():
-    for dtype, tol in ((np.float32, 1e-5), (bfloat16, 2e-2)):
+    # the reference runs in float64 on the exact inputs (it was JAX's float32 GEMMs), and
+    # the gradients get the outputs' tolerance (4x it let bfloat16 gradients off by 8% pass;
+    # measured: y 1.7e-3, gradients 3.4e-3 in bfloat16, 1.6e-7 in float32)
+    for dtype, tol in ((np.float32, 1e-5), (bfloat16, 1e-2)):
         x, wg, wu, wd, dy = _problem((9,), 32, 128, dtype=dtype)
         y = twj.gated_ffn(x, wg, wu, wd, l1=0.01)
         assert y.dtype == x.dtype
-        ref = [a.astype(jnp.float32) for a in (x, wg, wu, wd)]
-        assert _rel(y.astype(jnp.float32), _ref_gated(0.01)(*ref)[0]) < tol
         grads = jax.grad(lambda *a: jnp.vdot(twj.gated_ffn(*a, l1=0.01), dy).astype(jnp.float32),
                          argnums=(0, 1, 2, 3))(x, wg, wu, wd)
-        want = jax.grad(lambda *a: (lambda y, p: jnp.vdot(y, dy.astype(jnp.float32)) + p)(*_ref_gated(0.01)(*a)),
-                        argnums=(0, 1, 2, 3))(*ref)
-        for a, b in zip(grads, want):
-            assert a.dtype == x.dtype
-            assert _rel(a.astype(jnp.float32), b) < 4 * tol
+        enable = getattr(jax, "enable_x64", None)
+        if enable is None:  # older jax keeps it in jax.experimental
+            from jax.experimental import enable_x64 as enable
+        with enable(True):
+            ref = [jnp.asarray(np.asarray(a.astype(jnp.float32)), jnp.float64) for a in (x, wg, wu, wd, dy)]
+            y_ref = _ref_gated(0.01)(*ref[:4])[0]
+            want = jax.grad(lambda *a: (lambda y, p: jnp.vdot(y, ref[4]) + p)(*_ref_gated(0.01)(*a)),
+                            argnums=(0, 1, 2, 3))(*ref[:4])
+            assert y_ref.dtype == jnp.float64 and all(b.dtype == jnp.float64 for b in want)
+            assert _rel(y.astype(jnp.float32), y_ref) < tol
+            for a, b in zip(grads, want):
+                assert a.dtype == x.dtype
+                assert _rel(a.astype(jnp.float32), b) < tol
 
 
 def test_evicted_context_is_recomputed(x64, monkeypatch):
