@@ -225,11 +225,17 @@ def test_poisoned_pool_ffn_and_training(dtype):
     g = [to_gpu(a) for a in arrs]
     ref = dense_gated(*arrs, 1e-3)
     tol = 3e-2 if dtype == bfloat16 else 1e-4
+    x64, wg64, wu64 = (a.astype(np.float64) for a in arrs[:3])
+    h_ref = np.maximum(x64 @ wg64.T, 0.0) * (x64 @ wu64.T)  # float64, from the same (rounded) inputs
+    # tiles of 128 neurons holding more than slots=16 entries: those rows go to h's dense backup
+    assert (np.count_nonzero(h_ref.reshape(m, h // 128, 128), axis=2) > 16).any()
     for mode in ("sparse", "dense", "auto"):
         poison_pool()
         y, hh = tw.ffn.gated_forward(*g[:4], mode=mode, return_activations=True, slots=16, tile=128)
         assert np.isfinite(f64(y)).all() and rel_err(f64(y), ref["y"]) <= tol, mode
         hh.check_format(full_check=True)
+        h_got = f64(hh.toarray())  # written from the poisoned pool too: its values, not only its format
+        assert np.isfinite(h_got).all() and rel_err(h_got, h_ref) <= tol, mode
     poison_pool()
     y, ctx = tw.ffn.gated_forward_train(*g[:4], l1=1e-3)
     poison_pool()
