@@ -453,7 +453,7 @@ def test_bad_input_messages():
     with pytest.raises(ValueError, match="unknown chunk sizes"):
         dx = da.from_array(x, chunks=(10, 12))
         twd.from_dask(dx[dx[:, 0] > 0])
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_parameter'"):
         twd.from_dask(da.from_array(x), "twell", no_such_parameter=1)
     with pytest.raises(ValueError, match="w has shape"):
         A @ np.zeros((11, 3), np.float32)
