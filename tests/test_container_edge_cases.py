@@ -389,6 +389,7 @@ def test_nan_in_w_reaches_only_rows_storing_its_column(backend, xp, dtype):
         want = ref @ W.astype(np.float64)
         want_l = (ref.T @ G.astype(np.float64).T).T
     params = {tw.ELL: {}, tw.TwELL: {"tile": 4, "slots": 1}, tw.Hybrid: {"width": 1}}
+    rtol = 1e-5 if dtype == np.float32 else 1e-2  # one rounding of the fp32-accumulated sum
     for cls, kw in params.items():
         A = cls.from_dense(xp.asarray(x), **kw)
         assert cls is tw.ELL or A.n_backup == 1
@@ -396,9 +397,9 @@ def test_nan_in_w_reaches_only_rows_storing_its_column(backend, xp, dtype):
         np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=cls.__name__)
         np.testing.assert_array_equal(np.isinf(got), np.isinf(want), err_msg=cls.__name__)
         fin = np.isfinite(want)
-        np.testing.assert_allclose(got[fin], want[fin], rtol=1e-2, err_msg=cls.__name__)
+        np.testing.assert_allclose(got[fin], want[fin], rtol=rtol, err_msg=cls.__name__)
         got_l = np.asarray(host(xp.asarray(G) @ A), np.float64)
         np.testing.assert_array_equal(np.isnan(got_l), np.isnan(want_l), err_msg=cls.__name__)
         fin = np.isfinite(want_l)
-        np.testing.assert_allclose(got_l[fin], want_l[fin], rtol=1e-2, err_msg=cls.__name__)
+        np.testing.assert_allclose(got_l[fin], want_l[fin], rtol=rtol, err_msg=cls.__name__)
 
