@@ -241,6 +241,18 @@ def backup_parts(xp, values_dtype, n_rows, n_cols, backup, backup_rows, row_map=
     return backup, backup_rows, computed
 
 
+def _is_real_scalar(v, name):
+    """Whether ``v`` is a real scalar operand (bool excluded); TypeError naming ``name``
+    for a complex one: ``numpy.complex64`` is no Python ``complex``, and ``float()``
+    of it would drop the imaginary part with only a warning."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Number):
+        return False
+    if isinstance(v, numbers.Complex) and not isinstance(v, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got the complex {type(v).__name__} {v!r}; "
+                        f"containers hold real values only")
+    return True
+
+
 def _first_true(mask):
     """Index tuple of the first True entry of ``mask`` (host ints)."""
     xp = _array.xp_of(mask)
@@ -1124,7 +1136,7 @@ class SparseArray:
         """
         if isinstance(other, SparseArray):
             return self._mul_same_pattern(other)
-        if isinstance(other, numbers.Number) and not isinstance(other, (bool, complex)):
+        if _is_real_scalar(other, "factor"):
             return self._scale(float(other), other)
         return NotImplemented
 
@@ -1166,7 +1178,7 @@ class SparseArray:
             product is computed in (e.g. ``A / 1e-320``, or ``A / 1e-39`` on
             float32 data).
         """
-        if isinstance(other, numbers.Number) and not isinstance(other, (bool, complex)):
+        if _is_real_scalar(other, "divisor"):
             if other == 0:
                 raise ZeroDivisionError("division of a sparse container by zero")
             d = float(other)
@@ -1210,7 +1222,7 @@ class SparseArray:
         TypeError
             ``other`` is not a float array.
         """
-        if isinstance(other, (SparseArray, numbers.Number)):
+        if isinstance(other, SparseArray) or _is_real_scalar(other, "other"):
             return self * other
         arr, _ = _array.as_array(other, "other")
         _array.check_float(arr, "other")
