@@ -253,6 +253,15 @@ def _is_real_scalar(v, name):
     return True
 
 
+def _scalar_float(v):
+    """``float(v)``; an int (or Fraction ...) beyond the float64 range becomes +-inf
+    instead of raising OverflowError, so the callers' finiteness rules apply to it."""
+    try:
+        return float(v)
+    except OverflowError:
+        return float("inf") if v > 0 else float("-inf")
+
+
 def _first_true(mask):
     """Index tuple of the first True entry of ``mask`` (host ints)."""
     xp = _array.xp_of(mask)
@@ -1137,7 +1146,7 @@ class SparseArray:
         if isinstance(other, SparseArray):
             return self._mul_same_pattern(other)
         if _is_real_scalar(other, "factor"):
-            return self._scale(float(other), other)
+            return self._scale(_scalar_float(other), other)
         return NotImplemented
 
     __rmul__ = __mul__
@@ -1145,7 +1154,8 @@ class SparseArray:
     def _scale(self, s, given):
         """Multiply every value by the float ``s`` (``given``: the factor as the caller wrote it)."""
         if not np.isfinite(s):
-            raise ValueError(f"scalar factor must be finite, got {given!r}")
+            shown = repr(given) if np.isnan(s) or len(repr(given)) <= 40 else f"{s} (beyond float64)"
+            raise ValueError(f"scalar factor must be finite, got {shown}")
         s_acc = self._factor_in_acc(s)
         if s_acc is None:
             acc = _acc(self.dtype)
@@ -1181,7 +1191,7 @@ class SparseArray:
         if _is_real_scalar(other, "divisor"):
             if other == 0:
                 raise ZeroDivisionError("division of a sparse container by zero")
-            d = float(other)
+            d = _scalar_float(other)  # 1 / (an int beyond float64) is 0, as 1 / inf
             if np.isnan(d):
                 raise ValueError(f"divisor must not be NaN, got {other!r}")
             with np.errstate(over="ignore", divide="ignore"):
