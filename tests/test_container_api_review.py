@@ -50,3 +50,74 @@ def test_real_numpy_scalars_still_scale(cls, factor):
     np.testing.assert_allclose(_f64((A * factor).toarray()), ref, rtol=1e-6)
     np.testing.assert_allclose(_f64((factor * A).toarray()), ref, rtol=1e-6)
     np.testing.assert_allclose(_f64((A / factor).toarray()), _x().astype(np.float64) / float(factor), rtol=1e-6)
+
+
+# ---- scalars too large for a float ---------------------------------------------------------------
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize("big", [10**400, -(10**400)], ids=["pos", "neg"])
+def test_factor_too_large_for_float_is_a_value_error(cls, big):
+    """float(10**400) raises OverflowError ("int too large to convert to float"), which
+    named neither the argument nor the rule; such a factor is as non-finite as 1e39."""
+    A = _build(cls)
+    with pytest.raises(ValueError, match=r"factor must be finite"):
+        A * big
+    with pytest.raises(ValueError, match=r"factor must be finite"):
+        big * A
+    with pytest.raises(ValueError, match=r"factor must be finite"):
+        A.multiply(big)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("big", [10**400, -(10**400)], ids=["pos", "neg"])
+def test_division_by_int_too_large_for_float_gives_zeros(cls, dtype, big):
+    """x / 10**400 underflows to 0 in every dtype, as A / inf already gives."""
+    A = _build(cls, dtype)
+    B = A / big
+    assert B.dtype == A.dtype
+    ref = _x(dtype).astype(np.float64) / 1e300 / 1e100  # 0 everywhere
+    np.testing.assert_array_equal(_f64(B.toarray()), ref)
+    np.testing.assert_array_equal(_f64(B.toarray()), _f64((A / np.inf).toarray()))
+    assert not np.signbit(_f64(B.toarray())).any()  # stored entries are +0.0, as every product gives
+
+
+# ---- dense arrays and odd scalars with * and / ---------------------------------------------------
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize("shape", [(3, 4), (4,), (1, 4), (3, 1)])
+def test_star_with_dense_array_names_multiply(cls, shape):
+    """``A * W`` and ``W * A`` for a dense W used to fail inside numpy with "operand 'ELL'
+    does not support ufuncs (__array_ufunc__=None)", which names neither W nor what to do."""
+    A = _build(cls)
+    W = np.full(shape, 2.0, np.float32)
+    for call in (lambda: A * W, lambda: W * A, lambda: A / W):
+        with pytest.raises(TypeError, match=r"(?s)W|dense.*multiply"):
+            call()
+    # the documented way does the element-wise product
+    np.testing.assert_allclose(_f64(A.multiply(W).toarray()), _x().astype(np.float64) * 2.0)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_dim_array_is_a_scalar(cls, dtype):
+    """A 0-d array is a scalar for numpy and scipy.sparse (``csr * np.array(2.0)`` and
+    ``csr.multiply(np.array(2.0))`` both scale); it scales the container the same way
+    as the numpy scalar of its dtype does (the container keeps its dtype)."""
+    A = _build(cls, dtype)
+    ref = _x(dtype).astype(np.float64) * 2.5
+    for f in (np.array(2.5), np.array(2.5, np.float32), np.array(5, np.int64) / 2):
+        for B in (A * f, f * A, A.multiply(f)):
+            assert B.dtype == A.dtype
+            np.testing.assert_allclose(_f64(B.toarray()), ref, rtol=1e-2 if A.dtype.itemsize == 2 else 1e-12)
+            np.testing.assert_array_equal(_f64(B.toarray()), _f64((A * float(f)).toarray()))
+        B = A / (1 / f)  # multiplies by 1 / 0.4, which need not be 2.5 exactly
+        assert B.dtype == A.dtype
+        np.testing.assert_allclose(_f64(B.toarray()), ref, rtol=1e-2 if A.dtype.itemsize == 2 else 1e-6)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize("bad", [np.bool_(True), np.array(True), np.array(1 + 2j)], ids=["np.bool_", "bool-0d", "complex-0d"])
+def test_bool_and_complex_0d_operands_are_refused_clearly(cls, bad):
+    A = _build(cls)
+    for call in (lambda: A * bad, lambda: bad * A, lambda: A / bad, lambda: A.multiply(bad)):
+        with pytest.raises(TypeError, match=r"real number"):
+            call()

@@ -242,15 +242,38 @@ def backup_parts(xp, values_dtype, n_rows, n_cols, backup, backup_rows, row_map=
 
 
 def _is_real_scalar(v, name):
-    """Whether ``v`` is a real scalar operand (bool excluded); TypeError naming ``name``
-    for a complex one: ``numpy.complex64`` is no Python ``complex``, and ``float()``
-    of it would drop the imaginary part with only a warning."""
-    if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Number):
+    """Whether ``v`` is a real scalar operand: a real number or a 0-d numpy/cupy array of a
+    real dtype, as for numpy and scipy.sparse. TypeError naming ``name`` for a complex or
+    boolean one: ``numpy.complex64`` is no Python ``complex``, and ``float()`` of it would
+    drop the imaginary part with only a warning."""
+    if isinstance(v, bool):
+        return False  # Python's own "unsupported operand" error names both types
+    if (isinstance(v, np.ndarray) or _array.is_cupy(v)) and v.ndim == 0:
+        kind = "f" if v.dtype == bfloat16 else v.dtype.kind
+    elif isinstance(v, np.generic):
+        kind = "f" if v.dtype == bfloat16 else v.dtype.kind
+    elif isinstance(v, numbers.Number):
+        kind = "f" if isinstance(v, numbers.Real) or not isinstance(v, numbers.Complex) else "c"
+    else:
         return False
-    if isinstance(v, numbers.Complex) and not isinstance(v, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got the complex {type(v).__name__} {v!r}; "
+    if kind not in "fiu":
+        what = "complex" if kind == "c" else ("boolean" if kind == "b" else "non-numeric")
+        raise TypeError(f"{name} must be a real number, got the {what} {type(v).__name__} {v!r}; "
                         f"containers hold real values only")
     return True
+
+
+def _refuse_dense(v, op):
+    """TypeError for ``A <op> W`` with a dense array ``W``: numpy's own error ("operand does
+    not support ufuncs") names neither ``W`` nor the method that does the product."""
+    if isinstance(v, SparseArray) or hasattr(v, "tocsr"):
+        return
+    if hasattr(v, "__array__") or hasattr(v, "__dlpack__") or hasattr(v, "__cuda_array_interface__"):
+        shape = getattr(v, "shape", None)
+        raise TypeError(f"A {op} W with a dense array W ({type(v).__module__}.{type(v).__name__} of shape "
+                        f"{tuple(shape) if shape is not None else '?'}) is not supported; use "
+                        f"A.multiply(W) for the element-wise product (it keeps A's pattern) or A @ W "
+                        f"for the matrix product")
 
 
 def _scalar_float(v):
@@ -1141,12 +1164,16 @@ class SparseArray:
         (float32 for 16- and 32-bit data, float64 for float64): a factor such
         as ``1e39`` on float32 data would be Inf there and turn the zeros of
         dense backup rows into NaN, so it raises ``ValueError`` instead, on
-        every format alike.
+        every format alike. A scalar is a real number or a 0-d array of a real
+        dtype (the container keeps its dtype); a complex or boolean one raises
+        ``TypeError``, and so does a dense array, whose element-wise product is
+        :meth:`multiply`.
         """
         if isinstance(other, SparseArray):
             return self._mul_same_pattern(other)
         if _is_real_scalar(other, "factor"):
             return self._scale(_scalar_float(other), other)
+        _refuse_dense(other, "*")
         return NotImplemented
 
     __rmul__ = __mul__
@@ -1179,8 +1206,12 @@ class SparseArray:
     def __truediv__(self, other):
         """Division by a non-zero scalar: multiplication by its reciprocal (see :meth:`__mul__`).
 
+        An int beyond the float64 range divides as ``inf`` does (every value becomes 0).
+
         Raises
         ------
+        TypeError
+            ``other`` is complex, boolean or a dense array.
         ZeroDivisionError
             ``other`` is zero.
         ValueError
@@ -1203,6 +1234,7 @@ class SparseArray:
                                  f"overflows to Inf in {where}; divide by a larger number, or scale in "
                                  f"two steps")
             return self._scale(r, r)
+        _refuse_dense(other, "/")
         return NotImplemented
 
     def multiply(self, other):
@@ -1211,7 +1243,7 @@ class SparseArray:
         Parameters
         ----------
         other : scalar, container or dense array
-            A scalar, a container with this one's pattern (as ``self * other``),
+            A real scalar or 0-d array, a container with this one's pattern (as ``self * other``),
             or a dense float array on this container's device of shape (M, N)
             or one that broadcasts to it: (1, N), (N,), (M, 1) or (1, 1).
 
@@ -1230,7 +1262,7 @@ class SparseArray:
             ``other`` has a shape that does not broadcast to (M, N), or lives on
             another device.
         TypeError
-            ``other`` is not a float array.
+            ``other`` is not a float array, or is a complex scalar.
         """
         if isinstance(other, SparseArray) or _is_real_scalar(other, "other"):
             return self * other
