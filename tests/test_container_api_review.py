@@ -121,3 +121,42 @@ def test_bool_and_complex_0d_operands_are_refused_clearly(cls, bad):
     for call in (lambda: A * bad, lambda: bad * A, lambda: A / bad, lambda: A.multiply(bad)):
         with pytest.raises(TypeError, match=r"real number"):
             call()
+
+
+# ---- with_values: padding slots are ignored, non-finite ones too ----------------------------------
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_with_values_ignores_nonfinite_padding(cls, dtype):
+    """The docstring says values in padding slots are ignored (stored as 0); a map of the
+    values such as 1 / A.values turns padding (0) into Inf, and the NaN/Inf check used to
+    reject it although only the stored entries are kept."""
+    A = _build(cls, dtype)
+    x = _x(dtype).astype(np.float64)
+    with np.errstate(divide="ignore"):
+        inv = (1 / A.values.astype(np.float32)).astype(dtype)
+    assert not np.isfinite(inv.astype(np.float64)).all()  # padding slots hold Inf
+    b = None if A.backup is None else A.backup.copy()
+    B = A.with_values(inv, b)
+    ref = x.copy()
+    slot_rows = np.ones(x.shape[0], bool)
+    if A.n_backup:
+        slot_rows[A.backup_rows] = False
+    ref[slot_rows] = np.where(x[slot_rows] != 0, 1 / np.where(x[slot_rows] != 0, x[slot_rows], 1), 0)
+    np.testing.assert_allclose(_f64(B.toarray()), ref, rtol=1e-2 if A.dtype.itemsize == 2 else 1e-6)
+    B.check_format(full_check=True)  # padding is (0, -1) again
+    assert B.nnz == A.nnz
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_with_values_still_rejects_nonfinite_stored_values(cls, bad):
+    A = cls.from_dense(_x(), **({"width": 3} if cls is tw.Hybrid else {}))  # no backup rows
+    assert A.n_backup == 0
+    v = A.values.copy()
+    used = A.indices >= 0
+    v[used] = np.where(np.arange(used.sum()) == 0, bad, v[used])
+    b = None if A.backup is None else A.backup.copy()
+    with pytest.raises(ValueError, match=r"values contains"):
+        A.with_values(v, b)
+    B = A.with_values(v, b, check_finite=False)
+    assert np.isnan(B.sum()) if np.isnan(bad) else np.isinf(B.sum())

@@ -800,10 +800,13 @@ class SparseArray:
         ----------
         values : array
             Same shape as ``self.values``; any supported float dtype. Values in
-            padding slots are ignored (stored as 0).
+            padding slots are ignored (stored as 0), NaN/Inf included.
         backup : array, optional
             (R, N) dense backup rows, same dtype as ``values``. Required when
             this container has backup rows (R > 0).
+        check_finite : bool
+            Reject NaN/Inf (``ValueError``) in the stored entries of ``values``
+            and anywhere in ``backup``.
         """
         xp = self.xp
         values, _ = _array.as_array(values, "values")
@@ -822,11 +825,14 @@ class SparseArray:
             _array.same_device([("backup", backup), ("self.values", self.values)])
         elif backup is not None:
             raise ValueError(f"backup must be None for format {self.format!r} (it has no backup rows)")
+        out = self._with_data(_array.contiguous(values, "values"), backup)
         if check_finite:
-            _array.check_finite(values, "values")
+            # checked after _with_data has zeroed the padding slots: what a map such as
+            # 1 / A.values leaves there (Inf) is ignored, as documented, and never stored
+            _array.check_finite(out.values, "values")
             if backup is not None:
                 _array.check_finite(backup, "backup")
-        return self._with_data(_array.contiguous(values, "values"), backup)
+        return out
 
     def astype(self, dtype, *, check_finite=True):
         """Copy with values cast to ``dtype`` (float16, bfloat16, float32, float64).
