@@ -160,3 +160,29 @@ def test_with_values_still_rejects_nonfinite_stored_values(cls, bad):
         A.with_values(v, b)
     B = A.with_values(v, b, check_finite=False)
     assert np.isnan(B.sum()) if np.isnan(bad) else np.isinf(B.sum())
+
+
+# ---- Hybrid * Hybrid: width_strategy is no part of the pattern ---------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("strategy", ["fixed", "int", "quantile:0.5", "min_storage"])
+def test_hybrid_product_ignores_width_strategy(dtype, strategy):
+    """Two Hybrids with the same width, indices and backup rows hold the same pattern
+    whatever strategy chose their width ("auto" or an int); A * B and ops.multiply
+    (whose docstring says as much) used to refuse the pair over width_strategy."""
+    x = np.zeros((11, 16))
+    x[np.arange(1, 11), np.arange(1, 11)] = np.arange(1, 11) / 4
+    x[0] = np.linspace(-3, 3, 16)  # the one full row: a dense backup row
+    x = x.astype(dtype)
+    A = tw.Hybrid.from_dense(x)  # "auto"
+    assert (A.width, A.n_backup) == (1, 1)
+    width = {"fixed": f"fixed:{A.width}", "int": A.width}.get(strategy, strategy)
+    B = tw.Hybrid.from_dense((2 * x.astype(np.float64)).astype(dtype), width=width)
+    assert B.width == A.width and B.width_strategy != A.width_strategy
+    np.testing.assert_array_equal(B.backup_rows, A.backup_rows)
+    ref = x.astype(np.float64) * (2 * x.astype(np.float64))
+    rtol = 1e-2 if np.dtype(dtype).itemsize == 2 else 1e-6
+    for P in (A * B, tw.ops.multiply(A, B)):
+        assert P.width_strategy == A.width_strategy  # the left operand's, as its other components
+        np.testing.assert_allclose(_f64(P.toarray()), ref, rtol=rtol)
+        P.check_format(full_check=True)
+    np.testing.assert_allclose(_f64((B * A).toarray()), ref, rtol=rtol)

@@ -1315,8 +1315,12 @@ class SparseArray:
             if a.shape != b.shape or not bool(xp.array_equal(a, b)):
                 raise ValueError(f"{name} has a different sparsity pattern ({k} differ); "
                                  f"element-wise products need identical patterns")
-        if self._params() != other._params():
-            raise ValueError(f"{name} has parameters {other._params()}, expected {self._params()}")
+        # Hybrid's width_strategy only says how a rebuild (.T, asformat) picks a width: the
+        # same pattern may come from "auto" or an int, so it is no reason to refuse the pair
+        mine, theirs = ({k: v for k, v in a._params().items() if k != "width_strategy"}
+                        for a in (self, other))
+        if mine != theirs:
+            raise ValueError(f"{name} has parameters {theirs}, expected {mine}")
         res = result_dtype(self.dtype, other.dtype)
         acc = _acc(res)
 
