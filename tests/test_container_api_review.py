@@ -186,3 +186,24 @@ def test_hybrid_product_ignores_width_strategy(dtype, strategy):
         np.testing.assert_allclose(_f64(P.toarray()), ref, rtol=rtol)
         P.check_format(full_check=True)
     np.testing.assert_allclose(_f64((B * A).toarray()), ref, rtol=rtol)
+
+
+# ---- == and != -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", CLASSES)
+def test_equality_operators_do_not_answer_by_identity(cls):
+    """scipy.sparse answers A == B element-wise; the containers answered by identity, so
+    A == A.copy() was False and A != A.copy() True, in silence, for equal matrices (and
+    A == A.toarray() was False too). They raise TypeError naming what to compare instead."""
+    A = _build(cls)
+    x = _x()
+    for other in (A.copy(), A, x, 0.0, 1):
+        for call in (lambda: A == other, lambda: A != other, lambda: other == A, lambda: other != A):
+            with pytest.raises(TypeError, match=r"toarray"):
+                call()
+    # the documented comparison still works, against the float64 reference
+    np.testing.assert_array_equal(A.toarray().astype(np.float64), x.astype(np.float64))
+    # unrelated objects still compare unequal, containers stay hashable, and `is` is untouched
+    assert (A == None) is False and (A != None) is True  # noqa: E711
+    assert (A == "A") is False
+    assert A in [None, "x", A]
+    assert {A: 1}[A] == 1

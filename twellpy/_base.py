@@ -428,6 +428,27 @@ class SparseArray:
     def __contains__(self, item):
         raise TypeError(f"'in' is not defined for a {type(self).__name__}; compare A.toarray() instead")
 
+    # scipy.sparse and numpy compare element-wise; the default (identity) would answer
+    # A == A.copy() with False in silence, so comparisons with a matrix or a number raise.
+    # Anything else (None, a string ...) still compares unequal, and hashing stays by identity.
+    __hash__ = object.__hash__
+
+    def __eq__(self, other):
+        return self._compare(other, "==")
+
+    def __ne__(self, other):
+        return self._compare(other, "!=")
+
+    def _compare(self, other, op):
+        if (isinstance(other, (SparseArray, numbers.Number, np.generic)) or hasattr(other, "tocsr")
+                or hasattr(other, "__array__") or hasattr(other, "__dlpack__")
+                or hasattr(other, "__cuda_array_interface__")):
+            raise TypeError(f"A {op} B is not defined for a {type(self).__name__} (got B of type "
+                            f"{type(other).__module__}.{type(other).__name__}): element-wise comparisons "
+                            f"are not offered; compare dense values, e.g. A.toarray() {op} B.toarray(), "
+                            f"or test A is B for identity")
+        return NotImplemented
+
     # -- components / construction ------------------------------------------
     def components(self) -> dict:
         """Component arrays and parameters.
