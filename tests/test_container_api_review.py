@@ -207,3 +207,28 @@ def test_equality_operators_do_not_answer_by_identity(cls):
     assert (A == "A") is False
     assert A in [None, "x", A]
     assert {A: 1}[A] == 1
+
+
+# ---- TwELL tiles wider than the matrix -----------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tile", [2**40, 2**33, 2**31 - 1])
+@pytest.mark.parametrize("source", ["dense", "scipy"])
+def test_twell_tile_wider_than_matrix_is_one_tile(dtype, tile, source):
+    """A tile wider than the row is the whole row, one tile (the CUDA backend clamps it so);
+    the CPU packer allocated a buffer of ``tile`` int32 per row, so tile=2**40 failed with
+    a SystemError from Numba and tile=2**31-1 reserved 8 GiB per row being packed."""
+    import scipy.sparse as sp
+
+    x = _x(dtype)
+    build = ((lambda **kw: tw.TwELL.from_dense(x, **kw)) if source == "dense" else
+             (lambda **kw: tw.TwELL.from_scipy(sp.csr_array(x.astype(np.float64)), dtype=dtype, **kw)))
+    A = build(tile=tile, slots=2)
+    ref = build(tile=x.shape[1], slots=2)
+    assert A.tile == tile and A.n_tiles == 1
+    for k in ("values", "indices", "counts", "backup", "backup_rows"):
+        np.testing.assert_array_equal(getattr(A, k).view(np.uint8), getattr(ref, k).view(np.uint8))
+    A.check_format(full_check=True)
+    np.testing.assert_array_equal(_f64(A.toarray()), x.astype(np.float64))
+    np.testing.assert_array_equal(_f64(A.T.toarray()), x.astype(np.float64).T)
+    W = np.arange(8, dtype=np.float64).reshape(4, 2)
+    np.testing.assert_allclose(_f64(A @ W), x.astype(np.float64) @ W, rtol=1e-2)
