@@ -232,3 +232,20 @@ def test_twell_tile_wider_than_matrix_is_one_tile(dtype, tile, source):
     np.testing.assert_array_equal(_f64(A.T.toarray()), x.astype(np.float64).T)
     W = np.arange(8, dtype=np.float64).reshape(4, 2)
     np.testing.assert_allclose(_f64(A @ W), x.astype(np.float64) @ W, rtol=1e-2)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bfloat16_scalar_factor(cls, dtype):
+    """An ml_dtypes.bfloat16 scalar is a numpy.generic but no numbers.Number: A * it used
+    to fall through to numpy and fail with "operand does not support ufuncs"."""
+    A = _build(cls, dtype)
+    f = bfloat16.type(2.5)
+    ref = _x(dtype).astype(np.float64) * 2.5
+    rtol = 1e-2 if A.dtype.itemsize == 2 else 1e-12
+    for B in (A * f, f * A, A.multiply(f)):
+        assert B.dtype == A.dtype
+        np.testing.assert_allclose(_f64(B.toarray()), ref, rtol=rtol)
+    B = A / bfloat16.type(0.5)
+    assert B.dtype == A.dtype
+    np.testing.assert_allclose(_f64(B.toarray()), _x(dtype).astype(np.float64) * 2, rtol=rtol)
