@@ -218,8 +218,10 @@ class TrainContext:
         from .hybrid import Hybrid  # containers are optional for the training step
 
         ell, bk = self._be.split_combined(vals, self.M, self.width, self.R, self.H)
+        # the activations may legitimately hold NaN/Inf (check_finite=False, 16-bit
+        # overflow): no content scan, as for gated_forward's return_activations
         return Hybrid(ell, self.idx, self.ell_nnz, shape=(self.M, self.H), backup=bk,
-                      backup_rows=self.backup_rows, check=False)
+                      backup_rows=self.backup_rows, check=False, check_finite=False)
 
     @property
     def g(self):

@@ -1,0 +1,79 @@
+"""Review of the CPU FFN path as a NumPy user sees it: defects found and fixed.
+
+Every test compares with a float64 NumPy reference (IEEE semantics where the
+inputs hold NaN/Inf: an inactive neuron contributes exactly nothing).
+"""
+import numpy as np
+import pytest
+
+import twellpy as tw
+from twellpy._array import bfloat16
+
+
+def _problem(M, D, H, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((M, D)).astype(dtype)
+    wg = (rng.standard_normal((H, D)) / np.sqrt(D)).astype(dtype)
+    wu = (rng.standard_normal((H, D)) / np.sqrt(D)).astype(dtype)
+    wd = (rng.standard_normal((D, H)) / np.sqrt(H)).astype(dtype)
+    return x, wg, wu, wd
+
+
+def _f64(a):
+    return np.asarray(a, dtype=np.float64)
+
+
+def _ref_gated(x, wg, wu):
+    """g, u (on g's pattern) and h in float64, IEEE NaN semantics (NaN gate is active)."""
+    x, wg, wu = _f64(x), _f64(wg), _f64(wu)
+    with np.errstate(invalid="ignore", over="ignore"):
+        z = x @ wg.T
+        on = ~(z <= 0)
+        g = np.where(on, z, 0.0)
+        u = np.where(on, x @ wu.T, 0.0)
+        h = np.where(on, g * u, 0.0)
+    return g, u, h
+
+
+def _same_nonfinite_then_close(got, want, rtol):
+    got = _f64(got)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(got[fin], want[fin], rtol=rtol, atol=rtol * max(1.0, np.abs(want[fin]).max(initial=0)))
+
+
+# ---------------------------------------------------------------------------
+# 1. ctx.g / ctx.u / ctx.h of a training step whose activations hold NaN/Inf
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("width", [1, "auto"])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float64)])
+def test_ctx_activations_with_nan_under_check_finite_false(dtype, width):
+    """check_finite=False keeps IEEE semantics; reading the saved activations must too
+    (they raised 'values contains .. NaN' before, although the step itself ran)."""
+    x, wg, wu, wd = _problem(6, 5, 11, dtype)
+    x[2, 3] = np.nan  # row 2: every gate NaN, so every neuron active with NaN h
+    g, u, h = _ref_gated(x, wg, wu)
+    y, ctx = tw.ffn.gated_forward_train(x, wg, wu, wd, width=width, check_finite=False)
+    for got, want in ((ctx.g, g), (ctx.u, u), (ctx.h, h)):
+        _same_nonfinite_then_close(got.toarray(), want, 1e-5)
+    _, ctx = tw.ffn.relu_forward_train(x, wu, wd, width=width, check_finite=False)
+    with np.errstate(invalid="ignore"):
+        z = _f64(x) @ _f64(wu).T
+    want = np.where(~(z <= 0), z, 0.0)
+    for got in (ctx.g, ctx.h):
+        _same_nonfinite_then_close(got.toarray(), want, 1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_ctx_h_after_float16_overflow():
+    """Finite fp16 inputs whose h overflows to Inf (legitimate, check_finite=True):
+    ctx.h must return it, as gated_forward(return_activations=True) does."""
+    x = np.full((2, 4), 100, np.float16)
+    wg = np.full((3, 4), 100, np.float16)
+    wu = wg.copy()
+    wd = np.full((4, 3), 1e-3, np.float16)
+    y, ctx = tw.ffn.gated_forward_train(x, wg, wu, wd)
+    h = ctx.h.toarray()
+    assert h.shape == (2, 3) and np.isposinf(_f64(h)).all()
+    np.testing.assert_array_equal(_f64(ctx.g.toarray()), np.full((2, 3), 40000.0))
