@@ -77,3 +77,26 @@ def test_ctx_h_after_float16_overflow():
     h = ctx.h.toarray()
     assert h.shape == (2, 3) and np.isposinf(_f64(h)).all()
     np.testing.assert_array_equal(_f64(ctx.g.toarray()), np.full((2, 3), 40000.0))
+
+
+# ---------------------------------------------------------------------------
+# 2. width strategies are validated whatever the batch size
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("width", ["bogus", "quantile:2", "quantile:abc", "min_storage:3", "auto:0.5"])
+@pytest.mark.parametrize("M", [0, 4])
+def test_bad_width_strategy_raises_for_every_batch(width, M):
+    x, wg, wu, wd = _problem(M, 5, 7, np.float32)
+    with pytest.raises(ValueError, match="width"):
+        tw.ffn.gated_forward_train(x, wg, wu, wd, width=width)
+    with pytest.raises(ValueError, match="width"):
+        tw.ffn.choose_width(np.zeros(M, np.int32), width, n_cols=7)
+
+
+@pytest.mark.parametrize("width", ["quantile:0.5", "min_storage", "auto", "fixed:3", 2])
+def test_good_width_strategy_on_empty_batch(width):
+    x, wg, wu, wd = _problem(0, 5, 7, np.float32)
+    y, ctx = tw.ffn.gated_forward_train(x, wg, wu, wd, width=width)
+    assert y.shape == (0, 5) and ctx.width >= 1
+    grads = tw.ffn.gated_backward(ctx, np.zeros((0, 5), np.float32))
+    assert [g.shape for g in grads] == [(0, 5), (7, 5), (7, 5), (5, 7)]
+    assert all(not np.any(g) for g in grads)

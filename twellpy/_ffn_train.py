@@ -143,8 +143,8 @@ def choose_width(token_counts, spec="auto", *, slot_bytes=8, row_bytes=None, n_c
         except ValueError:
             raise ValueError(f"width {spec!r}: expected 'fixed:<int>'") from None
         return choose_width(counts, n, n_cols=n_cols)
-    if M == 0:
-        return 1
+    # the strategy is validated before the empty-batch shortcut, so that a bad
+    # width raises whatever the batch size
     if name == "quantile":
         try:
             p = float(arg)
@@ -152,8 +152,12 @@ def choose_width(token_counts, spec="auto", *, slot_bytes=8, row_bytes=None, n_c
             raise ValueError(f"width {spec!r}: expected 'quantile:<p>' with 0 <= p <= 1") from None
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"width {spec!r}: quantile p must be in [0, 1], got {p}")
-        return max(_quantile_higher(counts, p), 1)
+        return max(_quantile_higher(counts, p), 1) if M else 1
     if name in ("min_storage", "auto"):
+        if arg or spec != name:  # "min_storage:3" would silently ignore its argument
+            raise ValueError(f"width {spec!r}: {name!r} takes no argument")
+        if M == 0:
+            return 1
         if row_bytes is None:
             if n_cols is None:
                 raise ValueError("choose_width needs row_bytes or n_cols for min_storage")
