@@ -100,3 +100,61 @@ def test_good_width_strategy_on_empty_batch(width):
     grads = tw.ffn.gated_backward(ctx, np.zeros((0, 5), np.float32))
     assert [g.shape for g in grads] == [(0, 5), (7, 5), (7, 5), (5, 7)]
     assert all(not np.any(g) for g in grads)
+
+
+# ---------------------------------------------------------------------------
+# 3. NaN/Inf weights of inactive neurons: no floating-point warning from the
+#    backup-row GEMMs (whose 0 * Inf products are discarded), whatever the width
+# ---------------------------------------------------------------------------
+def _dead_inf_problem(dtype):
+    """Neurons 0-2 fire in every row, the others never; a never-firing neuron
+    has an Inf w_down column and another an Inf / NaN w_up / w_gate entry."""
+    x, wg, wu, wd = _problem(8, 5, 30, dtype, seed=3)
+    x = np.abs(x)
+    wg = -np.abs(wg)
+    wg[:3] = np.abs(wg[:3])
+    clean = tuple(a.copy() for a in (wg, wu, wd))
+    wd[1, 10] = np.inf
+    wu[12, 0] = np.inf
+    wu[13, 1] = np.nan
+    wg[14, 2] = -np.inf  # gate -Inf: inactive
+    return x, (wg, wu, wd), clean
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("width", [1, "auto"])
+def test_inactive_nonfinite_weights_raise_no_fp_error(width, gated):
+    x, (wg, wu, wd), (cg, cu, cd) = _dead_inf_problem(np.float32)
+    if not gated:  # ReLU FFN: the up projection is the gate
+        wu = wg.copy()
+        wu[12, 0] = -np.inf
+        cu = cg
+    dy = np.random.default_rng(1).standard_normal((8, 5)).astype(np.float32)
+    x64, dy64 = _f64(x), _f64(dy)
+    with np.errstate(all="raise", under="ignore"):
+        if gated:
+            y, ctx = tw.ffn.gated_forward_train(x, wg, wu, wd, width=width, l1=0.1, check_finite=False)
+            grads = tw.ffn.gated_backward(ctx, dy)
+        else:
+            y, ctx = tw.ffn.relu_forward_train(x, wu, wd, width=width, l1=0.1, check_finite=False)
+            grads = tw.ffn.relu_backward(ctx, dy)
+    # reference from the clean weights (the bad ones belong to neurons that never fire)
+    if gated:
+        z = x64 @ _f64(cg).T
+        on = z > 0
+        g, u = np.where(on, z, 0), x64 @ _f64(cu).T
+        h = g * u
+        dh = (dy64 @ _f64(cd) + 0.1 / 8 * np.sign(h)) * on
+        du, dg = dh * g, dh * u
+        want = [du @ _f64(cu) + dg @ _f64(cg), dg.T @ x64, du.T @ x64, dy64.T @ h]
+    else:
+        z = x64 @ _f64(cu).T
+        on = z > 0
+        h = np.where(on, z, 0)
+        dh = (dy64 @ _f64(cd) + 0.1 / 8 * np.sign(h)) * on
+        want = [dh @ _f64(cu), dh.T @ x64, dy64.T @ h]
+    assert ctx.R == (8 if width == 1 else 0)
+    np.testing.assert_allclose(_f64(y), h @ _f64(cd).T, rtol=1e-5, atol=1e-5)
+    for got, ref in zip(grads, want):
+        assert np.isfinite(_f64(got)).all()
+        np.testing.assert_allclose(_f64(got), ref, rtol=1e-5, atol=1e-5)

@@ -485,7 +485,12 @@ def gemm_acc(a, b, out=None):
     and ``out`` returned.
     """
     cd = compute_dtype(a.dtype)
-    prod = np.matmul(a.astype(cd, copy=False), b.astype(cd, copy=False))
+    # the backup-row GEMMs also multiply the zeros of inactive neurons: a NaN/Inf
+    # weight there gives 0 * Inf, which the callers mask or redo (backup_exact), so
+    # numpy's "invalid value" warning (an error under np.errstate(invalid="raise"))
+    # would be about a value that never reaches the result
+    with np.errstate(invalid="ignore"):
+        prod = np.matmul(a.astype(cd, copy=False), b.astype(cd, copy=False))
     if out is None:
         return prod
     out += prod
