@@ -158,3 +158,30 @@ def test_inactive_nonfinite_weights_raise_no_fp_error(width, gated):
     for got, ref in zip(grads, want):
         assert np.isfinite(_f64(got)).all()
         np.testing.assert_allclose(_f64(got), ref, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# 4. Python ints beyond float range: named errors (l1), the limit they mean
+#    (auto_threshold), not a bare OverflowError
+# ---------------------------------------------------------------------------
+def test_huge_int_l1_is_a_named_value_error():
+    x, wg, wu, wd = _problem(3, 4, 6, np.float32)
+    for l1 in (10**400, -10**400):
+        with pytest.raises(ValueError, match="l1 must be a finite number"):
+            tw.ffn.gated_forward_train(x, wg, wu, wd, l1=l1)
+        with pytest.raises(ValueError, match="l1 must be a finite number"):
+            tw.ffn.relu_forward_train(x, wu, wd, l1=l1)
+
+
+def test_huge_int_auto_threshold_means_never_dense():
+    x, wg, wu, wd = _problem(40, 4, 6, np.float64)
+    _, _, h = _ref_gated(x, wg, wu)
+    ffn = tw.ffn.GatedFFN(wg, wu, wd)
+    ffn.auto_threshold = 10**400
+    assert ffn.auto_threshold == float("inf")
+    np.testing.assert_allclose(ffn(x), h @ _f64(wd).T, rtol=1e-12, atol=1e-12)
+    assert ffn.last_info["mode"] == "sparse"
+    ffn.auto_threshold = -10**400
+    assert ffn.auto_threshold == float("-inf")
+    np.testing.assert_allclose(ffn(x), h @ _f64(wd).T, rtol=1e-12, atol=1e-12)
+    assert ffn.last_info["mode"] == "dense"

@@ -188,7 +188,10 @@ class _FFN:
     def auto_threshold(self, value):
         if isinstance(value, (str, bytes, bool, np.bool_)):
             raise TypeError(f"auto_threshold must be a real number, got {value!r}")
-        v = float(value)
+        try:
+            v = float(value)
+        except OverflowError:  # an int beyond float range means +-Inf here ("never dense")
+            v = float("inf") if value > 0 else float("-inf")
         if v != v:  # NaN would make every comparison False: "auto" would never go dense
             raise ValueError("auto_threshold must not be NaN")
         self._plan.auto_threshold = v

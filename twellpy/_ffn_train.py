@@ -274,6 +274,9 @@ def _check_l1(l1):
         l1f = float(l1)
     except (TypeError, ValueError):
         raise TypeError(f"l1 must be a real number, got {type(l1).__name__}") from None
+    except OverflowError:  # an int beyond float range: not finite as a float
+        raise ValueError(f"l1 must be a finite number >= 0, got an int of {len(str(abs(int(l1))))} "
+                         f"digits (beyond float range)") from None
     if not np.isfinite(l1f) or l1f < 0:
         raise ValueError(f"l1 must be a finite number >= 0, got {l1f}")
     return l1f
