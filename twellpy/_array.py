@@ -7,6 +7,7 @@ gives jax out, cupy in gives cupy out.
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 
 import ml_dtypes
@@ -88,8 +89,10 @@ def device_of(a) -> str:
 
 
 def _torch_kind(x):
-    mod = type(x).__module__
-    return mod.startswith("torch") and hasattr(x, "is_cuda")
+    # isinstance, not the module name: a torch.Tensor subclass defined elsewhere (a user's
+    # or a library's) is a torch tensor too. torch is looked up only when already imported.
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
 
 
 def _jax_kind(x):
