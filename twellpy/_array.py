@@ -107,6 +107,9 @@ def _torch_to_xp(t, name="x"):
     if t.device.type not in ("cpu", "cuda"):
         raise TypeError(f"{name} is a torch tensor on {t.device.type}; twellpy takes CPU or CUDA "
                         f"tensors (move it with .cpu() or .cuda())")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} is a torch tensor with layout {t.layout}; twellpy takes dense "
+                        f"(strided) tensors, so pass {name}.to_dense()")
     is_bf16 = t.dtype == torch.bfloat16
     if is_bf16:
         t = t.view(torch.int16)  # numpy/DLPack consumers may not know bfloat16
@@ -117,7 +120,11 @@ def _torch_to_xp(t, name="x"):
                             "install twellpy[cuda] or move the tensor to the CPU")
         arr = cp.from_dlpack(t)
     else:
-        arr = t.resolve_conj().resolve_neg().numpy()
+        try:
+            arr = t.resolve_conj().resolve_neg().numpy()
+        except TypeError:  # torch's "Got unsupported ScalarType ..." names no argument
+            names = ", ".join(str(d) for d in FLOAT_DTYPES)
+            raise TypeError(f"{name} has dtype {t.dtype}, expected one of {names}") from None
     if is_bf16:
         arr = arr.view(bfloat16)
     return arr
