@@ -191,7 +191,14 @@ def as_array(x, name: str, *, ndim=None, allow_none: bool = False):
     elif hasattr(x, "__dlpack__"):
         dev_type = x.__dlpack_device__()[0] if hasattr(x, "__dlpack_device__") else 1
         if dev_type == 1:
-            arr = np.from_dlpack(x)
+            try:
+                arr = np.from_dlpack(x)
+            except (BufferError, RuntimeError, TypeError, ValueError) as exc:
+                # numpy's "Unsupported dtype in DLTensor." (e.g. bfloat16) or the producer's
+                # own refusal name no argument
+                raise TypeError(f"{name} ({type(x).__module__}.{type(x).__name__}) could not be read "
+                                f"through DLPack: {exc}; pass a numpy array or a supported float "
+                                f"dtype") from exc
         else:
             cp = cupy_module()
             if cp is None:
