@@ -269,6 +269,11 @@ def check_float(arr, name: str, *, allowed=FLOAT_DTYPES):
     """Raise TypeError unless ``arr`` has a supported floating dtype."""
     if arr.dtype not in allowed:
         names = ", ".join(str(d) for d in allowed)
+        if not arr.dtype.isnative and arr.dtype.newbyteorder("=") in allowed:
+            # '>f4' is float32 in the other byte order: say so, the bare dtype reads like a match
+            raise TypeError(f"{name} has dtype {arr.dtype.str} ({arr.dtype.newbyteorder('=')} in non-native "
+                            f"byte order), expected one of {names} in native byte order; convert with "
+                            f"{name}.astype({name}.dtype.newbyteorder('='))")
         raise TypeError(f"{name} has dtype {arr.dtype}, expected one of {names}")
     return arr
 
