@@ -54,7 +54,7 @@ def _counts(acts_or_counts, name="acts"):
         return _stats.nnz_per_token(acts_or_counts)
     arr, _ = as_array(acts_or_counts, name)
     if arr.ndim == 1:
-        return _stats._to_numpy(arr).astype(np.int64)
+        return _stats._whole_counts(arr, name)
     return _stats.nnz_per_token(arr)
 
 

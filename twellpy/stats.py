@@ -193,6 +193,28 @@ class _Acts:
         return xp.concatenate(parts, axis=0)
 
 
+def _whole_counts(arr, name):
+    """Per-token counts given as a 1-D array, as int64: whole, finite and >= 0.
+
+    Float counts are accepted when they hold whole numbers; 1.5, a negative
+    count, NaN or Inf raise instead of being truncated or cast to garbage.
+    """
+    c = _to_numpy(arr)
+    if c.dtype.kind == "b":
+        return c.astype(np.int64)
+    if c.dtype.kind not in "iuf" and c.dtype != bfloat16:
+        raise ValueError(f"{name} as per-token counts must be numeric, got dtype {c.dtype}")
+    if c.dtype.kind not in "iu":
+        c = c.astype(np.float64)
+        bad = ~np.isfinite(c) | (c != np.floor(c))
+        if bad.any():
+            raise ValueError(f"{name} as per-token counts (1-D) must hold whole, finite numbers, "
+                             f"got {c[bad][0]} at index {int(np.flatnonzero(bad)[0])}")
+    if c.size and c.min() < 0:
+        raise ValueError(f"{name} as per-token counts (1-D) must be >= 0, got {c.min()}")
+    return c.astype(np.int64)
+
+
 def _check_tile(tile):
     if isinstance(tile, bool) or not isinstance(tile, (int, np.integer)) or tile < 1:
         raise ValueError(f"tile must be a positive integer, got {tile!r}")
@@ -271,7 +293,7 @@ def nnz_per_position(acts, seq_len=None):
         elif arr.ndim == 2:
             counts = nnz_per_token(arr)
         elif arr.ndim == 1:
-            counts = _to_numpy(arr).astype(np.int64)  # already per-token counts
+            counts = _whole_counts(arr, "acts")  # already per-token counts
         else:
             raise ValueError(f"acts must be (B, T, H), (M, H) or per-token counts (M,), "
                              f"got shape {tuple(arr.shape)}")

@@ -1,0 +1,128 @@
+"""Review of twellpy.stats / twellpy.plot: wrong numbers and unclear or missing argument checks."""
+import warnings
+
+import numpy as np
+import pytest
+
+from twellpy import stats
+
+A = np.abs(np.random.default_rng(0).standard_normal((8, 64)))
+A[A < 1] = 0
+
+
+# -- per-token counts given as a 1-D array -------------------------------------
+
+@pytest.mark.parametrize("bad", [[1.5, 2.0, 3.0, 4.0], [-1, 2, 3, 4], [np.nan, 2, 3, 4], [np.inf, 2, 3, 4]])
+def test_nnz_per_position_rejects_counts_that_are_not_whole_non_negative(bad):
+    # 1.5 was truncated to 1 (a wrong mean), -1 accepted, NaN / Inf cast to garbage
+    with pytest.raises(ValueError, match="acts"):
+        stats.nnz_per_position(np.array(bad), seq_len=2)
+
+
+def test_nnz_per_position_whole_float_counts_still_accepted():
+    ps = stats.nnz_per_position(np.array([1.0, 2.0, 3.0, 4.0]), seq_len=2)
+    np.testing.assert_array_equal(ps.mean, [2.0, 3.0])
+    assert ps.min.dtype == np.int64
+
+
+@pytest.mark.parametrize("bad", [[1.5, 2.0], [-1, 2], [np.nan, 2.0]])
+def test_nnz_histogram_rejects_counts_that_are_not_whole_non_negative(bad):
+    pytest.importorskip("matplotlib")
+    from twellpy import plot
+
+    with pytest.raises(ValueError, match="acts"):
+        plot.nnz_histogram(np.array(bad))
+
+
+# -- fit_position_trend / nnz_vs_position --------------------------------------
+
+@pytest.mark.parametrize("pos", [[0, np.nan, 2, 3], [0, np.inf, 2, 3]])
+def test_fit_position_trend_rejects_non_finite_position(pos):
+    # was numpy.linalg.LinAlgError ('SVD did not converge') or a RuntimeWarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="position"):
+            stats.fit_position_trend(pos, [3.0, 2.0, 1.0, 1.0])
+
+
+def test_nnz_vs_position_bad_trend_names_trend():
+    pytest.importorskip("matplotlib")
+    from twellpy import plot
+
+    with pytest.raises(ValueError, match="trend"):
+        plot.nnz_vs_position(A, seq_len=4, trend="linear")
+
+
+def test_nnz_vs_position_one_position_with_trend_names_trend_and_seq_len():
+    pytest.importorskip("matplotlib")
+    from twellpy import plot
+
+    with pytest.raises(ValueError, match="trend.*seq_len|seq_len.*trend"):
+        plot.nnz_vs_position(A, seq_len=1)
+    fig = plot.nnz_vs_position(A, seq_len=1, trend=None)  # no trend: fine
+    assert fig.twellpy_trend is None
+
+
+# -- token_ranking ---------------------------------------------------------------
+
+@pytest.mark.parametrize("k", [2.5, True, "3", None])
+def test_token_ranking_k_must_be_positive_integer(k):
+    with pytest.raises(ValueError, match="k must be a positive integer"):
+        stats.token_ranking(list("abcdefgh"), A, k=k)
+
+
+@pytest.mark.parametrize("mc", [0, -3, 1.5, True, "2"])
+def test_token_ranking_min_count_must_be_positive_integer(mc):
+    with pytest.raises(ValueError, match="min_count must be a positive integer"):
+        stats.token_ranking(list("abcdefgh"), A, min_count=mc)
+
+
+def test_token_ranking_rejects_nan_counts():
+    # NaN means sorted arbitrarily: 'b' (NaN) came second in 'most' and in 'fewest'
+    with pytest.raises(ValueError, match="nnz"):
+        stats.token_ranking(list("abcd"), np.array([1.0, np.nan, 3.0, 2.0]), k=4)
+
+
+# -- FiringTracker -----------------------------------------------------------------
+
+def test_firing_tracker_rejects_bool_n_neurons():
+    with pytest.raises(ValueError, match="n_neurons"):
+        stats.FiringTracker(n_neurons=True)
+
+
+def test_firing_tracker_update_counts_rejects_inf():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="counts"):
+            stats.FiringTracker().update_counts(np.array([np.inf, 1.0]), 5)
+
+
+@pytest.mark.parametrize("n", [2.7, "x", -1, True])
+def test_firing_tracker_update_counts_n_tokens_must_be_non_negative_integer(n):
+    with pytest.raises(ValueError, match="n_tokens"):
+        stats.FiringTracker().update_counts(np.zeros(0, np.int64), n)
+    with pytest.raises(ValueError, match="n_tokens"):
+        stats.FiringTracker().update_counts(np.zeros(3, np.int64), n)
+
+
+def test_firing_tracker_update_counts_whole_float_n_tokens_ok():
+    tr = stats.FiringTracker().update_counts(np.array([1, 2]), np.int64(4))
+    np.testing.assert_allclose(tr.frequency, [0.25, 0.5])
+
+
+# -- tile_heatmap / suggest_slots argument checks -------------------------------------
+
+@pytest.mark.parametrize("mr", [2.5, "5", True, 0])
+def test_tile_heatmap_max_rows_must_be_positive_integer(mr):
+    pytest.importorskip("matplotlib")
+    from twellpy import plot
+
+    with pytest.raises(ValueError, match="max_rows must be a positive integer"):
+        plot.tile_heatmap(A, 16, max_rows=mr)
+
+
+@pytest.mark.parametrize("t", ["x", None])
+def test_suggest_slots_non_number_target_names_target(t):
+    m = stats.fit_overflow_model(A, 16)
+    with pytest.raises(ValueError, match="target_overflow"):
+        m.suggest_slots(t)
