@@ -116,11 +116,16 @@ def nnz_vs_position(acts, seq_len=None, trend="power", band=True, ax=None, title
         :class:`~twellpy.stats.PositionTrend` is attached to the figure as
         ``fig.twellpy_trend`` (None without a trend).
     """
+    if trend not in ("power", "exp", None):
+        raise ValueError(f"trend must be 'power', 'exp' or None, got {trend!r}")
     if _stats._is_container(acts):
         ps = _stats.nnz_per_position(acts, seq_len)
     else:
         arr, _ = as_array(acts, "acts")
         ps = _stats.nnz_per_position(arr, seq_len)
+    if trend is not None and ps.position.size < 2:
+        raise ValueError(f"trend={trend!r} needs at least 2 positions, got seq_len={ps.position.size}; "
+                         f"pass trend=None")
     fig, (ax,) = _new_axes(ax, (6, 4))
     ax.plot(ps.position, ps.mean, marker=".", color="tab:blue", label="mean")
     if band and ps.n_sequences > 1:

@@ -365,6 +365,8 @@ def fit_position_trend(position, mean, kind="power"):
         raise ValueError(f"position and mean must have the same length >= 2, got {p.size} and {y.size}")
     if not np.all(np.isfinite(y)):
         raise ValueError("mean contains NaN or Inf")
+    if not np.all(np.isfinite(p)):
+        raise ValueError("position contains NaN or Inf")
 
     def model(pp, a, b, c):
         return PositionTrend(kind, a, b, c)(pp)
