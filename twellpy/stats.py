@@ -505,8 +505,11 @@ def token_ranking(tokens, nnz, k=10, min_count=1):
     labels = list(tokens)
     if len(labels) != counts.size:
         raise ValueError(f"tokens has {len(labels)} labels but nnz describes {counts.size} tokens")
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
+    for arg, val in (("k", k), ("min_count", min_count)):
+        if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
+            raise ValueError(f"{arg} must be a positive integer, got {val!r}")
+    if counts.dtype.kind == "f" and not np.all(np.isfinite(counts)):
+        raise ValueError("nnz contains NaN or Inf counts (they cannot be ranked)")
     sums, seen = {}, {}
     for lab, c in zip(labels, counts.tolist()):
         sums[lab] = sums.get(lab, 0) + c
