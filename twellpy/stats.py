@@ -594,7 +594,8 @@ class FiringTracker:
         if window is not None and (isinstance(window, bool) or not isinstance(window, (int, np.integer))
                                    or window < 1):
             raise ValueError(f"window must be a positive integer or None, got {window!r}")
-        if n_neurons is not None and (not isinstance(n_neurons, (int, np.integer)) or n_neurons < 1):
+        if n_neurons is not None and (isinstance(n_neurons, bool) or not isinstance(n_neurons, (int, np.integer))
+                                      or n_neurons < 1):
             raise ValueError(f"n_neurons must be a positive integer, got {n_neurons!r}")
         self.n_neurons = None if n_neurons is None else int(n_neurons)
         self.window = None if window is None else int(window)
@@ -618,13 +619,15 @@ class FiringTracker:
         arr, _ = as_array(counts, "counts", ndim=1)
         c = _to_numpy(arr)
         if c.dtype.kind not in "iu":
-            if not np.all(c == np.floor(c)):
-                raise ValueError("counts must hold whole numbers")
+            if not np.all(np.isfinite(c) & (c == np.floor(c))):
+                raise ValueError("counts must hold whole, finite numbers")
         c = c.astype(np.int64)
         if np.any(c < 0):
             raise ValueError("counts must be >= 0")
+        if isinstance(n_tokens, bool) or not isinstance(n_tokens, (int, np.integer)) or n_tokens < 0:
+            raise ValueError(f"n_tokens must be a non-negative integer, got {n_tokens!r}")
         n_tokens = int(n_tokens)
-        if n_tokens < 0 or (c.size and c.max() > n_tokens):
+        if c.size and c.max() > n_tokens:
             raise ValueError(f"n_tokens={n_tokens} is smaller than the largest count {int(c.max())}")
         self._add(c, n_tokens)
         return self
