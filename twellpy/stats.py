@@ -879,8 +879,12 @@ class OverflowModel:
         int
             In ``[1, tile]``.
         """
-        if not (0.0 <= float(target_overflow) < 1.0):
-            raise ValueError(f"target_overflow must be in [0, 1), got {target_overflow!r}")
+        try:
+            target = float(target_overflow)
+        except (TypeError, ValueError):
+            target = math.nan
+        if isinstance(target_overflow, (bool, str)) or not (0.0 <= target < 1.0):
+            raise ValueError(f"target_overflow must be a number in [0, 1), got {target_overflow!r}")
         if isinstance(multiple_of, bool) or not isinstance(multiple_of, (int, np.integer)) or multiple_of < 1:
             raise ValueError(f"multiple_of must be a positive integer, got {multiple_of!r}")
         lo, hi = 0, self.tile  # probability(hi) == 0 <= target: hi always feasible
