@@ -215,18 +215,15 @@ class TwELL(SparseArray):
         tile, slots = cls._params_ok(tile, slots, overflow)
         xp = _array.xp_of(x)
         be = backends.get(x)
-        # a tile wider than the row is the row (one tile, the same slots); the packer is
-        # given at most N, as a CPU packer sizes a per-row buffer by the tile width
-        k_tile = min(tile, max(x.shape[1], 1))
         fused = getattr(be, "dense_to_twell_finite", None)  # optional: NaN/Inf test in the same pass
         if check_finite and fused is not None:
-            values, indices, counts, row_max, finite = fused(x, k_tile, slots)
+            values, indices, counts, row_max, finite = fused(x, tile, slots)
             if not finite:
                 _array.check_finite(x, "x")
         else:
             if check_finite:
                 cls._check_dense_finite(x)
-            values, indices, counts, row_max = be.dense_to_twell(x, k_tile, slots)
+            values, indices, counts, row_max = be.dense_to_twell(x, tile, slots)
 
         def row_cols(r):
             from ._base import nonzero_mask
@@ -246,8 +243,7 @@ class TwELL(SparseArray):
         tile, slots = cls._params_ok(tile, slots, overflow)
         xp = _array.xp_of(data)
         m, n = shape
-        values, idx, counts, row_max = backends.get(data).csr_to_twell(indptr, indices, data, n,
-                                                                       min(tile, max(n, 1)), slots)
+        values, idx, counts, row_max = backends.get(data).csr_to_twell(indptr, indices, data, n, tile, slots)
 
         def row_cols(r):
             lo, hi = (int(v) for v in _as_host(indptr[r:r + 2]))

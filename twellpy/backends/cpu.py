@@ -118,6 +118,9 @@ def _exp_mask(dtype):
 def _dense_to_twell(x, tile, slots):
     m, n = x.shape
     _check_int32(n, "the number of columns")
+    # a tile wider than the row is the row (one tile, the same layout), as in the CUDA
+    # packer: the kernel sizes a per-row buffer by the tile width
+    tile = max(1, min(tile, n))
     n_tiles = -(-n // tile) if n else 0
     vals = _empty((m, n_tiles, slots), x.dtype)
     idx = _empty((m, n_tiles, slots), np.int32)
@@ -261,6 +264,7 @@ def csr_to_twell(indptr, indices, data, n_cols, tile, slots):
     """
     m = indptr.shape[0] - 1
     _check_int32(n_cols, "the number of columns")
+    tile = max(1, min(tile, n_cols))  # a tile wider than the row is the row (see _dense_to_twell)
     n_tiles = -(-n_cols // tile) if n_cols else 0
     vals = _empty((m, n_tiles, slots), data.dtype)
     idx = _empty((m, n_tiles, slots), np.int32)
