@@ -265,6 +265,15 @@ def count_in_range(values, n):
     return counts
 
 
+def float_or_inf(v) -> float:
+    """``float(v)``, where an int (or Fraction ...) beyond the float64 range becomes +-inf
+    instead of raising OverflowError, so the caller's rules for infinities apply to it."""
+    try:
+        return float(v)
+    except OverflowError:
+        return float("inf") if v > 0 else float("-inf")
+
+
 def check_float(arr, name: str, *, allowed=FLOAT_DTYPES):
     """Raise TypeError unless ``arr`` has a supported floating dtype."""
     if arr.dtype not in allowed:

@@ -263,26 +263,22 @@ def _is_real_scalar(v, name):
     return True
 
 
+def _is_array_like(v):
+    """Whether ``v`` offers its data as an array (numpy, CuPy, DLPack producers)."""
+    return hasattr(v, "__array__") or hasattr(v, "__dlpack__") or hasattr(v, "__cuda_array_interface__")
+
+
 def _refuse_dense(v, op):
     """TypeError for ``A <op> W`` with a dense array ``W``: numpy's own error ("operand does
     not support ufuncs") names neither ``W`` nor the method that does the product."""
     if isinstance(v, SparseArray) or hasattr(v, "tocsr"):
         return
-    if hasattr(v, "__array__") or hasattr(v, "__dlpack__") or hasattr(v, "__cuda_array_interface__"):
+    if _is_array_like(v):
         shape = getattr(v, "shape", None)
         raise TypeError(f"A {op} W with a dense array W ({type(v).__module__}.{type(v).__name__} of shape "
                         f"{tuple(shape) if shape is not None else '?'}) is not supported; use "
                         f"A.multiply(W) for the element-wise product (it keeps A's pattern) or A @ W "
                         f"for the matrix product")
-
-
-def _scalar_float(v):
-    """``float(v)``; an int (or Fraction ...) beyond the float64 range becomes +-inf
-    instead of raising OverflowError, so the callers' finiteness rules apply to it."""
-    try:
-        return float(v)
-    except OverflowError:
-        return float("inf") if v > 0 else float("-inf")
 
 
 def _first_true(mask):
@@ -441,8 +437,7 @@ class SparseArray:
 
     def _compare(self, other, op):
         if (isinstance(other, (SparseArray, numbers.Number, np.generic)) or hasattr(other, "tocsr")
-                or hasattr(other, "__array__") or hasattr(other, "__dlpack__")
-                or hasattr(other, "__cuda_array_interface__")):
+                or _is_array_like(other)):
             raise TypeError(f"A {op} B is not defined for a {type(self).__name__} (got B of type "
                             f"{type(other).__module__}.{type(other).__name__}): element-wise comparisons "
                             f"are not offered; compare dense values, e.g. A.toarray() {op} B.toarray(), "
@@ -1199,7 +1194,7 @@ class SparseArray:
         if isinstance(other, SparseArray):
             return self._mul_same_pattern(other)
         if _is_real_scalar(other, "factor"):
-            return self._scale(_scalar_float(other), other)
+            return self._scale(_array.float_or_inf(other), other)
         _refuse_dense(other, "*")
         return NotImplemented
 
@@ -1249,7 +1244,7 @@ class SparseArray:
         if _is_real_scalar(other, "divisor"):
             if other == 0:
                 raise ZeroDivisionError("division of a sparse container by zero")
-            d = _scalar_float(other)  # 1 / (an int beyond float64) is 0, as 1 / inf
+            d = _array.float_or_inf(other)  # 1 / (an int beyond float64) is 0, as 1 / inf
             if np.isnan(d):
                 raise ValueError(f"divisor must not be NaN, got {other!r}")
             with np.errstate(over="ignore", divide="ignore"):

@@ -62,7 +62,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import backends
-from ._array import FLOAT_DTYPES, as_array, check_finite as _check_finite, device_of, to_caller
+from ._array import FLOAT_DTYPES, as_array, check_finite as _check_finite, device_of, float_or_inf, to_caller
 
 __all__ = ["gated_forward", "relu_forward", "GatedFFN", "ReluFFN"]
 
@@ -188,10 +188,7 @@ class _FFN:
     def auto_threshold(self, value):
         if isinstance(value, (str, bytes, bool, np.bool_)):
             raise TypeError(f"auto_threshold must be a real number, got {value!r}")
-        try:
-            v = float(value)
-        except OverflowError:  # an int beyond float range means +-Inf here ("never dense")
-            v = float("inf") if value > 0 else float("-inf")
+        v = float_or_inf(value)  # an int beyond float range means +-Inf ("never dense")
         if v != v:  # NaN would make every comparison False: "auto" would never go dense
             raise ValueError("auto_threshold must not be NaN")
         self._plan.auto_threshold = v
