@@ -201,8 +201,7 @@ def tile_heatmap(acts, tile=256, slots=None, max_rows=512, ax=None, title=None):
         The axes holds one image of shape (min(M, max_rows), n_tiles) and a
         colour bar.
     """
-    if isinstance(max_rows, bool) or not isinstance(max_rows, (int, np.integer)) or max_rows < 1:
-        raise ValueError(f"max_rows must be a positive integer, got {max_rows!r}")
+    _stats._check_int(max_rows, "max_rows")
     occ = _stats.tile_occupancy(acts, tile)
     if occ.size == 0:
         raise ValueError("acts holds no tiles")

@@ -193,8 +193,8 @@ class _Acts:
         return xp.concatenate(parts, axis=0)
 
 
-def _whole_counts(arr, name):
-    """Per-token counts given as a 1-D array, as int64: whole, finite and >= 0.
+def _whole_counts(arr, name, what="per-token counts (1-D)"):
+    """Counts given as a 1-D array, as int64: whole, finite and >= 0.
 
     Float counts are accepted when they hold whole numbers; 1.5, a negative
     count, NaN or Inf raise instead of being truncated or cast to garbage.
@@ -203,21 +203,30 @@ def _whole_counts(arr, name):
     if c.dtype.kind == "b":
         return c.astype(np.int64)
     if c.dtype.kind not in "iuf" and c.dtype != bfloat16:
-        raise ValueError(f"{name} as per-token counts must be numeric, got dtype {c.dtype}")
+        raise ValueError(f"{name} as {what} must be numeric, got dtype {c.dtype}")
     if c.dtype.kind not in "iu":
         c = c.astype(np.float64)
         bad = ~np.isfinite(c) | (c != np.floor(c))
         if bad.any():
-            raise ValueError(f"{name} as per-token counts (1-D) must hold whole, finite numbers, "
+            raise ValueError(f"{name} as {what} must hold whole, finite numbers, "
                              f"got {c[bad][0]} at index {int(np.flatnonzero(bad)[0])}")
     if c.size and c.min() < 0:
-        raise ValueError(f"{name} as per-token counts (1-D) must be >= 0, got {c.min()}")
+        raise ValueError(f"{name} as {what} must be >= 0, got {c.min()}")
     return c.astype(np.int64)
 
 
+def _check_int(value, name, *, minimum=1, or_none=False):
+    """ValueError naming ``name`` unless ``value`` is an integer >= ``minimum`` (or None
+    when ``or_none``); a bool is no integer here."""
+    if or_none and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        kind = "a positive integer" if minimum == 1 else "a non-negative integer"
+        raise ValueError(f"{name} must be {kind}{' or None' if or_none else ''}, got {value!r}")
+
+
 def _check_tile(tile):
-    if isinstance(tile, bool) or not isinstance(tile, (int, np.integer)) or tile < 1:
-        raise ValueError(f"tile must be a positive integer, got {tile!r}")
+    _check_int(tile, "tile")
     return int(tile)
 
 
@@ -299,8 +308,7 @@ def nnz_per_position(acts, seq_len=None):
                              f"got shape {tuple(arr.shape)}")
     if seq_len is None:
         raise ValueError("seq_len is required when acts is not (B, T, H)")
-    if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
-        raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
+    _check_int(seq_len, "seq_len")
     if counts.size % seq_len:
         raise ValueError(f"acts has {counts.size} tokens, not a multiple of seq_len={seq_len}")
     if counts.size == 0:
@@ -505,9 +513,8 @@ def token_ranking(tokens, nnz, k=10, min_count=1):
     labels = list(tokens)
     if len(labels) != counts.size:
         raise ValueError(f"tokens has {len(labels)} labels but nnz describes {counts.size} tokens")
-    for arg, val in (("k", k), ("min_count", min_count)):
-        if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
-            raise ValueError(f"{arg} must be a positive integer, got {val!r}")
+    _check_int(k, "k")
+    _check_int(min_count, "min_count")
     if counts.dtype.kind == "f" and not np.all(np.isfinite(counts)):
         raise ValueError("nnz contains NaN or Inf counts (they cannot be ranked)")
     sums, seen = {}, {}
@@ -591,12 +598,9 @@ class FiringTracker:
     """
 
     def __init__(self, n_neurons=None, window=None):
-        if window is not None and (isinstance(window, bool) or not isinstance(window, (int, np.integer))
-                                   or window < 1):
-            raise ValueError(f"window must be a positive integer or None, got {window!r}")
-        if n_neurons is not None and (isinstance(n_neurons, bool) or not isinstance(n_neurons, (int, np.integer))
-                                      or n_neurons < 1):
-            raise ValueError(f"n_neurons must be a positive integer, got {n_neurons!r}")
+        _check_int(window, "window", or_none=True)
+        if n_neurons is not None:
+            _check_int(n_neurons, "n_neurons")
         self.n_neurons = None if n_neurons is None else int(n_neurons)
         self.window = None if window is None else int(window)
         self.reset()
@@ -617,15 +621,8 @@ class FiringTracker:
     def update_counts(self, counts, n_tokens):
         """Add one step given per-neuron firing counts (H,) over ``n_tokens`` tokens."""
         arr, _ = as_array(counts, "counts", ndim=1)
-        c = _to_numpy(arr)
-        if c.dtype.kind not in "iu":
-            if not np.all(np.isfinite(c) & (c == np.floor(c))):
-                raise ValueError("counts must hold whole, finite numbers")
-        c = c.astype(np.int64)
-        if np.any(c < 0):
-            raise ValueError("counts must be >= 0")
-        if isinstance(n_tokens, bool) or not isinstance(n_tokens, (int, np.integer)) or n_tokens < 0:
-            raise ValueError(f"n_tokens must be a non-negative integer, got {n_tokens!r}")
+        c = _whole_counts(arr, "counts", "per-neuron firing counts")
+        _check_int(n_tokens, "n_tokens", minimum=0)
         n_tokens = int(n_tokens)
         if c.size and c.max() > n_tokens:
             raise ValueError(f"n_tokens={n_tokens} is smaller than the largest count {int(c.max())}")
@@ -730,8 +727,7 @@ def tile_occupancy_histogram(acts, tile=256):
 
 
 def _check_slots(slots):
-    if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots < 0:
-        raise ValueError(f"slots must be a non-negative integer, got {slots!r}")
+    _check_int(slots, "slots", minimum=0)
     return int(slots)
 
 
@@ -885,8 +881,7 @@ class OverflowModel:
             target = math.nan
         if isinstance(target_overflow, (bool, str)) or not (0.0 <= target < 1.0):
             raise ValueError(f"target_overflow must be a number in [0, 1), got {target_overflow!r}")
-        if isinstance(multiple_of, bool) or not isinstance(multiple_of, (int, np.integer)) or multiple_of < 1:
-            raise ValueError(f"multiple_of must be a positive integer, got {multiple_of!r}")
+        _check_int(multiple_of, "multiple_of")
         lo, hi = 0, self.tile  # probability(hi) == 0 <= target: hi always feasible
         while lo < hi:  # the probability is non-increasing in slots: bisect
             mid = (lo + hi) // 2
