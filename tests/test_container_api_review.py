@@ -249,3 +249,29 @@ def test_bfloat16_scalar_factor(cls, dtype):
     B = A / bfloat16.type(0.5)
     assert B.dtype == A.dtype
     np.testing.assert_allclose(_f64(B.toarray()), _x(dtype).astype(np.float64) * 2, rtol=rtol)
+
+
+def test_bfloat16_limits_do_not_need_numpys_finfo(monkeypatch):
+    """Older ml_dtypes releases do not register bfloat16 with ``np.finfo`` (the device's did not on
+    2026-12-06: 171 GPU tests of bfloat16 astype, sums and value maps failed there with "data type
+    dtype(bfloat16) not compatible with finfo" while they passed here). Every limit twellpy reads
+    goes through ``_array.finfo``; with numpy's finfo made to refuse bfloat16 they all still work."""
+    real = np.finfo
+
+    def finfo_without_bfloat16(dtype):
+        if np.dtype(dtype) == bfloat16:
+            raise ValueError("data type dtype(bfloat16) not compatible with finfo")
+        return real(dtype)
+
+    monkeypatch.setattr(np, "finfo", finfo_without_bfloat16)
+    x = np.zeros((5, 300), np.float32)
+    x[0, 3], x[2, 299], x[4, 0] = 1.5, -2.25, 3.0e38
+    for cls in (tw.TwELL, tw.ELL, tw.Hybrid):
+        A = cls.from_dense(x.astype(bfloat16))
+        assert A.astype(np.float32).toarray().tolist() == x.astype(bfloat16).astype(np.float32).tolist()
+        assert float(A.sum()) == float(x.astype(bfloat16).astype(np.float64).sum())
+        with pytest.raises(ValueError, match=r"overflows 1 finite value.*largest float16: 65504"):
+            A.astype(np.float16)
+        big = cls.from_dense(np.where(x > 1e38, np.float32(3.4e38), x))
+        with pytest.raises(ValueError, match=r"astype\(bfloat16\) overflows 1 finite value.*largest bfloat16: 3\.38953e\+38"):
+            big.astype(bfloat16)

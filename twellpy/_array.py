@@ -287,6 +287,26 @@ def check_float(arr, name: str, *, allowed=FLOAT_DTYPES):
     return arr
 
 
+def finfo(dtype):
+    """Machine limits of a float dtype, bfloat16 included.
+
+    ``np.finfo(bfloat16)`` works only where the installed ml_dtypes registers
+    bfloat16 with numpy's ``finfo`` (newer releases); ``ml_dtypes.finfo`` knows
+    numpy's own float dtypes and bfloat16 with every release.
+
+    Parameters
+    ----------
+    dtype : dtype-like
+        A float dtype.
+
+    Returns
+    -------
+    finfo
+        With ``max``, ``eps``, ``tiny`` and the rest of ``numpy.finfo``'s fields.
+    """
+    return ml_dtypes.finfo(np.dtype(dtype))
+
+
 def float_bit_masks(dtype):
     """Exponent and mantissa masks of a float dtype, as scalars of its unsigned view.
 

@@ -880,7 +880,7 @@ class SparseArray:
         with np.errstate(over="ignore"):  # overflow is reported below, with a better message
             b = conv(self.backup) if self.backup is not None else None
             vals = conv(self.values)
-        if check_finite and np.finfo(dtype).max < np.finfo(np.dtype(self.dtype)).max:
+        if check_finite and _array.finfo(dtype).max < _array.finfo(self.dtype).max:
             # only a cast to a type of smaller range can overflow
             for name, src, dst in (("values", self.values, vals), ("backup", self.backup, b)):
                 if src is None or src.size == 0:
@@ -888,7 +888,7 @@ class SparseArray:
                 new_inf = _array.nan_inf_counts(dst)[1] - _array.nan_inf_counts(src)[1]
                 if new_inf:
                     raise ValueError(f"astype({dtype}) overflows {new_inf} finite value(s) of {name} to Inf "
-                                     f"(largest {dtype}: {float(np.finfo(dtype).max):.6g}); pass "
+                                     f"(largest {dtype}: {float(_array.finfo(dtype).max):.6g}); pass "
                                      f"check_finite=False to keep them as Inf")
         return self._with_data(vals, b)
 
@@ -1210,7 +1210,7 @@ class SparseArray:
             acc = _acc(self.dtype)
             raise ValueError(f"scalar factor must be finite in {acc}, the dtype {self.dtype} values are "
                              f"multiplied in, got {given!r}, which overflows to Inf there (largest {acc}: "
-                             f"{float(np.finfo(acc).max):.4g})")
+                             f"{float(_array.finfo(acc).max):.4g})")
         acc = s_acc.dtype
 
         def scale(a):
