@@ -228,6 +228,29 @@ def xp(backend):
     return np
 
 
+def poison_gpu_pool(n_bytes=1 << 29):
+    """Fill free blocks of CuPy's memory pool with 0xFF bytes (NaN in every float dtype,
+    -1 in the integers), so that an output element a kernel forgets to write cannot pass.
+
+    Blocks of several sizes, since the pool keeps free blocks in size bins. Does nothing
+    under compute-sanitizer (``SANITIZE``): CuPy's pool is off there, so there is no free
+    block to fill, and memcheck keeps the memory of arrays made inside CuPy's functions
+    (``cp.full``): the 512 MiB of each call ran the card out of memory (2026-12-06, H100,
+    ``docs/bench_logs/session23_2026-12-06``).
+    """
+    if SANITIZE or not HAS_GPU:
+        return
+    import cupy as cp
+
+    blocks = []
+    for size in (n_bytes, n_bytes // 8, 1 << 20, 1 << 16, 4096, 512):
+        a = cp.empty(size, dtype=cp.uint8)
+        a.fill(0xFF)
+        blocks.append(a)
+    cp.cuda.Device().synchronize()
+    del a, blocks  # back to the pool, still full of 0xFF bytes
+
+
 def rel_err(got, ref):
     """||got - ref|| / ||ref|| in float64 (numpy or cupy inputs)."""
     got = np.asarray(got.get() if hasattr(got, "get") else got, dtype=np.float64)

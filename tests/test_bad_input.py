@@ -229,7 +229,7 @@ import os  # noqa: E402
 import re  # noqa: E402
 import zipfile  # noqa: E402
 
-from _reliability_util import bits_equal, host  # noqa: E402
+from _reliability_util import bits_equal  # noqa: E402
 
 def rmatmul(w, A):
     """``w @ A``; cupy operands call ``A.__rmatmul__`` directly, because whether

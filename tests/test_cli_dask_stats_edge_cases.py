@@ -3,7 +3,6 @@ that reviewers found: dtypes kept by ``convert``, argument and file-system
 errors, bfloat16 ``.npy`` files, benchmark discovery, Dask argument checks and
 ``@`` operands, zero-column statistics and one-row heat maps."""
 import json
-import textwrap
 from pathlib import Path
 
 import numpy as np

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 import twellpy as tw
-from twellpy._array import bfloat16
 
 
 def _problem(M, D, H, dtype, seed=0):

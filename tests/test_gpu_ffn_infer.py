@@ -6,6 +6,7 @@ import pytest
 
 from benchmarks.workloads import make_ffn, reference_ffn
 from conftest import GPU_COUNT, rel_err
+from conftest import poison_gpu_pool as poison
 from twellpy._array import bfloat16
 from twellpy._ffn_infer import GatedFFN, ReluFFN, gated_forward, relu_forward
 
@@ -16,13 +17,6 @@ cp = pytest.importorskip("cupy")
 GPU_DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), bfloat16]
 # errors of the fused path against a float64 reference
 TOL = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 2e-5, np.dtype(np.float16): 5e-3, bfloat16: 1e-2}
-
-
-def poison():
-    """Fill the CuPy pool with NaN so unwritten outputs show up as NaN."""
-    a = cp.full((64 * 1024 * 1024,), np.nan, dtype=np.float32)
-    cp.cuda.get_current_stream().synchronize()
-    del a
 
 
 def to_gpu(w):
@@ -932,8 +926,7 @@ def test_decode_path_with_misaligned_weights_and_non_finite_inactive_weights():
     # weights given as views at an odd offset are copied to aligned storage (16-byte loads);
     # an inactive neuron contributes nothing even with NaN up weights or a NaN down column,
     # and an active one with h = 0 still meets its down column (0 * NaN), as on the general path
-    w = make_ffn(2, 256, 512, 20, dtype=bfloat16, xp=np, seed=93)
-    H, D = 512, 256
+    w = make_ffn(2, 256, 512, 20, dtype=bfloat16, xp=np, seed=93)  # H = 512, D = 256
     x, wg, wu, wd = (w[k].astype(np.float32) for k in ("x", "w_gate", "w_up", "w_down"))
     x[0, 1], x[1, 1] = 1.0, -1.0
     wg[5] = 0.0

@@ -22,6 +22,7 @@ import pytest
 import twellpy as tw
 from _reliability_util import bits_equal, host, poison_cuda_allocations
 from _train_ref import dense_gated, f64, to_gpu
+from conftest import poison_gpu_pool as poison_pool
 from conftest import rel_err
 from makers import MAKERS
 from twellpy._array import bfloat16
@@ -44,18 +45,6 @@ def _cp():
     import cupy
 
     return cupy
-
-
-def poison_pool(n_bytes=1 << 29):
-    """Fill free memory-pool blocks with 0xFF bytes (NaN for every float dtype)."""
-    cp = _cp()
-    blocks = []
-    for size in (n_bytes, n_bytes // 8, 1 << 20, 1 << 16, 4096, 512):
-        a = cp.empty(size, dtype=cp.uint8)
-        a.fill(0xFF)
-        blocks.append(a)
-    cp.cuda.Device().synchronize()
-    del blocks  # the blocks go back to the pool, still full of NaN bytes
 
 
 @pytest.fixture(autouse=True)

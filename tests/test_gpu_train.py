@@ -10,20 +10,12 @@ from twellpy import _ffn_train as T
 from twellpy import ops
 from twellpy._array import bfloat16
 
+from conftest import poison_gpu_pool as poison
 from _train_ref import dense_gated, dense_relu, f64, make_problem, step_outputs, to_gpu
 
 pytestmark = pytest.mark.gpu
 
 TOL = {np.dtype(np.float32): 1e-5, bfloat16: 1e-2, np.dtype(np.float64): 1e-10}
-
-
-def poison():
-    """Fill free pool memory with 0xFF bytes (NaN for every float dtype, -1 for
-    the integers) so that unwritten outputs cannot pass."""
-    import cupy as cp
-
-    a = cp.full((1 << 29,), 0xFF, dtype=cp.uint8)  # 512 MiB, returned to the pool
-    del a
 
 
 def rel(got, ref):
@@ -73,8 +65,6 @@ def test_gated_gpu_matches_reference_and_cpu(case, dtype):
 @pytest.mark.parametrize("case", ["uniform", "hot2000", "odd", "M1"])
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16])
 def test_relu_gpu_matches_reference(case, dtype):
-    import cupy as cp
-
     host = [a.astype(dtype) for a in make_problem(**CASES[case], seed=12, gated=False)]
     dev = [to_gpu(a) for a in host]
     poison()

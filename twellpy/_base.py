@@ -1037,7 +1037,6 @@ class SparseArray:
             ``scipy.sparse``.
         """
         axis = self._reduction_axis(axis)
-        xp = self.xp
         vals, idx = self._slots()
         live = nonzero_mask(vals) & (idx >= 0)
         if axis == 0:

@@ -244,7 +244,6 @@ class TrainContext:
         """The hidden activations ``h`` as a :class:`twellpy.Hybrid`."""
         if not self.gated:
             return self._hybrid(self.gvals)
-        xp = self.xp
         be = self._be
         h = be.from_acc(be.to_acc(self.gvals) * be.to_acc(self.uvals), self.dtype)
         return self._hybrid(h)
