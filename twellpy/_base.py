@@ -747,6 +747,28 @@ class SparseArray:
             _bits(out)[self.backup_rows] = _bits(self.backup)
         return out
 
+    def todense(self):
+        """Dense (M, N) numpy or cupy array; the same as :meth:`toarray` (as for
+        ``scipy.sparse`` arrays, not ``np.matrix``)."""
+        return self.toarray()
+
+    def __array_function__(self, func, types, args, kwargs):
+        """numpy's functions on a container.
+
+        ``np.sum``, ``np.mean``, ``np.max``/``np.amax``, ``np.min``/``np.amin`` and
+        ``np.count_nonzero`` (with ``axis``), ``np.transpose``, ``np.copy``,
+        ``np.shape``, ``np.ndim`` and ``np.size`` call the container's own
+        methods and attributes. Any other numpy function keeps numpy's default
+        handling of a foreign object; convert with :meth:`toarray` first.
+        """
+        own = _NUMPY_FUNCTIONS.get(func)
+        if own is not None and args and args[0] is self:
+            return own(func, self, *args[1:], **kwargs)
+        implementation = getattr(func, "_implementation", None)
+        if implementation is None:
+            return NotImplemented
+        return implementation(*args, **kwargs)
+
     def asformat(self, fmt, **params):
         """Convert to another twellpy format (through CSR).
 
@@ -1577,6 +1599,63 @@ class SparseArray:
                 raise ValueError(f"indices are not sorted ascending (without repeats) within "
                                  f"{label(p[:-1])}: indices{list(q)} = {int(_as_host(idx[q]))} follows "
                                  f"{int(_as_host(idx[p]))}")
+
+
+def _numpy_method(method, *, axis_name="axis", defaults=()):
+    """Adapter from a numpy function's signature to the container method ``method``:
+    the one positional-or-keyword argument ``axis_name`` passes through; any other
+    argument is refused unless it has numpy's default value (``defaults``)."""
+    default = dict(defaults)
+
+    def call(func, a, *args, **kwargs):
+        if len(args) > 1:
+            raise TypeError(f"numpy.{func.__name__} of a {type(a).__name__} takes the array and "
+                            f"{axis_name} only, got {1 + len(args)} positional arguments")
+        if args:  # numpy's own signature has refused an axis given twice
+            kwargs[axis_name] = args[0]
+        axis = kwargs.pop(axis_name, None)
+        # numpy's defaults here are the singletons None and False
+        extra = sorted(k for k, v in kwargs.items() if k not in default or v is not default[k])
+        if extra:
+            raise TypeError(f"numpy.{func.__name__} of a {type(a).__name__} supports {axis_name} only, "
+                            f"got {', '.join(extra)}; call A.{method}({axis_name}) and convert its result, "
+                            f"or use A.toarray() for numpy's full signature")
+        return getattr(a, method)(axis) if axis_name == "axis" else _transpose_axes(a, axis)
+
+    return call
+
+
+def _transpose_axes(a, axes):
+    if axes is not None and tuple(axes) not in ((1, 0), (-1, -2), (1, -2), (-1, 0)):
+        raise ValueError(f"axes {axes!r} do not transpose a 2-D {type(a).__name__}: only (1, 0)")
+    return a.transpose()
+
+
+def _numpy_size(func, a, axis=None):
+    return a.shape[0] * a.shape[1] if axis is None else a.shape[axis]
+
+
+def _numpy_copy(func, a, order="K", subok=False):
+    return a.copy()
+
+
+_REDUCTION_DEFAULTS = (("dtype", None), ("out", None), ("keepdims", False))
+#: numpy function -> ``handler(func, container, *args, **kwargs)`` (see ``__array_function__``)
+_NUMPY_FUNCTIONS = {
+    np.sum: _numpy_method("sum", defaults=_REDUCTION_DEFAULTS),
+    np.mean: _numpy_method("mean", defaults=_REDUCTION_DEFAULTS),
+    np.max: _numpy_method("max", defaults=(("out", None), ("keepdims", False))),
+    np.min: _numpy_method("min", defaults=(("out", None), ("keepdims", False))),
+    np.count_nonzero: _numpy_method("count_nonzero", defaults=(("keepdims", False),)),
+    np.transpose: _numpy_method("transpose", axis_name="axes"),
+    np.copy: _numpy_copy,
+    np.shape: lambda func, a: a.shape,
+    np.ndim: lambda func, a: a.ndim,
+    np.size: _numpy_size,
+}
+for _name, _twin in (("amax", "max"), ("amin", "min")):
+    if hasattr(np, _name) and getattr(np, _name) is not getattr(np, _twin):
+        _NUMPY_FUNCTIONS[getattr(np, _name)] = _NUMPY_FUNCTIONS[getattr(np, _twin)]
 
 
 def _coo_to_csr(xp, rows, cols, data, n_rows, n_cols):
