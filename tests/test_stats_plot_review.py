@@ -126,3 +126,49 @@ def test_suggest_slots_non_number_target_names_target(t):
     m = stats.fit_overflow_model(A, 16)
     with pytest.raises(ValueError, match="target_overflow"):
         m.suggest_slots(t)
+
+
+# --------------------------------------------------------------------------
+# twenty-third session: the stats defects the twenty-second left in its notes
+# --------------------------------------------------------------------------
+def test_tracker_refuses_an_update_without_neurons():
+    """H = 0 used to be taken as n_neurons = 0, and dead_fraction() then divided by zero."""
+    tr = stats.FiringTracker()
+    with pytest.raises(ValueError, match=r"update has 0 neurons \(H = 0\)"):
+        tr.update(np.zeros((3, 0), np.float32))
+    with pytest.raises(ValueError, match=r"update has 0 neurons \(H = 0\)"):
+        tr.update_counts(np.zeros(0, np.int64), 4)
+    assert tr.n_neurons is None and tr.n_updates == 0  # nothing was recorded
+
+
+@pytest.mark.parametrize("bad, err", [(float("nan"), ValueError), (np.float32("nan"), ValueError),
+                                      ("0.1", TypeError), (None, TypeError), (True, TypeError)])
+def test_dead_neuron_threshold_must_be_a_real_number(bad, err):
+    """threshold=NaN returned an empty list (no comparison with NaN is true): every neuron
+    looked alive."""
+    tr = stats.FiringTracker().update(np.zeros((4, 3), np.float32))
+    with pytest.raises(err, match="threshold"):
+        tr.dead_neurons(bad)
+    with pytest.raises(err, match="threshold"):
+        tr.dead_fraction(bad)
+    assert tr.dead_neurons(np.float64(0.0)).tolist() == [0, 1, 2] and tr.dead_fraction(0) == 1.0
+
+
+@pytest.mark.parametrize("dtype", [np.complex64, object])
+def test_statistics_refuse_activations_that_are_not_real(dtype):
+    """Complex and object arrays were counted with `!= 0`."""
+    acts = np.ones((2, 4)).astype(dtype)
+    for fn in (stats.nnz_per_token, stats.firing_counts, stats.tile_occupancy):
+        with pytest.raises(TypeError, match=rf"acts has dtype {np.dtype(dtype)}; expected real activations"):
+            fn(acts)
+
+
+def test_seq_len_is_validated_before_it_meets_the_shape():
+    """seq_len=2.0 with (B, T, H) data was reported as contradicting the shape."""
+    acts = np.ones((2, 3, 4), np.float32)
+    for bad in (2.0, True, "3"):
+        with pytest.raises(ValueError, match=r"seq_len must be a positive integer or None, got"):
+            stats.nnz_per_position(acts, seq_len=bad)
+    with pytest.raises(ValueError, match="seq_len=2 contradicts acts of shape"):
+        stats.nnz_per_position(acts, seq_len=2)
+    assert stats.nnz_per_position(acts, seq_len=3).n_sequences == 2

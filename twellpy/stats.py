@@ -120,6 +120,10 @@ class _Acts:
             self.xp = xp
         else:
             arr, _ = as_array(acts, name)
+            if arr.dtype.kind not in "fiub" and arr.dtype != bfloat16:
+                # complex or object data would be counted by `!= 0` without meaning anything
+                raise TypeError(f"{name} has dtype {arr.dtype}; expected real activations "
+                                f"(float, bfloat16, integer or bool)")
             if arr.ndim < 1:
                 raise ValueError(f"{name} must have at least 1 dimension (..., H), got a scalar")
             if arr.ndim == 1:
@@ -290,6 +294,7 @@ def nnz_per_position(acts, seq_len=None):
     -------
     PositionStats
     """
+    _check_int(seq_len, "seq_len", or_none=True)  # before it is compared with a shape
     if _is_container(acts):
         counts = nnz_per_token(acts)
     else:
@@ -308,7 +313,6 @@ def nnz_per_position(acts, seq_len=None):
                              f"got shape {tuple(arr.shape)}")
     if seq_len is None:
         raise ValueError("seq_len is required when acts is not (B, T, H)")
-    _check_int(seq_len, "seq_len")
     if counts.size % seq_len:
         raise ValueError(f"acts has {counts.size} tokens, not a multiple of seq_len={seq_len}")
     if counts.size == 0:
@@ -630,6 +634,9 @@ class FiringTracker:
         return self
 
     def _add(self, counts, n_tokens):
+        if counts.size == 0 and self.n_neurons is None:
+            # as n_neurons=0 in the constructor: no frequency or dead fraction exists
+            raise ValueError("update has 0 neurons (H = 0); a FiringTracker needs H >= 1")
         if self.n_neurons is None:
             self.n_neurons = counts.size
             self._counts = np.zeros(self.n_neurons, np.int64)
@@ -667,8 +674,13 @@ class FiringTracker:
         """Indices of neurons whose frequency in the window is <= ``threshold``.
 
         With the default ``threshold=0`` a neuron is dead if it never fired in
-        the window.
+        the window. ``threshold`` must be a real number, not NaN (every
+        comparison with NaN is false, which would report no dead neuron).
         """
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float, np.integer, np.floating)):
+            raise TypeError(f"threshold must be a real number (a firing frequency), got {threshold!r}")
+        if math.isnan(threshold):
+            raise ValueError("threshold is NaN; pass a firing frequency such as 0 or 1e-4")
         return np.flatnonzero(self.frequency <= threshold)
 
     def dead_fraction(self, threshold=0.0):
