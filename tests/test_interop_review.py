@@ -81,3 +81,24 @@ def test_big_endian_float_dtype_message_says_byte_order():
     h = _dense().numpy().astype(">f4")
     with pytest.raises(TypeError, match=r"\bx\b.*byte order"):
         tw.TwELL.from_dense(h)
+
+
+@pytest.mark.parametrize("cls", [tw.TwELL, tw.ELL, tw.Hybrid])
+def test_zero_dim_torch_and_jax_scalars_scale_like_zero_dim_numpy(cls):
+    """A * torch.tensor(2.0) was refused as 'a dense array W of shape ()' while A * np.array(2.0)
+    scaled; 0-d tensors of every real dtype now scale, and bool or complex ones are refused."""
+    x = np.zeros((3, 40), np.float32)
+    x[0, 1], x[2, 39] = 2.0, -1.0
+    A = cls.from_dense(x)
+    for s in (torch.tensor(2.0), torch.tensor(2), torch.tensor(2.0, dtype=torch.bfloat16), torch.tensor(2.0, dtype=torch.float64)):
+        for got in (A * s, s * A, A.multiply(s)):
+            assert isinstance(got, cls) and got.dtype == A.dtype
+            np.testing.assert_array_equal(got.toarray(), x * 2)
+        np.testing.assert_array_equal((A / s).toarray(), x / 2)
+    for bad, what in ((torch.tensor(True), "boolean"), (torch.tensor(1 + 2j), "complex")):
+        with pytest.raises(TypeError, match=f"factor must be a real number, got the {what} Tensor"):
+            A * bad
+    with pytest.raises(TypeError, match=r"dense array W \(torch\.Tensor of shape \(3, 40\)\)"):
+        A * torch.ones(3, 40)
+    jnp = pytest.importorskip("jax.numpy")
+    np.testing.assert_array_equal((A * jnp.asarray(0.5)).toarray(), x * 0.5)

@@ -242,8 +242,8 @@ def backup_parts(xp, values_dtype, n_rows, n_cols, backup, backup_rows, row_map=
 
 
 def _is_real_scalar(v, name):
-    """Whether ``v`` is a real scalar operand: a real number or a 0-d numpy/cupy array of a
-    real dtype, as for numpy and scipy.sparse. TypeError naming ``name`` for a complex or
+    """Whether ``v`` is a real scalar operand: a real number or a 0-d numpy/cupy array, torch
+    tensor or JAX array of a real dtype, as for numpy and scipy.sparse. TypeError naming ``name`` for a complex or
     boolean one: ``numpy.complex64`` is no Python ``complex``, and ``float()`` of it would
     drop the imaginary part with only a warning."""
     if isinstance(v, bool):
@@ -252,6 +252,10 @@ def _is_real_scalar(v, name):
         kind = "f" if v.dtype == bfloat16 else v.dtype.kind
     elif isinstance(v, np.generic):
         kind = "f" if v.dtype == bfloat16 else v.dtype.kind
+    elif getattr(v, "ndim", None) == 0 and (_array._torch_kind(v) or _array._jax_kind(v)):
+        # a 0-d torch tensor or JAX array scales like a 0-d numpy array (float() reads it)
+        dt = _array.as_array(v, name)[0].dtype
+        kind = "f" if dt == bfloat16 else dt.kind
     elif isinstance(v, numbers.Number):
         kind = "f" if isinstance(v, numbers.Real) or not isinstance(v, numbers.Complex) else "c"
     else:
