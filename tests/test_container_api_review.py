@@ -275,3 +275,18 @@ def test_bfloat16_limits_do_not_need_numpys_finfo(monkeypatch):
         big = cls.from_dense(np.where(x > 1e38, np.float32(3.4e38), x))
         with pytest.raises(ValueError, match=r"astype\(bfloat16\) overflows 1 finite value.*largest bfloat16: 3\.38953e\+38"):
             big.astype(bfloat16)
+
+
+@pytest.mark.parametrize("width", [41, 1000, 2**40])
+def test_ell_width_beyond_the_row_length_is_capped(backend, xp, width):
+    """ELL kept M x width slots for a width past N: pure padding, and 2**40 asked for
+    terabytes. No row holds more than N entries, so the width stops at N (as Hybrid's)."""
+    import scipy.sparse as sp
+
+    x = np.zeros((3, 40), np.float32)
+    x[0, :7] = 1.0
+    x[2, 39] = -2.0
+    for A in (tw.ELL.from_dense(xp.asarray(x), width=width), tw.ELL.from_scipy(sp.csr_array(x), width=width)):
+        assert A.width == 40 and A.components()["values"].shape == (3, 40)
+        np.testing.assert_array_equal(A.to_scipy().toarray(), x)
+    assert tw.ELL.from_dense(xp.asarray(x), width=12).width == 12  # within N: as asked

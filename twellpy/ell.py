@@ -12,8 +12,10 @@ def _max_int(a) -> int:
     return int(_as_host(a.max())) if a.size else 0
 
 
-def resolve_fixed_width(width, row_nnz, name="width"):
-    """Check a user-given ELL width against the row counts (host ints)."""
+def resolve_fixed_width(width, row_nnz, n_cols, name="width"):
+    """Check a user-given ELL width against the row counts (host ints); a width beyond the
+    row length ``n_cols`` is capped there, since no row can hold more (a crafted or
+    mistaken width such as 2**40 would otherwise allocate M x width slots of padding)."""
     widest = _max_int(row_nnz)
     if width is None:
         return widest
@@ -24,7 +26,7 @@ def resolve_fixed_width(width, row_nnz, name="width"):
         n_wide = int(_as_host((row_nnz > w).sum()))
         raise ValueError(f"{name}={w} is too small: {n_wide} rows have more than {w} non-zeros, "
                          f"the widest has {widest}; pass width>={widest} or use Hybrid")
-    return w
+    return min(w, max(int(n_cols), widest))
 
 
 class ELL(SparseArray):
@@ -114,7 +116,8 @@ class ELL(SparseArray):
             float32 or float64.
         width : int, optional
             Slots per row; default the widest row. A smaller width than the
-            widest row raises ``ValueError`` (use :class:`Hybrid` instead).
+            widest row raises ``ValueError`` (use :class:`Hybrid` instead); a
+            larger one than N is capped at N.
         check_finite : bool
             Reject NaN/Inf in ``x``.
         """
@@ -130,7 +133,8 @@ class ELL(SparseArray):
             (M, N) matrix; float32 or float64 (integers only with ``dtype``).
         width : int, optional
             Slots per row; default the widest row. A smaller width than the
-            widest row raises ``ValueError`` (use :class:`Hybrid` instead).
+            widest row raises ``ValueError`` (use :class:`Hybrid` instead); a
+            larger one than N is capped at N.
         dtype : dtype, optional
             Value dtype (float16, bfloat16, float32 or float64); default that of ``m``.
         check_finite : bool
@@ -142,14 +146,14 @@ class ELL(SparseArray):
     def _from_dense_xp(cls, x, width=None, check_finite=False):
         be = backends.get(x)
         row_nnz = cls._dense_row_nnz(x, check_finite)
-        w = resolve_fixed_width(width, row_nnz)
+        w = resolve_fixed_width(width, row_nnz, x.shape[1])
         values, indices = be.dense_to_ell(x, w, row_nnz)
         return cls(values, indices, row_nnz, shape=x.shape, check=False, check_finite=False)
 
     @classmethod
     def _from_csr(cls, indptr, indices, data, shape, width=None):
         row_nnz = (indptr[1:] - indptr[:-1]).astype(np.int32)
-        w = resolve_fixed_width(width, row_nnz)
+        w = resolve_fixed_width(width, row_nnz, shape[1])
         values, idx, row_nnz = backends.get(data).csr_to_ell(indptr, indices, data, w)
         return cls(values, idx, row_nnz, shape=shape, check=False, check_finite=False)
 
