@@ -307,3 +307,19 @@ def test_row_maps_cpu_twin():
     np.testing.assert_array_equal(cpu_train.row_maps(np.zeros(0, np.int32), 3, 0), np.zeros(0, np.int32))
     with pytest.raises(ValueError, match="n_backup is 1, but 2 rows have more than 3 non-zeros"):
         cpu_train.row_maps(np.array([5, 1, 9], np.int32), 3, 1)
+
+
+def test_quantile_width_means_the_same_in_training_and_hybrid():
+    """"quantile:p" is sorted(counts)[ceil(p*M) - 1] in both places (the training step used
+    index ceil(p*(M-1)) before: one row wider at M = 10, p = 0.9), and "auto"'s 0.9 floor too."""
+    from twellpy.hybrid import choose_width
+
+    rng = np.random.default_rng(0)
+    for M in (1, 2, 5, 10, 37, 1001):
+        counts = rng.integers(0, 50, M)
+        for p in (0, 0.1, 0.5, 0.9, 0.99, 1):
+            want = int(np.sort(counts)[max(int(np.ceil(p * M)) - 1, 0)])
+            assert choose_width(counts, 50, 4, f"quantile:{p}") == want
+            assert T.choose_width(counts, f"quantile:{p}") == max(want, 1)
+    counts = np.array([0] * 8 + [5, 9])  # ceil(0.9 * 10) = 9 rows kept: W = 5, not 9
+    assert T.choose_width(counts, "quantile:0.9") == 5

@@ -38,6 +38,7 @@ from . import backends
 from ._array import (as_array, check_finite as _check_finite, check_float, contiguous, count_in_range, device_of,
                      raise_nonfinite, same_device, to_caller, xp_of)
 from ._ffn_infer import _check_finite_mode
+from .hybrid import quantile_width
 
 __all__ = ["gated_forward_train", "gated_backward", "relu_forward_train", "relu_backward",
            "TrainContext", "choose_width"]
@@ -152,7 +153,7 @@ def choose_width(token_counts, spec="auto", *, slot_bytes=8, row_bytes=None, n_c
             raise ValueError(f"width {spec!r}: expected 'quantile:<p>' with 0 <= p <= 1") from None
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"width {spec!r}: quantile p must be in [0, 1], got {p}")
-        return max(_quantile_higher(counts, p), 1) if M else 1
+        return max(quantile_width(counts, p), 1)
     if name in ("min_storage", "auto"):
         if arg or spec != name:  # "min_storage:3" would silently ignore its argument
             raise ValueError(f"width {spec!r}: {name!r} takes no argument")
@@ -168,7 +169,7 @@ def choose_width(token_counts, spec="auto", *, slot_bytes=8, row_bytes=None, n_c
         cost = M * ws * float(slot_bytes) + rows_wider * float(row_bytes)
         w = int(np.argmin(cost))
         if name == "auto":
-            w = max(w, _quantile_higher(counts, 0.9, np.cumsum(hist)))
+            w = max(w, quantile_width(counts, 0.9))
         return max(w, 1)
     raise ValueError(f"unknown width strategy {spec!r}; expected an int, 'fixed:n', 'quantile:p', "
                      f"'min_storage' or 'auto'")
@@ -178,14 +179,6 @@ def _at_most_cols(w, n_cols):
     """A fixed width past the row length N buys nothing (a row holds at most N entries)
     and would allocate M x w slots, so it is capped at N."""
     return w if n_cols is None else min(w, max(int(n_cols), 1))
-
-
-def _quantile_higher(counts, p, cum=None):
-    """``numpy.quantile(counts, p, method="higher")`` for small non-negative ints, via a histogram."""
-    if cum is None:
-        cum = np.cumsum(np.bincount(counts))
-    rank = int(np.ceil(p * (counts.size - 1)))  # index into the sorted counts
-    return int(np.searchsorted(cum, rank, side="right"))
 
 
 class TrainContext:

@@ -33,12 +33,17 @@ from ._base import (SparseArray, _as_host, _to_int, backup_parts, check_index_ar
                     check_value_array, csr_rows_to_dense, dense_backup_rows)
 
 
-def _quantile_width(sorted_nnz, p):
-    m = sorted_nnz.shape[0]
+def quantile_width(row_nnz, p):
+    """``sorted(row_nnz)[ceil(p*M) - 1]`` (0 for M = 0): the narrowest width that keeps
+    ``ceil(p*M)`` rows, at least a fraction ``p``, in the ELL part. The Hybrid
+    constructors and the training step both use it, so ``"quantile:p"`` means one
+    thing everywhere. From a histogram: counts are small non-negative integers."""
+    counts = np.asarray(_as_host(row_nnz), dtype=np.int64).ravel()
+    m = counts.size
     if m == 0:
         return 0
-    k = min(max(math.ceil(p * m) - 1, 0), m - 1)
-    return int(sorted_nnz[k])
+    rank = min(max(math.ceil(p * m) - 1, 0), m - 1)  # index into the sorted counts
+    return int(np.searchsorted(np.cumsum(np.bincount(counts)), rank, side="right"))
 
 
 def _min_storage_width(sorted_nnz, n_cols, itemsize):
@@ -100,8 +105,8 @@ def choose_width(row_nnz, n_cols, itemsize, width="auto"):
         return _min_storage_width(s, n_cols, itemsize)
     if strat == "auto":
         # quantile:0.9 is the narrowest width that keeps ceil(0.9*M) rows, at least 90%, sparse
-        return max(_min_storage_width(s, n_cols, itemsize), _quantile_width(s, 0.9))
-    return _quantile_width(s, float(strat.split(":", 1)[1]))
+        return max(_min_storage_width(s, n_cols, itemsize), quantile_width(s, 0.9))
+    return quantile_width(s, float(strat.split(":", 1)[1]))
 
 
 class Hybrid(SparseArray):
