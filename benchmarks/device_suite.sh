@@ -7,7 +7,8 @@
 #   memcheck-finish: memcheck-resume in three passes: short shared-lock tests, exclusive ones alone, long ones.
 #   memcheck-resume: the whole suite, resumable through a ledger of passed tests (see below);
 #   MEMCHECK_TESTS (space-separated node ids) narrows a call to those tests (the slowest ones);
-#   MEMCHECK_GROUPS ("files;files;...") runs one pass per group, with fresh processes each (memcheck does
+#   MEMCHECK_GROUPS ("files;files;...", or "auto": benchmarks/memcheck_groups.py packs the tests still
+#   to pass) runs one pass per group, with fresh processes each (memcheck does
 #   not give cudaFree'd memory back, so one process running many tests runs the GPU out of memory);
 #   MEMCHECK_MARK="gpu and gpu_exclusive" with MEMCHECK_WORKERS=1 runs the exclusive-lock tests alone
 #   (behind shared-lock tests they can wait for the whole call).
@@ -151,6 +152,16 @@ sys.exit(not any(REPORT.search(line) for line in open(sys.argv[1], errors="repla
     # that what one process accumulates under the sanitizer ends with its group (2026-12-06, H100:
     # one worker reached 47.7 GB and the GPU ran out within 45 s of the first test). Each group
     # gets an equal share of the time still left.
+    if [[ $MEMCHECK_GROUPS == auto ]]; then
+      # the tests still to pass (ledger filter, sanitizer sizes), packed into groups of whole files
+      # of at most MEMCHECK_GROUP_TESTS tests (large files split by test function), subprocess tests last
+      collected=$(mktemp)
+      TWELLPY_SANITIZE=1 TWELLPY_LEDGER_DONE='docs/bench_logs/memcheck_ledger/*.txt' python -m pytest --collect-only -q \
+        -m "${MEMCHECK_MARK:-gpu}" ${MEMCHECK_TESTS:-tests} -p no:cacheprovider > "$collected" 2>&1
+      MEMCHECK_GROUPS=$(python3 benchmarks/memcheck_groups.py "$collected" ${MEMCHECK_GROUP_TESTS:-300})
+      echo "memcheck groups (auto, $(grep -c '::' "$collected") tests): $MEMCHECK_GROUPS"; rm -f "$collected"
+      [[ -n $MEMCHECK_GROUPS ]] || { echo "memcheck: nothing left to run at this code hash"; MEMCHECK_GROUPS=; }
+    fi
     t0=$SECONDS; IFS=';' read -ra groups <<< "$MEMCHECK_GROUPS"; left=${#groups[@]}; g=0
     for group in "${groups[@]}"; do
       share=$(( (${SHARD_TIMEOUT:-560} - (SECONDS - t0)) / left )); left=$((left - 1)); g=$((g + 1))

@@ -167,3 +167,31 @@ def test_run_times_plugin_records_phases_starts_and_spans(tmp_path):
     assert mt.read_unfinished(str(times)) == {}
     phases = [ln.split("\t")[0] for f in times.glob("phases_*.tsv") for ln in f.read_text().splitlines()]
     assert phases == ["imported", "configured", "collected"]
+
+
+# --- benchmarks/memcheck_groups.py: the passes of MEMCHECK_GROUPS=auto ------------------------
+
+def test_memcheck_groups_pack_files_and_split_large_ones(tmp_path):
+    from benchmarks import memcheck_groups as mg
+
+    ids = ([f"tests/test_a.py::test_x[{i}]" for i in range(90)] + [f"tests/test_b.py::test_y[{i}]" for i in range(50)]
+           + [f"tests/test_c.py::test_z[{i}]" for i in range(30)]
+           + [f"tests/test_big.py::test_p[{i}]" for i in range(120)] + [f"tests/test_big.py::test_q[{i}]" for i in range(80)]
+           + ["tests/test_examples.py::test_example_runs_on_gpu[01]", "tests/test_dask.py::test_cluster"])
+    collected = tmp_path / "collected.txt"
+    collected.write_text("\n".join(ids) + "\n\n170/9000 tests collected (8830 deselected) in 5.0s\n")
+    with open(collected) as f:
+        groups = mg.plan_groups(mg.read_node_ids(f), per_group=150)
+    # first fit, largest first: p 120, a 90, q 80, b 50 (joins a), c 30 (joins p)
+    assert groups == ["tests/test_big.py::test_p tests/test_c.py", "tests/test_a.py tests/test_b.py",
+                      "tests/test_big.py::test_q", "tests/test_examples.py tests/test_dask.py"]
+    units = [u for g in groups for u in g.split()]
+    assert sorted(units) == sorted(["tests/test_a.py", "tests/test_b.py", "tests/test_c.py", "tests/test_big.py::test_p",
+                                    "tests/test_big.py::test_q", "tests/test_examples.py", "tests/test_dask.py"])
+    assert groups[-1] == "tests/test_examples.py tests/test_dask.py"  # the subprocess tests run last
+    sizes = {"tests/test_a.py": 90, "tests/test_b.py": 50, "tests/test_c.py": 30, "tests/test_big.py::test_p": 120,
+             "tests/test_big.py::test_q": 80}
+    assert all(sum(sizes[u] for u in g.split()) <= 150 for g in groups[:-1])
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memcheck_groups.py"), str(collected), "150"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == ";".join(groups)
