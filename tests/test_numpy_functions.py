@@ -77,3 +77,24 @@ def test_other_numpy_functions_keep_numpys_default_handling():
     with pytest.raises(TypeError):
         np.allclose(A, A)  # numpy subtracts the objects; containers do not subtract
     assert np.concatenate([[1.0], [2.0]]).tolist() == [1.0, 2.0]  # unrelated calls unaffected
+
+
+def test_fallback_leaves_other_array_libraries_their_turn():
+    """The fallback called numpy's own implementation even when another argument's type
+    (a dask array) implements __array_function__: np.dot(A, d) and np.tensordot(A, d, 1)
+    gave an object array of containers (or raised), where dask computed A @ d before the
+    containers had __array_function__ (NEP 18: return NotImplemented for unknown types)."""
+    da = pytest.importorskip("dask.array")
+    import twellpy.dask  # noqa: F401  (registers the containers as dask chunk types)
+
+    x = np.zeros((4, 6), np.float32)
+    x[0, 1], x[2, 5] = 1.0, -2.0
+    A = tw.ELL.from_dense(x)
+    w = np.arange(18, dtype=np.float32).reshape(6, 3)
+    d = da.from_array(w, chunks=(6, 1))  # whole rows of w: dask never slices A's columns
+    got = np.dot(A, d)
+    assert isinstance(got, da.Array)
+    np.testing.assert_array_equal(got.compute(), x @ w)
+    np.testing.assert_array_equal(np.tensordot(A, d, 1).compute(), x @ w)
+    # numpy arrays beside a container still get numpy's handling, not "no implementation found"
+    assert np.result_type(A, np.ones(2)) == np.float64 and not np.may_share_memory(A, x)

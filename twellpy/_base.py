@@ -763,11 +763,16 @@ class SparseArray:
         ``np.count_nonzero`` (with ``axis``), ``np.transpose``, ``np.copy``,
         ``np.shape``, ``np.ndim`` and ``np.size`` call the container's own
         methods and attributes. Any other numpy function keeps numpy's default
-        handling of a foreign object; convert with :meth:`toarray` first.
+        handling of a foreign object; convert with :meth:`toarray` first. When
+        another argument's type implements ``__array_function__`` too (a dask
+        array, say), that library gets its turn (NEP 18: ``NotImplemented``).
         """
         own = _NUMPY_FUNCTIONS.get(func)
         if own is not None and args and args[0] is self:
             return own(func, self, *args[1:], **kwargs)
+        if not all(issubclass(t, SparseArray) or t.__array_function__ is np.ndarray.__array_function__
+                   for t in types):
+            return NotImplemented  # e.g. np.dot(A, dask_array): dask's implementation decides
         implementation = getattr(func, "_implementation", None)
         if implementation is None:
             return NotImplemented

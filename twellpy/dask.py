@@ -20,9 +20,10 @@ Main entry points
 
 How Dask sees the containers
 ----------------------------
-The containers do not implement ``__array_function__`` and this module never
-calls a NumPy function on them. Instead it registers, for ``TwELL``, ``ELL``
-and ``Hybrid``:
+The containers' ``__array_function__`` covers only a few NumPy functions
+(``np.sum``, ``np.max``, ``np.transpose``, ... on a container) and leaves calls
+that involve a dask array to Dask; this module never calls a NumPy function on
+them. Instead it registers, for ``TwELL``, ``ELL`` and ``Hybrid``:
 
 * ``dask.array.core.concatenate_lookup``: row-wise concatenation that keeps
   every stored bit (used when a container-chunked dask array is computed);
