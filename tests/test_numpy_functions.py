@@ -64,8 +64,8 @@ def test_numpy_arguments_the_containers_cannot_honour_are_refused():
         np.sum(A, dtype=np.float64)
     with pytest.raises(TypeError, match=r"got keepdims, out"):
         np.max(A, out=np.empty(()), keepdims=True)
-    with pytest.raises(ValueError, match=r"axes \(0, 1\) do not transpose a 2-D TwELL"):
-        np.transpose(A, (0, 1))
+    with pytest.raises(ValueError, match=r"axes \(0, 0\) do not transpose a 2-D TwELL"):
+        np.transpose(A, (0, 0))
 
 
 def test_other_numpy_functions_keep_numpys_default_handling():
@@ -98,3 +98,32 @@ def test_fallback_leaves_other_array_libraries_their_turn():
     np.testing.assert_array_equal(np.tensordot(A, d, 1).compute(), x @ w)
     # numpy arrays beside a container still get numpy's handling, not "no implementation found"
     assert np.result_type(A, np.ones(2)) == np.float64 and not np.may_share_memory(A, x)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_numpy_signatures_as_numpy_takes_them(fmt):
+    """Calls numpy accepts for a 2-D array: the array passed by keyword (np.sum(a=A) raised
+    the old "unexpected keyword argument 'out'"), where=True (numpy's default), the identity
+    permutation of np.transpose (numpy returns the array; it raised), a bare int axes (it
+    raised "'int' object is not iterable") and np.size with an axis out of range (IndexError
+    "tuple index out of range") or a tuple of axes."""
+    x, _ = _dense(np)
+    cls, params = FORMATS[fmt]
+    A = cls.from_dense(x, **params)
+    assert float(np.sum(a=A)) == pytest.approx(float(x.sum()))
+    np.testing.assert_array_equal(np.max(a=A, axis=1), x.max(axis=1))
+    assert int(np.count_nonzero(a=A)) == 5 and np.shape(a=A) == (5, 130)
+    assert isinstance(np.transpose(a=A), cls) and np.copy(a=A).shape == (5, 130)
+    assert float(np.sum(A, where=True)) == pytest.approx(float(x.sum()))
+    assert float(np.max(A, where=True)) == 4.0
+    with pytest.raises(TypeError, match="got where"):
+        np.sum(A, where=x != 0)
+    for axes in ((0, 1), [-2, -1], (0, -1)):
+        assert np.transpose(A, axes) is A
+    for axes in (1, (1,), (1, 0, 2), (0, 2), (1.0, 0.0), (True, False)):
+        with pytest.raises(ValueError, match="do not transpose a 2-D"):
+            np.transpose(A, axes)
+    assert np.size(A, (0, 1)) == 650 and np.size(A, (-1,)) == 130
+    for axis in (2, -3, (0, 0)):
+        with pytest.raises(ValueError, match="axis"):
+            np.size(A, axis)

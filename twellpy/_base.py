@@ -27,6 +27,7 @@ Formats with dense backup rows keep them in ``backup`` (R, N),
 from __future__ import annotations
 
 import inspect
+import math
 import numbers
 
 import numpy as np
@@ -768,6 +769,9 @@ class SparseArray:
         array, say), that library gets its turn (NEP 18: ``NotImplemented``).
         """
         own = _NUMPY_FUNCTIONS.get(func)
+        if own is not None and not args and kwargs.get("a") is self:
+            kwargs = dict(kwargs)  # np.sum(a=A): numpy's functions name their array "a"
+            args = (kwargs.pop("a"),)
         if own is not None and args and args[0] is self:
             return own(func, self, *args[1:], **kwargs)
         if not all(issubclass(t, SparseArray) or t.__array_function__ is np.ndarray.__array_function__
@@ -1623,7 +1627,7 @@ def _numpy_method(method, *, axis_name="axis", defaults=()):
         if args:  # numpy's own signature has refused an axis given twice
             kwargs[axis_name] = args[0]
         axis = kwargs.pop(axis_name, None)
-        # numpy's defaults here are the singletons None and False
+        # numpy's defaults here are the singletons None, False and True
         extra = sorted(k for k, v in kwargs.items() if k not in default or v is not default[k])
         if extra:
             raise TypeError(f"numpy.{func.__name__} of a {type(a).__name__} supports {axis_name} only, "
@@ -1635,26 +1639,40 @@ def _numpy_method(method, *, axis_name="axis", defaults=()):
 
 
 def _transpose_axes(a, axes):
-    if axes is not None and tuple(axes) not in ((1, 0), (-1, -2), (1, -2), (-1, 0)):
-        raise ValueError(f"axes {axes!r} do not transpose a 2-D {type(a).__name__}: only (1, 0)")
-    return a.transpose()
+    if axes is None:
+        return a.transpose()
+    perm = tuple(axes) if np.iterable(axes) else (axes,)
+    if len(perm) == 2 and all(isinstance(p, numbers.Integral) and not isinstance(p, (bool, np.bool_))
+                              and -2 <= p < 2 for p in perm):
+        perm = tuple(int(p) % 2 for p in perm)
+        if perm == (1, 0):
+            return a.transpose()
+        if perm == (0, 1):
+            return a  # numpy returns the array itself (a view); containers are immutable
+    raise ValueError(f"axes {axes!r} do not transpose a 2-D {type(a).__name__}: only (1, 0), "
+                     f"or (0, 1) for the container itself")
 
 
 def _numpy_size(func, a, axis=None):
-    return a.shape[0] * a.shape[1] if axis is None else a.shape[axis]
+    if axis is None:
+        return a.shape[0] * a.shape[1]
+    axes = [reduction_axis(ax, type(a).__name__) for ax in (axis if isinstance(axis, tuple) else (axis,))]
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"axis {axis!r} repeats an axis")
+    return math.prod(a.shape[ax] for ax in axes)
 
 
 def _numpy_copy(func, a, order="K", subok=False):
     return a.copy()
 
 
-_REDUCTION_DEFAULTS = (("dtype", None), ("out", None), ("keepdims", False))
+_REDUCTION_DEFAULTS = (("dtype", None), ("out", None), ("keepdims", False), ("where", True))
 #: numpy function -> ``handler(func, container, *args, **kwargs)`` (see ``__array_function__``)
 _NUMPY_FUNCTIONS = {
     np.sum: _numpy_method("sum", defaults=_REDUCTION_DEFAULTS),
     np.mean: _numpy_method("mean", defaults=_REDUCTION_DEFAULTS),
-    np.max: _numpy_method("max", defaults=(("out", None), ("keepdims", False))),
-    np.min: _numpy_method("min", defaults=(("out", None), ("keepdims", False))),
+    np.max: _numpy_method("max", defaults=(("out", None), ("keepdims", False), ("where", True))),
+    np.min: _numpy_method("min", defaults=(("out", None), ("keepdims", False), ("where", True))),
     np.count_nonzero: _numpy_method("count_nonzero", defaults=(("keepdims", False),)),
     np.transpose: _numpy_method("transpose", axis_name="axes"),
     np.copy: _numpy_copy,
