@@ -172,3 +172,21 @@ def test_seq_len_is_validated_before_it_meets_the_shape():
     with pytest.raises(ValueError, match="seq_len=2 contradicts acts of shape"):
         stats.nnz_per_position(acts, seq_len=2)
     assert stats.nnz_per_position(acts, seq_len=3).n_sequences == 2
+
+
+@pytest.mark.parametrize("make", [lambda v: np.array(v), lambda v: np.float16(v), lambda v: __import__("fractions").Fraction(v).limit_denominator(8)])
+def test_dead_neuron_threshold_takes_the_real_scalars_it_took_before(make):
+    """The NaN check refused every threshold outside (int, float, np.integer, np.floating):
+    a 0-d numpy array (np.asarray(0.5)), a 0-d torch tensor or a Fraction, which the comparison
+    with the frequencies took before, raised TypeError; the containers take them as scalars."""
+    tr = stats.FiringTracker().update(np.array([[1, 0, 0], [1, 1, 0]], np.float32))
+    assert tr.dead_neurons(make(0.5)).tolist() == [1, 2] and tr.dead_fraction(make(0.5)) == pytest.approx(2 / 3)
+    assert tr.dead_neurons(10 ** 400).tolist() == [0, 1, 2]  # an int beyond float64 is no OverflowError
+    with pytest.raises(ValueError, match="threshold is NaN"):
+        tr.dead_neurons(np.array(np.nan))
+    with pytest.raises(TypeError, match="threshold must be a real number"):
+        tr.dead_neurons(np.array([0.5]))
+    torch = pytest.importorskip("torch")
+    assert tr.dead_neurons(torch.tensor(0.5)).tolist() == [1, 2]
+    with pytest.raises(TypeError, match="threshold must be a real number"):
+        tr.dead_neurons(torch.tensor(1 + 0j))

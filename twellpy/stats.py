@@ -35,8 +35,8 @@ import math
 
 import numpy as np
 
-from ._array import as_array, bfloat16, is_cupy
-from ._base import nonzero_mask
+from ._array import as_array, bfloat16, float_or_inf, is_cupy
+from ._base import _is_real_scalar, nonzero_mask
 
 __all__ = [
     "nnz_per_token",
@@ -677,11 +677,13 @@ class FiringTracker:
         the window. ``threshold`` must be a real number, not NaN (every
         comparison with NaN is false, which would report no dead neuron).
         """
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float, np.integer, np.floating)):
+        # a real scalar as the containers take one: number, 0-d numpy/torch/JAX array
+        if not _is_real_scalar(threshold, "threshold"):
             raise TypeError(f"threshold must be a real number (a firing frequency), got {threshold!r}")
-        if math.isnan(threshold):
+        t = float_or_inf(threshold)
+        if math.isnan(t):
             raise ValueError("threshold is NaN; pass a firing frequency such as 0 or 1e-4")
-        return np.flatnonzero(self.frequency <= threshold)
+        return np.flatnonzero(self.frequency <= t)
 
     def dead_fraction(self, threshold=0.0):
         """Fraction of neurons that are dead (see :meth:`dead_neurons`)."""
