@@ -190,3 +190,11 @@ def test_dead_neuron_threshold_takes_the_real_scalars_it_took_before(make):
     assert tr.dead_neurons(torch.tensor(0.5)).tolist() == [1, 2]
     with pytest.raises(TypeError, match="threshold must be a real number"):
         tr.dead_neurons(torch.tensor(1 + 0j))
+
+
+@pytest.mark.parametrize("nnz", [np.array([1 + 1j, 2]), np.array([1, 2], object), np.array(["1", "2"])])
+def test_token_ranking_refuses_per_token_counts_that_are_not_real(nnz):
+    """1-D counts were cast with astype: a complex count lost its imaginary part (a warning
+    only) and strings were parsed as numbers, while 2-D activations of those dtypes raise."""
+    with pytest.raises(TypeError, match=r"nnz has dtype .*; expected real per-token counts"):
+        stats.token_ranking(["a", "b"], nnz)

@@ -511,6 +511,10 @@ def token_ranking(tokens, nnz, k=10, min_count=1):
             counts = nnz_per_token(arr)
         else:
             counts = _to_numpy(arr)
+            if counts.dtype.kind not in "fiub" and counts.dtype != bfloat16:
+                # astype would drop an imaginary part, or parse strings as numbers
+                raise TypeError(f"nnz has dtype {counts.dtype}; expected real per-token counts "
+                                f"(float, bfloat16, integer or bool)")
             # int64 for integer counts; floats kept as floats (int64 would truncate them)
             counts = counts.astype(np.float64 if counts.dtype.kind == "f" or counts.dtype == bfloat16
                                    else np.int64)
