@@ -158,9 +158,14 @@ sys.exit(not any(REPORT.search(line) for line in open(sys.argv[1], errors="repla
       collected=$(mktemp)
       TWELLPY_SANITIZE=1 TWELLPY_LEDGER_DONE='docs/bench_logs/memcheck_ledger/*.txt' python -m pytest --collect-only -q \
         -m "${MEMCHECK_MARK:-gpu}" ${MEMCHECK_TESTS:-tests} -p no:cacheprovider > "$collected" 2>&1
-      MEMCHECK_GROUPS=$(python3 benchmarks/memcheck_groups.py "$collected" ${MEMCHECK_GROUP_TESTS:-300})
-      echo "memcheck groups (auto, $(grep -c '::' "$collected") tests): $MEMCHECK_GROUPS"; rm -f "$collected"
-      [[ -n $MEMCHECK_GROUPS ]] || { echo "memcheck: nothing left to run at this code hash"; MEMCHECK_GROUPS=; }
+      if MEMCHECK_GROUPS=$(python3 benchmarks/memcheck_groups.py "$collected" ${MEMCHECK_GROUP_TESTS:-300}); then
+        echo "memcheck groups (auto, $(grep -c '\.py::' "$collected") tests): $MEMCHECK_GROUPS"
+        [[ -n $MEMCHECK_GROUPS ]] || echo "memcheck: nothing left to run at this code hash"
+      else
+        # a file that failed to import is missing from the collection: no plan, and no "nothing left"
+        echo "memcheck: the collection failed, no groups planned"; tail -40 "$collected"; MEMCHECK_GROUPS=; status=1
+      fi
+      rm -f "$collected"
     fi
     t0=$SECONDS; IFS=';' read -ra groups <<< "$MEMCHECK_GROUPS"; left=${#groups[@]}; g=0
     for group in "${groups[@]}"; do

@@ -8,7 +8,9 @@ whole suite grows until the card is full (2026-12-06, H100: one worker reached 4
 ``docs/bench_logs/session23_2026-12-06``).
 
 Usage: ``python benchmarks/memcheck_groups.py COLLECTED.txt [TESTS_PER_GROUP]`` prints the
-groups as ``"a.py b.py::test_f;c.py"`` (space-separated node ids, groups separated by ``;``).
+groups as ``"a.py b.py::test_f;c.py"`` (space-separated node ids, groups separated by ``;``),
+nothing when no test is left; exit status 1 (the errors on stderr) when the collection
+reported errors, since the tests of a file that failed to import are missing from it.
 
 Whole files are packed into groups of at most TESTS_PER_GROUP tests (default 150), largest
 first; a file with more tests than that is split by test function. The subprocess tests
@@ -23,8 +25,25 @@ LAST = ("tests/test_examples.py", "tests/test_dask.py")
 
 
 def read_node_ids(lines):
-    """Node ids (``path::name[params]``) from ``pytest --collect-only -q`` output."""
-    return [line.strip() for line in lines if "::" in line and not line.startswith(" ")]
+    """Node ids (``path.py::name[params]``) from ``pytest --collect-only -q`` output; other
+    lines with ``::`` (stderr is merged in: "std::bad_alloc", "c10::Error") are not tests."""
+    ids = []
+    for line in lines:
+        if "::" not in line or line[:1].isspace():
+            continue
+        path = line.partition("::")[0]
+        if path.endswith(".py") and not any(c.isspace() for c in path):
+            ids.append(line.strip())
+    return ids
+
+
+def collection_errors(lines):
+    """The short summary's ``ERROR <file>`` lines (or the "Interrupted: ... during collection"
+    line): the tests of a file that failed to import are missing from the node ids."""
+    errors = [line.rstrip() for line in lines if line.startswith("ERROR ")]
+    if not errors:
+        errors = [line.strip("! \n") for line in lines if "during collection" in line]
+    return errors
 
 
 def plan_groups(node_ids, per_group=150):
@@ -61,8 +80,14 @@ def main(argv):
     if len(argv) < 2:
         print(__doc__)
         return 2
-    with open(argv[1]) as f:
-        ids = read_node_ids(f)
+    with open(argv[1], errors="replace") as f:
+        lines = f.readlines()
+    errors = collection_errors(lines)
+    if errors:
+        # no plan: a group list without the failed files would read as "nothing left to run"
+        print("pytest could not collect every test:\n" + "\n".join(errors), file=sys.stderr)
+        return 1
+    ids = read_node_ids(lines)
     per_group = int(argv[2]) if len(argv) > 2 else 150
     print(";".join(plan_groups(ids, per_group)))
     return 0

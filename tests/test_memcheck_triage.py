@@ -195,3 +195,26 @@ def test_memcheck_groups_pack_files_and_split_large_ones(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memcheck_groups.py"), str(collected), "150"],
                          capture_output=True, text=True, check=True).stdout.strip()
     assert out == ";".join(groups)
+
+
+def test_memcheck_groups_refuse_a_collection_that_failed(tmp_path):
+    """A test file that fails to import was dropped from the plan without a word, and when
+    nothing else was left device_suite.sh reported "nothing left to run at this code hash";
+    stderr noise merged into the output ("std::bad_alloc") was taken for a node id."""
+    from benchmarks import memcheck_groups as mg
+
+    ok = ["tests/test_a.py::test_x[1]", "tests/test_a.py::test_x[p::q]", "tests/test_b.py::TestK::test_m"]
+    noise = ["terminate called after throwing an instance of 'std::bad_alloc'",
+             "[W socket.cpp:464] c10::Error while probing", ""]
+    assert mg.read_node_ids(ok + noise + ["3 tests collected in 0.1s"]) == ok
+    assert mg.plan_groups(mg.read_node_ids(["no tests ran in 0.01s", "no tests collected (5 deselected) in 0.1s"])) == []
+    failed = ok + ["", "=== ERRORS ===", "___ ERROR collecting tests/test_bad.py ___", "E   ModuleNotFoundError: x",
+                   "=== short test summary info ===", "ERROR tests/test_bad.py",
+                   "!!!!! Interrupted: 1 error during collection !!!!!", "3 tests collected, 1 error in 0.89s"]
+    assert mg.collection_errors(failed) == ["ERROR tests/test_bad.py"]
+    assert mg.collection_errors(ok + ["3 tests collected in 0.1s"]) == []
+    collected = tmp_path / "collected.txt"
+    collected.write_text("\n".join(failed) + "\n")
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memcheck_groups.py"), str(collected)],
+                         capture_output=True, text=True)
+    assert run.returncode == 1 and run.stdout == "" and "ERROR tests/test_bad.py" in run.stderr
