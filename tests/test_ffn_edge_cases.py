@@ -473,3 +473,27 @@ def test_sddmm_backup_rows_combine_with_pattern_before_transpose(backend):
     np.testing.assert_array_equal(f64(ops.transpose(prod).toarray()), (want * g).T)
     E = tw.ELL.from_dense(_on(backend, g)[0])
     assert ops.sddmm(*_on(backend, dy, W), E).nnz == G.nnz  # slots keep exact zeros
+
+
+@pytest.mark.parametrize("dtype", [np.float32, bfloat16], ids=str)
+def test_overflow_backup_rows_hold_no_negative_zero(xp, dtype):
+    """The FFN packers' overflow rows (backends.overflow_rows_to_backup) become dense backup
+    rows; a -0.0 there is a zero, which the slots never store, so the backup row must hold
+    +0.0, as every container's backup does (dense_backup_rows). It kept the sign bit."""
+    from twellpy import backends
+
+    h = np.zeros((3, 8), np.float32)
+    h[1] = [1.0, -0.0, 2.0, -0.0, 3.0, 0.0, -4.0, -0.0]   # row 1 overflows 2 slots
+    h[2, 0] = -0.0
+    h = xp.asarray(h.astype(dtype))
+    values = xp.ones((3, 1, 2), dtype)
+    indices = xp.zeros((3, 1, 2), np.int32)
+    counts = xp.asarray(np.array([[0], [2], [0]], np.int32))
+    row_max = xp.asarray(np.array([0, 4, 0], np.int32))
+    backup, rows = backends.overflow_rows_to_backup(xp, h, values, indices, counts, row_max, 2)
+    host = backup.get() if hasattr(backup, "get") else backup
+    assert rows.tolist() == [1] and host.dtype == np.dtype(dtype)
+    h32 = host.astype(np.float32)
+    assert not np.signbit(h32[h32 == 0]).any(), "a backup row kept -0.0"
+    np.testing.assert_array_equal(host.astype(np.float32), [[1.0, 0.0, 2.0, 0.0, 3.0, 0.0, -4.0, 0.0]])
+    assert int(counts[1, 0]) == 0 and int(indices[1, 0, 0]) == -1 and float(values[1, 0, 0]) == 0.0

@@ -53,7 +53,10 @@ def overflow_rows_to_backup(xp, h, values, indices, counts, row_max, slots):
     backup_rows = xp.nonzero(row_max > slots)[0].astype(xp.int32)
     if not backup_rows.size:
         return xp.empty((0, h.shape[1]), h.dtype), backup_rows
+    from .._base import dense_backup_rows  # here: _base imports this package
+
     values[backup_rows] = 0
     indices[backup_rows] = -1
     counts[backup_rows] = 0
-    return h[backup_rows], backup_rows
+    # -0.0 becomes +0.0, the bits the slots (which store no zero) and every container give
+    return dense_backup_rows(h, backup_rows), backup_rows
