@@ -102,3 +102,17 @@ def test_zero_dim_torch_and_jax_scalars_scale_like_zero_dim_numpy(cls):
         A * torch.ones(3, 40)
     jnp = pytest.importorskip("jax.numpy")
     np.testing.assert_array_equal((A * jnp.asarray(0.5)).toarray(), x * 0.5)
+
+
+def test_requires_grad_warning_covers_torch_tensor_subclasses(monkeypatch):
+    """The inference API's 'no grad_fn' warning looked at the module name, so a requires-grad
+    tensor of a torch.Tensor subclass defined outside torch passed silently."""
+    from twellpy import _ffn_infer
+
+    monkeypatch.setattr(_ffn_infer, "_AUTOGRAD_WARNED", [False])
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 8, generator=g, dtype=torch.float64)
+    wg, wu = torch.randn(16, 8, generator=g, dtype=torch.float64), torch.randn(16, 8, generator=g, dtype=torch.float64)
+    wd = torch.randn(8, 16, generator=g, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="requires grad"):
+        ffn.gated_forward(x.clone().requires_grad_().as_subclass(_UserTensor), wg, wu, wd)

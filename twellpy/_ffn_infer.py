@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import backends
+from . import _array, backends
 from ._array import FLOAT_DTYPES, as_array, check_finite as _check_finite, device_of, float_or_inf, to_caller
 
 __all__ = ["gated_forward", "relu_forward", "GatedFFN", "ReluFFN"]
@@ -102,7 +102,8 @@ def _warn_autograd(named):
     if _AUTOGRAD_WARNED[0]:
         return
     for name, t in named:
-        if getattr(t, "requires_grad", False) and type(t).__module__.startswith("torch"):
+        # _torch_kind: isinstance, so a torch.Tensor subclass defined outside torch counts too
+        if getattr(t, "requires_grad", False) and _array._torch_kind(t):
             import torch
 
             if torch.is_grad_enabled():
