@@ -152,3 +152,10 @@ def test_missing_matplotlib_is_a_clear_error(monkeypatch, acts3d):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(ImportError, match=r"twellpy\[plot\]"):
         plot.nnz_histogram(acts3d)
+
+
+def test_tile_occupancy_histogram_names_its_model_argument(acts3d):
+    """A bad ``model`` was reported as "kind must be 'mixture' or 'binomial'", the parameter name
+    of stats.fit_overflow_model, not of this function."""
+    with pytest.raises(ValueError, match=r"model must be 'mixture', 'binomial' or None, got 'gauss'"):
+        plot.tile_occupancy_histogram(acts3d, tile=64, model="gauss")

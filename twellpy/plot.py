@@ -275,6 +275,8 @@ def tile_occupancy_histogram(acts, tile=256, slots=None, model="mixture", ax=Non
     ax.bar(k, frac, width=1.0, color="tab:blue", alpha=0.7, label="observed")
     fitted = None
     if model is not None:
+        if model not in ("mixture", "binomial"):  # named here: fit_overflow_model calls it "kind"
+            raise ValueError(f"model must be 'mixture', 'binomial' or None, got {model!r}")
         from scipy.stats import binom
 
         fitted = _stats.fit_overflow_model(acts, tile, kind=model)
