@@ -37,6 +37,23 @@ _FLOAT_BIT_MASKS = {
 _lock = threading.Lock()
 
 
+def quiet_underflow(fn):
+    """Decorator: run ``fn`` with numpy's underflow errors off.
+
+    Rounding a result to a subnormal or to zero (float16 and bfloat16 results
+    above all) is IEEE arithmetic, not an error; a caller's
+    ``np.seterr(under="raise")`` is for their own code and would otherwise turn
+    twellpy's internal casts into ``FloatingPointError``. Overflow and invalid
+    operations keep the caller's setting (twellpy reports NaN/Inf itself).
+    """
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with np.errstate(under="ignore"):
+            return fn(*args, **kwargs)
+
+    return run
+
+
 @functools.lru_cache(maxsize=1)
 def cupy_module():
     """Return the cupy module, or None when CuPy is not installed."""

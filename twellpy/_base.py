@@ -529,6 +529,7 @@ class SparseArray:
             raise AssertionError("content scan flagged a problem the detailed scan did not find")  # pragma: no cover
 
     @classmethod
+    @_array.quiet_underflow
     def from_dense(cls, x, *, check_finite=True, **params):
         """Build from a dense 2-D array (numpy, cupy, or any ``__dlpack__`` object).
 
@@ -564,6 +565,7 @@ class SparseArray:
         return be.dense_row_nnz(x)
 
     @classmethod
+    @_array.quiet_underflow
     def from_scipy(cls, m, *, dtype=None, check_finite=True, **params):
         """Build from any ``scipy.sparse`` array or matrix (result on the CPU).
 
@@ -643,6 +645,7 @@ class SparseArray:
         return cls._from_csr(indptr.astype(np.int32), indices, data, shape, **params)
 
     @classmethod
+    @_array.quiet_underflow
     def from_cupyx(cls, m, *, check_finite=True, **params):
         """Build from a ``cupyx.scipy.sparse`` matrix (result on its GPU).
 
@@ -782,6 +785,7 @@ class SparseArray:
             return NotImplemented
         return implementation(*args, **kwargs)
 
+    @_array.quiet_underflow
     def asformat(self, fmt, **params):
         """Convert to another twellpy format (through CSR).
 
@@ -813,6 +817,7 @@ class SparseArray:
     def _transpose_params(self):
         return {}
 
+    @_array.quiet_underflow
     def transpose(self):
         """The transpose (N, M), in the same format; deterministic."""
         m, n = self.shape
@@ -844,6 +849,7 @@ class SparseArray:
             d["backup"] = backup if backup is not None else cast(self.backup, values.dtype)
         return type(self)._init_from_components(d, check=False, check_finite=False)
 
+    @_array.quiet_underflow
     def with_values(self, values, backup=None, *, check_finite=True):
         """A container with the same pattern and new values.
 
@@ -885,6 +891,7 @@ class SparseArray:
                 _array.check_finite(backup, "backup")
         return out
 
+    @_array.quiet_underflow
     def astype(self, dtype, *, check_finite=True):
         """Copy with values cast to ``dtype`` (float16, bfloat16, float32, float64).
 
@@ -938,6 +945,7 @@ class SparseArray:
     def _reduction_axis(self, axis):
         return reduction_axis(axis, type(self).__name__)
 
+    @_array.quiet_underflow
     def sum(self, axis=None):
         """Sum of the values.
 
@@ -969,6 +977,7 @@ class SparseArray:
             rows[A.backup_rows] = A.backup.sum(axis=1, dtype=acc)  # their slots are empty
         return rows if axis == 1 else float(rows.sum(dtype=np.float64))
 
+    @_array.quiet_underflow
     def mean(self, axis=None):
         """Mean over the stored values and the zeros: :meth:`sum` divided by the
         number of elements along ``axis`` (M, N or M * N).
@@ -1213,6 +1222,7 @@ class SparseArray:
 
     __abs__ = abs
 
+    @_array.quiet_underflow
     def __mul__(self, other):
         """Scalar multiply, or element-wise product with a container of identical pattern.
 
@@ -1259,6 +1269,7 @@ class SparseArray:
             s_acc = acc.type(s)
         return s_acc if np.isfinite(s_acc) else None
 
+    @_array.quiet_underflow
     def __truediv__(self, other):
         """Division by a non-zero scalar: multiplication by its reciprocal (see :meth:`__mul__`).
 
@@ -1293,6 +1304,7 @@ class SparseArray:
         _refuse_dense(other, "/")
         return NotImplemented
 
+    @_array.quiet_underflow
     def multiply(self, other):
         """Element-wise product that keeps the sparsity pattern.
 
@@ -1386,6 +1398,7 @@ class SparseArray:
         _array.same_device([(name, arr), ("A", self.values)])
         return arr, kind
 
+    @_array.quiet_underflow
     def __matmul__(self, w):
         """``A @ W`` for a dense ``W`` of shape (N,) or (N, K).
 
@@ -1410,6 +1423,7 @@ class SparseArray:
             out = out[:, 0]
         return _array.to_caller(out, kind)
 
+    @_array.quiet_underflow
     def __rmatmul__(self, w):
         """``W @ A`` for a dense ``W`` of shape (M,) or (P, M); see :meth:`__matmul__`."""
         w, kind = self._dense_operand(w, "W")

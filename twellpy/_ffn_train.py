@@ -34,7 +34,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from . import backends
+from . import _array, backends
 from ._array import (as_array, check_finite as _check_finite, check_float, contiguous, count_in_range, device_of,
                      raise_nonfinite, same_device, to_caller, xp_of)
 from ._ffn_infer import _check_finite_mode
@@ -536,6 +536,7 @@ def _backward(ctx, dy, gated):
 
 
 # ---------------------------------------------------------------------------
+@_array.quiet_underflow
 def gated_forward_train(x, w_gate, w_up, w_down, l1=0.0, width="auto", deterministic=False,
                         check_finite=True):
     """Forward pass of the gated ReLU FFN that keeps a sparse context for backward.
@@ -581,6 +582,7 @@ def gated_forward_train(x, w_gate, w_up, w_down, l1=0.0, width="auto", determini
     return _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, gated=True)
 
 
+@_array.quiet_underflow
 def gated_backward(ctx, dy):
     """Backward pass of :func:`gated_forward_train`.
 
@@ -602,6 +604,7 @@ def gated_backward(ctx, dy):
     return _backward(ctx, dy, gated=True)
 
 
+@_array.quiet_underflow
 def relu_forward_train(x, w_up, w_down, l1=0.0, width="auto", deterministic=False, check_finite=True):
     """Forward pass of the ReLU FFN ``relu(x @ w_up.T) @ w_down.T`` keeping a sparse context.
 
@@ -616,6 +619,7 @@ def relu_forward_train(x, w_up, w_down, l1=0.0, width="auto", deterministic=Fals
     return _forward(x, None, w_up, w_down, l1, width, deterministic, check_finite, gated=False)
 
 
+@_array.quiet_underflow
 def relu_backward(ctx, dy):
     """Backward pass of :func:`relu_forward_train`.
 

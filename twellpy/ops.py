@@ -77,6 +77,7 @@ def _dense_rhs(A, B, transposed):
     return A, b2, vec, kind, _promote(A.dtype, b.dtype)
 
 
+@_array.quiet_underflow
 def spmm(A, B):
     """``A @ B`` for a sparse ``A`` (M, N) and a dense ``B`` (N,) or (N, K).
 
@@ -118,6 +119,7 @@ def _transposed(A):
     return be, indptr, rows, pos, combined
 
 
+@_array.quiet_underflow
 def spmm_t(A, B):
     """``A.T @ B`` without forming a dense A (deterministic, no atomics).
 
@@ -141,6 +143,7 @@ def spmm_t(A, B):
     return _array.to_caller(out, kind)
 
 
+@_array.quiet_underflow
 def sddmm(X, Y, pattern):
     """Values of ``X @ Y.T`` at the stored positions of ``pattern``.
 
@@ -209,6 +212,7 @@ def _same_pattern(P, values, backup):
     return type(P).from_components(d, check=False, check_finite=False)
 
 
+@_array.quiet_underflow
 def transpose(A, format="hybrid", width="auto"):
     """The transpose (N, M) of ``A`` by a deterministic counting sort.
 
@@ -262,6 +266,7 @@ def transpose(A, format="hybrid", width="auto"):
                   backup_rows=backup_rows, width_strategy=width, check=False, check_finite=False)
 
 
+@_array.quiet_underflow
 def multiply(A, B):
     """Element-wise product of two containers with one shared pattern.
 

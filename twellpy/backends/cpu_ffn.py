@@ -15,7 +15,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .._array import check_finite
+from .._array import check_finite, quiet_underflow
 from . import overflow_rows_to_backup
 
 #: rows per chunk: one BLAS gate GEMM and one parallel Numba call per chunk
@@ -136,6 +136,7 @@ class FFNPlan:
     reach the plan, whatever their dtype or memory order.
     """
 
+    @quiet_underflow
     def __init__(self, w_gate, w_up, w_down):
         self.gated = w_gate is not None
         self.dtype = np.dtype(w_up.dtype)
@@ -179,6 +180,7 @@ class FFNPlan:
             hc[...] = h
         np.matmul(h, self.w_downT, out=yc)
 
+    @quiet_underflow
     def forward(self, x, *, mode="auto", return_activations=False, check_x=False):
         """y (M, D) in the input dtype, dense h (M, H) or None, info dict.
 
