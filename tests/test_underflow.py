@@ -54,3 +54,15 @@ def test_container_calls_ignore_the_callers_underflow_setting(backend, xp, cls, 
     with pytest.raises(FloatingPointError):  # the caller's own code keeps the caller's setting
         with np.errstate(under="raise"):
             np.float32(1e-30) * np.float32(1e-30)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, bfloat16], ids=str)
+def test_train_context_h_ignores_the_callers_underflow_setting(backend, xp, dtype):
+    """TrainContext.h (gated) forms g * u in the accumulator and rounds it to the value dtype
+    outside the decorated forward/backward calls: float16 raised "underflow encountered in cast"."""
+    x, wg, wu, wd, _, _ = _problem(xp, dtype)
+    _, ctx = tw.ffn.gated_forward_train(x, wg, wu, wd)
+    with np.errstate(all="raise"):
+        h = ctx.h
+        ctx.g, ctx.u
+    assert h.shape == (M, H)

@@ -233,6 +233,7 @@ class TrainContext:
         return self._hybrid(self.uvals)
 
     @property
+    @_array.quiet_underflow  # g * u rounded to a 16-bit dtype: the caller's under="raise" stays out
     def h(self):
         """The hidden activations ``h`` as a :class:`twellpy.Hybrid`."""
         if not self.gated:
