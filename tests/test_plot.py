@@ -159,3 +159,14 @@ def test_tile_occupancy_histogram_names_its_model_argument(acts3d):
     of stats.fit_overflow_model, not of this function."""
     with pytest.raises(ValueError, match=r"model must be 'mixture', 'binomial' or None, got 'gauss'"):
         plot.tile_occupancy_histogram(acts3d, tile=64, model="gauss")
+
+
+def test_tile_occupancy_histogram_bad_model_draws_nothing_on_the_callers_axes(acts3d):
+    """The model check ran after the "observed" bars were drawn, so a caller's ax kept a
+    partial drawing when the call raised."""
+    from matplotlib.figure import Figure
+
+    ax = Figure().subplots()
+    with pytest.raises(ValueError, match="model must be"):
+        plot.tile_occupancy_histogram(acts3d, tile=64, model="gauss", ax=ax)
+    assert not ax.patches and not ax.lines

@@ -264,6 +264,9 @@ def tile_occupancy_histogram(acts, tile=256, slots=None, model="mixture", ax=Non
         Bars (label ``"observed"``) of the fraction of cells per occupancy,
         log scale, up to the largest occupancy observed.
     """
+    # checked before any work: a caller's ax must not get a partial drawing
+    if model is not None and model not in ("mixture", "binomial"):  # fit_overflow_model calls it "kind"
+        raise ValueError(f"model must be 'mixture', 'binomial' or None, got {model!r}")
     hist = _stats.tile_occupancy_histogram(acts, tile)
     total = hist.sum()
     if total == 0:
@@ -275,8 +278,6 @@ def tile_occupancy_histogram(acts, tile=256, slots=None, model="mixture", ax=Non
     ax.bar(k, frac, width=1.0, color="tab:blue", alpha=0.7, label="observed")
     fitted = None
     if model is not None:
-        if model not in ("mixture", "binomial"):  # named here: fit_overflow_model calls it "kind"
-            raise ValueError(f"model must be 'mixture', 'binomial' or None, got {model!r}")
         from scipy.stats import binom
 
         fitted = _stats.fit_overflow_model(acts, tile, kind=model)
