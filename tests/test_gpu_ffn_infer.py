@@ -971,3 +971,23 @@ def test_decode_path_with_misaligned_weights_and_non_finite_inactive_weights():
     y, y_gen = ffn(xg), general(xg)
     assert bool(cp.isnan(y[1]).all()) and bool(cp.isnan(y_gen[1]).all())
     assert rel_err(y[0], ref[0]) <= 1e-2 and rel_err(y_gen[0], ref[0]) <= 1e-2
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_plan_keeps_one_copy_of_the_down_projection(gated):
+    """The plan held w_down and its transpose w_downT (two D x H copies); the dense path now
+    multiplies by w_downT too (gemm_nn). Dense, sparse and auto calls still match the float64
+    reference, and an F-ordered caller's w_down (whose .T is C-contiguous, a view) is copied,
+    so an in-place change after construction reaches nothing."""
+    w = to_gpu(make_ffn(257, 128, 512, 20, sigma=0.2, gated=gated, dtype=np.float32, xp=np, seed=41))
+    w_down_f = cp.asfortranarray(w["w_down"])
+    ffn = (GatedFFN(w["w_gate"], w["w_up"], w_down_f) if gated else ReluFFN(w["w_up"], w_down_f))
+    plan = ffn._plan
+    assert plan.w_down is None and plan.w_downT.shape == (512, 128) and plan.w_downT.flags.c_contiguous
+    assert plan.w_downT.data.ptr != w_down_f.data.ptr
+    want = ref64(w, gated)
+    w_down_f[...] = cp.nan  # the caller's array changes after construction: the plan kept its own copy
+    for mode in ("dense", "sparse", "auto"):
+        poison()
+        y = ffn(w["x"], mode=mode)
+        assert rel_err(y, want) < TOL[np.dtype(np.float32)], mode

@@ -373,7 +373,7 @@ class GatedFFN(_FFN):
     changing the caller's arrays afterwards (in place or not) does not affect
     it, on any backend, dtype or memory order. Build a new object to use
     updated weights. The copies take about the weights' size again on their
-    device (the CUDA plan also keeps ``w_down`` transposed).
+    device (the CUDA plan keeps ``w_down`` only transposed, one copy).
 
     Parameters
     ----------

@@ -268,8 +268,19 @@ def gemm_nt(a, b, out, handle, stream, on_current=False):
     ``on_current=True`` says ``stream`` is already the current stream (saves
     entering its context: decode-sized calls are bound by host time).
     """
+    return _gemm(a, b, b.shape[0], _OP_T, out, handle, stream, on_current)
+
+
+def gemm_nn(a, b, out, handle, stream, on_current=False):
+    """``out[:] = a @ b`` with cuBLAS on ``stream``; ``b`` (k, n) with unit column stride,
+    otherwise as :func:`gemm_nt` (the dense path multiplies by the plan's ``w_downT``)."""
+    return _gemm(a, b, b.shape[1], _OP_N, out, handle, stream, on_current)
+
+
+def _gemm(a, b, n, op_b, out, handle, stream, on_current):
+    """Row-major ``out = a @ op(b)``: column-major ``out^T = op(b)^T a^T``, so cuBLAS takes
+    ``b``'s memory as its first operand (transposed for ``a @ b.T``, as is for ``a @ b``)."""
     m, k = a.shape
-    n = b.shape[0]
     if m == 0 or n == 0:
         return out
     if k == 0:
@@ -282,8 +293,9 @@ def gemm_nt(a, b, out, handle, stream, on_current=False):
     else:
         one, zero, compute = _ONE32_PTR, _ZERO32_PTR, _COMPUTE_32F
     ctype = _CUDA_TYPE[dt]
-    # Row-major C = A @ B.T is column-major C^T = B @ A^T: op(B) = T, op(A) = N.
-    gemm_args = (handle, _OP_T, _OP_N, n, m, k, one, b.data.ptr, ctype, b.strides[0] // isz,
+    # Row-major C = A @ B.T is column-major C^T = B @ A^T: op(B) = T, op(A) = N; for
+    # C = A @ B the row-major (k, n) B read column-major is already B^T: op(B) = N.
+    gemm_args = (handle, op_b, _OP_N, n, m, k, one, b.data.ptr, ctype, b.strides[0] // isz,
                  a.data.ptr, ctype, a.strides[0] // isz, zero, out.data.ptr, ctype, out.strides[0] // isz,
                  compute, _GEMM_DEFAULT)
     # CuPy's cuBLAS wrappers bind the handle to the *current* stream on every
@@ -438,7 +450,6 @@ class FFNPlan:
         # the caller's arrays reach none of them (the CPU plan copies too)
         self.w_gate = _own_copy(w_gate) if self.gated else None
         self.w_up = _own_copy(w_up)
-        self.w_down = _own_copy(w_down)
         self.gate_w = self.w_gate if self.gated else self.w_up
         self.config = self._choose_config()
         #: "wide" or "narrow" batches of neurons in flight (see _KB_FOR_NV)
@@ -454,8 +465,14 @@ class FFNPlan:
         if not 1 <= self.min_blocks <= 8:
             raise ValueError(f"TWELLPY_FFN_MIN_BLOCKS must be in [1, 8], got {self.min_blocks}")
         self.sparse_ok = self.config is not None
-        # transposed once: row j of w_downT is column j of w_down (contiguous gathers)
-        self.w_downT = cp.ascontiguousarray(self.w_down.T) if self.sparse_ok else None
+        # One copy of the down projection per plan (D x H elements; 23 MB in bf16 at W1):
+        # the sparse kernels gather rows of w_downT (row j is column j of w_down), and the
+        # dense path multiplies by it too (gemm_nn), so w_down itself is kept only when no
+        # sparse path exists.
+        if self.sparse_ok:
+            self.w_down, self.w_downT = None, _own_copy(w_down.T)
+        else:
+            self.w_down, self.w_downT = _own_copy(w_down), None
         #: None: the sparse kernel computes every row itself, however many
         #: neurons it fires (no host synchronisation). An int <= LIST_CAP hands
         #: rows with more active neurons to an exact dense sub-FFN instead (one
@@ -729,7 +746,10 @@ class FFNPlan:
         else:
             h = h_out if h_out is not None else g
             relu(g, h, stream)
-        gemm_nt(h, self.w_down, y, handle, stream)
+        if self.w_downT is not None:
+            gemm_nn(h, self.w_downT, y, handle, stream)
+        else:
+            gemm_nt(h, self.w_down, y, handle, stream)
 
     def dense_rows(self, x, y, h_out=None, *, max_chunk=16384):
         """Dense FFN of all rows of ``x`` on the current stream (chunked workspace)."""
