@@ -168,8 +168,17 @@ sys.exit(not any(REPORT.search(line) for line in open(sys.argv[1], errors="repla
       rm -f "$collected"
     fi
     t0=$SECONDS; IFS=';' read -ra groups <<< "$MEMCHECK_GROUPS"; left=${#groups[@]}; g=0
+    # MEMCHECK_GROUP_MIN_S: a pass spends a minute or two starting its workers under the sanitizer
+    # (2026-12-06, H100: five groups of 111 s each, 8 workers, and not one test started in any), so a
+    # group gets at least this long and the groups that no longer fit wait for the next call
+    min_s=${MEMCHECK_GROUP_MIN_S:-300}
     for group in "${groups[@]}"; do
-      share=$(( (${SHARD_TIMEOUT:-560} - (SECONDS - t0)) / left )); left=$((left - 1)); g=$((g + 1))
+      remaining=$(( ${SHARD_TIMEOUT:-560} - (SECONDS - t0) ))
+      if (( remaining < min_s && g > 0 )); then
+        echo "memcheck: $left group(s) left for the next call (${remaining} s left, a group needs ${min_s} s)"; break
+      fi
+      share=$(( remaining / left )); (( share < min_s )) && share=$min_s; (( share > remaining )) && share=$remaining
+      left=$((left - 1)); g=$((g + 1))
       MEMCHECK_TESTS="$group" memcheck_resume_pass "${MEMCHECK_MARK:-gpu}" ${MEMCHECK_WORKERS:-8} $share group$g
     done
   elif [[ $what == memcheck-resume ]]; then
