@@ -7,7 +7,7 @@ sm_90a, sm_80 and sm_75 (Turing, where the sm_80+ load paths switch off),
 with the same options the run-time registry uses. Any compile error makes the
 script exit 1; register spills are reported.
 
-Usage: ``python tools/check_kernels.py [--arch 90a 80 75] [--strict-spills]``
+Usage: ``python tools/check_kernels.py [--arch 90a 80 75] [--strict-spills] [--files ffn_long.cu ...]``
 """
 from __future__ import annotations
 
@@ -82,6 +82,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", nargs="+", default=["90a", "80", "75"])
     ap.add_argument("--strict-spills", action="store_true", help="fail on any register spill")
+    ap.add_argument("--files", nargs="+", help="only these raw_kernels/ files (e.g. ffn_long.cu)")
     args = ap.parse_args(argv)
 
     from cupy_backends.cuda.libs import nvrtc
@@ -96,6 +97,11 @@ def main(argv=None):
     decl = reg.declared()
     includes = tuple(f"-I{d}" for d in _cuda_include_dirs())
     files = sorted(p.name for p in reg.kernel_dir().glob("*.cu"))
+    if args.files:
+        unknown = sorted(set(args.files) - set(files))
+        if unknown:
+            ap.error(f"no such kernel file in {reg.kernel_dir()}: {', '.join(unknown)}")
+        files = [f for f in files if f in args.files]
     n_fail = n_ok = 0
     all_spills = []
     print(f"NVRTC {nvrtc.getVersion()}; {len(files)} source files; arch {args.arch}")
