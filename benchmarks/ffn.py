@@ -30,7 +30,7 @@ from benchmarks.workloads import WORKLOADS, make_ffn, reference_ffn  # noqa: E40
 from twellpy._array import bfloat16, to_caller  # noqa: E402
 from twellpy._ffn_infer import GatedFFN  # noqa: E402
 
-GPU_WORKLOADS = ["W1-16k", "W1-64k", "W2", "W3", "W4-1", "W4-16", "W4-128", "W5"]
+GPU_WORKLOADS = ["W1-16k", "W1-64k", "W2", "W3", "W4-1", "W4-16", "W4-128", "W5", "U1-s0.3", "U1-s0.5", "U1-hot"]
 SWEEP_NNZ = [5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 400]
 # (warps per block, 16-byte vectors per thread, batch variant, L2 evict_last hint[,
 # resident blocks per SM of the register budget]); None = plan default; nv=0 =

@@ -30,6 +30,11 @@ WORKLOADS = {
     "W4-16": dict(M=16, D=2048, H=5632, nnz=30, sigma=0.0),
     "W4-128": dict(M=128, D=2048, H=5632, nnz=30, sigma=0.0),
     "W5": dict(M=16384, D=4096, H=11008, nnz=30, sigma=0.0),
+    # uneven data beyond W3 (issue 4: exact and timed "with tiles far over capacity"):
+    # row scales exp(0.3 N) and exp(0.5 N), and 16 tokens firing about 2000 neurons each
+    "U1-s0.3": dict(M=16384, D=2048, H=5632, nnz=30, sigma=0.3),
+    "U1-s0.5": dict(M=16384, D=2048, H=5632, nnz=30, sigma=0.5),
+    "U1-hot": dict(M=16384, D=2048, H=5632, nnz=30, sigma=0.0, hot=(16, 2000)),
     "C1": dict(M=8192, D=1024, H=2816, nnz=15, sigma=0.0),
 }
 
@@ -71,8 +76,23 @@ def find_threshold(x, w, nnz, *, sample_rows=2048, iters=60):
     return 0.5 * (lo + hi)
 
 
+def make_hot_rows(x, w_act, rows, fire):
+    """Move each row of ``rows`` of ``x`` (float32, threshold in column 0 as
+    make_ffn builds it) so that it fires about ``fire`` neurons of ``w_act``
+    (every neuron when ``fire >= H``); in place, returns ``x``."""
+    H = w_act.shape[0]
+    w0 = w_act[:, 0]  # -t in every neuron
+    for r in rows:
+        rest = x[r] @ w_act.T - x[r, 0] * w0  # the pre-activation without the threshold column
+        # neuron j fires where rest_j + v * w0_j > 0, i.e. v < rest_j / t
+        ratio = (rest / -w0)
+        ratio = ratio[(-ratio).argsort()]
+        x[r, 0] = float(ratio[fire - 1]) - 1e-3 if fire < H else -1e3
+    return x
+
+
 def make_ffn(M, D, H, nnz, sigma=0.0, *, gated=True, dtype=np.float32, xp=np, seed=0,
-             sample_rows=2048):
+             sample_rows=2048, hot=None):
     """One synthetic FFN workload.
 
     Parameters
@@ -89,6 +109,9 @@ def make_ffn(M, D, H, nnz, sigma=0.0, *, gated=True, dtype=np.float32, xp=np, se
         Output dtype of every array (e.g. ``ml_dtypes.bfloat16``).
     xp : module
         numpy or cupy.
+    hot : (int, int), optional
+        ``(count, fire)``: ``count`` tokens, evenly spaced, fire about ``fire``
+        neurons each (``make_hot_rows``).
 
     Returns
     -------
@@ -102,6 +125,9 @@ def make_ffn(M, D, H, nnz, sigma=0.0, *, gated=True, dtype=np.float32, xp=np, se
     sample = x if M >= sample_rows else make_inputs(sample_rows, D, sigma=sigma, xp=xp, seed=seed + 7)
     t = find_threshold(sample, w_act, nnz, sample_rows=sample_rows)
     w_act[:, 0] = -t
+    if hot is not None and M:
+        count, fire = hot
+        make_hot_rows(x, w_act, [int(r) for r in np.linspace(0, M - 1, count).astype(int)], int(fire))
     w_down = _normal(xp, rng, (D, H), 1.0 / np.sqrt(H))
     if gated:
         w_gate = w_act
