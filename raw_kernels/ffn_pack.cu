@@ -54,14 +54,43 @@ __global__ void twellpy_ffn_pack(const T* __restrict__ src, long long lds, int M
     }
 }
 
+// True when every pointer is 16-byte aligned: the element-wise kernels then move
+// 16 bytes a load (the scalar loop reached about a third of HBM bandwidth: 0.48 ms
+// for W1-16k's 16384 x 5632 bf16 h on an H100, 2026-12-06) and finish the tail
+// element by element; otherwise they run the scalar loop alone. Same bits either way.
+__device__ __forceinline__ bool aligned16(const void* a, const void* b, const void* c) {
+    return ((reinterpret_cast<unsigned long long>(a) | reinterpret_cast<unsigned long long>(b) |
+             reinterpret_cast<unsigned long long>(c)) & 15ull) == 0ull;
+}
+
 // twellpy_ffn_gate_mul<T>: h = relu(g) * u element-wise, fp32 math.
-//   g, u, h   (n,) contiguous    relu(NaN) = NaN (relu_active), so NaN propagates
+//   g, u, h   (n,) contiguous    relu(NaN) = NaN (relu_active), so NaN propagates;
+//                                h may be u (each element is read before it is written)
 template <typename T>
-__global__ void twellpy_ffn_gate_mul(const T* __restrict__ g, const T* __restrict__ u,
-                                     T* __restrict__ h, long long n) {
+__global__ void twellpy_ffn_gate_mul(const T* g, const T* u, T* h, long long n) {
     typedef typename twellpy::accum<T>::type A;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
+    constexpr int VEC = twellpy::vec_of<T>::n;
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    long long tail = 0;
+    if (aligned16(g, u, h)) {
+        const long long nv = n / VEC;
+        const uint4* gv = reinterpret_cast<const uint4*>(g);
+        const uint4* uv = reinterpret_cast<const uint4*>(u);
+        uint4* hv = reinterpret_cast<uint4*>(h);
+        for (long long i = first; i < nv; i += stride) {
+            A ga[VEC], ua[VEC];
+            twellpy::unpack16<T, A>(__ldcs(gv + i), ga);
+            twellpy::unpack16<T, A>(__ldcs(uv + i), ua);
+            uint4 out;
+            T* e = reinterpret_cast<T*>(&out);
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) e[k] = twellpy::from_acc<T, A>((ga[k] <= A(0)) ? A(0) : ga[k] * ua[k]);
+            __stcs(hv + i, out);
+        }
+        tail = nv * VEC;
+    }
+    for (long long i = tail + first; i < n; i += stride) {
         const A gv = twellpy::to_acc<A, T>(g[i]);
         const A r = (gv <= A(0)) ? A(0) : gv * twellpy::to_acc<A, T>(u[i]);
         h[i] = twellpy::from_acc<T, A>(r);
@@ -69,12 +98,29 @@ __global__ void twellpy_ffn_gate_mul(const T* __restrict__ g, const T* __restric
 }
 
 // twellpy_ffn_relu<T>: h = relu(g) element-wise (NaN kept).
-//   g, h      (n,) contiguous
+//   g, h      (n,) contiguous; h may be g
 template <typename T>
-__global__ void twellpy_ffn_relu(const T* __restrict__ g, T* __restrict__ h, long long n) {
+__global__ void twellpy_ffn_relu(const T* g, T* h, long long n) {
     typedef typename twellpy::accum<T>::type A;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
+    constexpr int VEC = twellpy::vec_of<T>::n;
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    long long tail = 0;
+    if (aligned16(g, h, h)) {
+        const long long nv = n / VEC;
+        const uint4* gv = reinterpret_cast<const uint4*>(g);
+        uint4* hv = reinterpret_cast<uint4*>(h);
+        for (long long i = first; i < nv; i += stride) {
+            uint4 out = __ldcs(gv + i);
+            T* e = reinterpret_cast<T*>(&out);
+#pragma unroll
+            for (int k = 0; k < VEC; ++k)
+                if (twellpy::to_acc<A, T>(e[k]) <= A(0)) e[k] = twellpy::zero_value<T>();
+            __stcs(hv + i, out);
+        }
+        tail = nv * VEC;
+    }
+    for (long long i = tail + first; i < n; i += stride) {
         const A gv = twellpy::to_acc<A, T>(g[i]);
         h[i] = (gv <= A(0)) ? twellpy::zero_value<T>() : g[i];
     }

@@ -570,6 +570,16 @@ void rowpack_bf16(const __nv_bfloat16* g, long long ldg, int M, int H, int capr,
     emu::launch(twellpy_ffn_rowpack<__nv_bfloat16>, dim3((M + 7) / 8), dim3(256), 0, g, ldg, M, H, capr, idx, val,
                 count, total);
 }
+// the element-wise steps of the dense path, on a grid too small to cover n in one pass
+#define ELEMENTWISE(NAME, T)                                                                          \
+void gate_mul_##NAME(const T* g, const T* u, T* h, long long n) {                                     \
+    emu::launch(twellpy_ffn_gate_mul<T>, dim3(3), dim3(64), 0, g, u, h, n);                           \
+}                                                                                                     \
+void relu_##NAME(const T* g, T* h, long long n) { emu::launch(twellpy_ffn_relu<T>, dim3(3), dim3(64), 0, g, h, n); }
+ELEMENTWISE(bf16, __nv_bfloat16)
+ELEMENTWISE(f16, __half)
+ELEMENTWISE(f32, float)
+ELEMENTWISE(f64, double)
 }
 """
 
@@ -600,6 +610,47 @@ def test_rowpack_matches_the_lists_the_split_test_assumes(tmp_path_factory):
             np.testing.assert_array_equal(idx[r, :k], want_idx[r, :k])
             np.testing.assert_array_equal(val[r, :k].view(np.uint32), want_val[r, :k].view(np.uint32))
     assert count[3] > capr and count[6] == 0 and 7 in idx[5, :count[5]]
+
+
+@pytest.mark.parametrize("dtype", [bfloat16, np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("offset", [0, 1, 3])
+def test_dense_path_elementwise_kernels_vector_and_scalar_loops(tmp_path_factory, dtype, offset):
+    """twellpy_ffn_gate_mul and twellpy_ffn_relu give relu(g) * u and relu(g) element by
+    element, rounded once, whether their 16-byte loop runs (aligned, offset 0) or only
+    the scalar one (offset 1, 3 elements: misaligned), with a tail that is not a whole
+    vector, NaN kept, -0.0 and negative values to +0.0, in place (h is u / h is g) too."""
+    lib = _build(tmp_path_factory, "ffn_pack.cu", _PACK_HARNESS, {})
+    name = {bfloat16: "bf16", np.dtype(np.float16): "f16", np.dtype(np.float32): "f32",
+            np.dtype(np.float64): "f64"}[np.dtype(dtype)]
+    rng = np.random.default_rng(5 + offset)
+    n = 64 * 3 * 16 + 13  # more than the grid's threads times a vector: grid-stride and a tail
+    g_all = rng.standard_normal(n + offset).astype(dtype)
+    u_all = rng.standard_normal(n + offset).astype(dtype)
+    g, u = g_all[offset:], u_all[offset:]
+    g[[5, 40, 77]] = np.array([np.nan, -0.0, np.inf]).astype(dtype)
+    g[n - 2] = np.nan  # in the tail
+    gf, uf = g.astype(np.float64), u.astype(np.float64)
+    acc = np.float64 if np.dtype(dtype) == np.float64 else np.float32
+    want_mul = np.where(gf <= 0, 0.0, gf.astype(acc) * uf.astype(acc)).astype(acc).astype(dtype)
+    want_relu = np.where(gf <= 0, 0.0, gf).astype(dtype)
+
+    def bits(a):
+        return a.view(np.uint16 if a.itemsize == 2 else (np.uint32 if a.itemsize == 4 else np.uint64))
+
+    h_all = np.full(n + offset, np.nan, dtype)
+    h = h_all[offset:]
+    getattr(lib, f"gate_mul_{name}")(_ptr(g), _ptr(u), _ptr(h), ctypes.c_longlong(n))
+    np.testing.assert_array_equal(bits(h), bits(want_mul))
+    u_in_place = u.copy()
+    getattr(lib, f"gate_mul_{name}")(_ptr(g), _ptr(u_in_place), _ptr(u_in_place), ctypes.c_longlong(n))
+    np.testing.assert_array_equal(bits(u_in_place), bits(want_mul))
+    h[:] = np.nan
+    getattr(lib, f"relu_{name}")(_ptr(g), _ptr(h), ctypes.c_longlong(n))
+    np.testing.assert_array_equal(bits(h), bits(want_relu))
+    g_in_place = g.copy()
+    getattr(lib, f"relu_{name}")(_ptr(g_in_place), _ptr(g_in_place), ctypes.c_longlong(n))
+    np.testing.assert_array_equal(bits(g_in_place), bits(want_relu))
+    assert np.isnan(h[5]) and bits(h[40:41])[0] == 0 and np.isinf(h[77])
 
 
 # ---------------------------------------------------------------------------
