@@ -196,7 +196,8 @@ __device__ __forceinline__ void process_list(
 //   g        (M, H)   row stride ldg   gate pre-activation (x @ w_gate.T or x @ w_up.T)
 //   w_up     (H, D)   contiguous       up weights (read only when GATED)
 //   w_downT  (H, D)   contiguous       w_down transposed: row j is w_down[:, j]
-//   y        (M, D)   row stride ldy   output (rows marked heavy are left untouched)
+//   y        (M, D)   row stride ldy   output (rows marked heavy, and long rows under
+//                                      long_rows, are left untouched)
 //   h_out    (M, H)   row stride ldh   optional (WRITE_H): h written at active positions only
 //   list_idx (M, capr) int32           optional (row_count != null): per-row list of active
 //   list_val (M, capr) accum type      neurons and gate values from twellpy_ffn_rowpack
@@ -207,6 +208,8 @@ __device__ __forceinline__ void process_list(
 // heavy_limit: a value <= FFN_LIST_CAP enables the heavy-row hand-off to the
 // host; 0x7fffffff disables it (every row is computed here, the list being
 // processed and refilled as often as needed).
+// long_rows != 0 (with row lists): rows with row_count > capr are skipped (y left
+// untouched, not flagged heavy; counted in counters[0]): ffn_long.cu computes them.
 // SPLIT = true: rows served by a row list (row_count <= capr and <= heavy_limit)
 // get their up projection only: h overwrites the gate values in list_val and
 // their y rows are left to twellpy_spmm_resident (spmm_resident.cu, LISTS),
@@ -227,7 +230,7 @@ twellpy_ffn_sparse(const T* __restrict__ x, long long ldx,
                    typename twellpy::accum<T>::type* __restrict__ list_val,  // h written back (SPLIT)
                    const int* __restrict__ row_count, int capr,
                    int* __restrict__ heavy, unsigned long long* __restrict__ counters,
-                   int M, int D, int H, int heavy_limit) {
+                   int M, int D, int H, int heavy_limit, int long_rows) {
     using namespace twellpy_ffn;
     typedef typename twellpy::accum<T>::type A;
     constexpr int VEC = vec_of<T>::n;
@@ -272,6 +275,13 @@ twellpy_ffn_sparse(const T* __restrict__ x, long long ldx,
             if (tid == 0) heavy[row] = 1;
             seen_total += (unsigned long long)listed;
             ++heavy_total;
+            continue;
+        }
+        if (long_rows && listed > capr) {
+            // a long row: twellpy_ffn_long_up / _down (ffn_long.cu) spread it over many
+            // blocks after this kernel; its y row is theirs
+            seen_total += (unsigned long long)listed;
+            if (tid == 0) heavy[row] = 0;
             continue;
         }
         if (listed >= 0 && listed <= capr) {

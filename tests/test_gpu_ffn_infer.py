@@ -76,7 +76,7 @@ def test_token_firing_2000_neurons(gated, heavy_limit):
     x = w["x"].astype(np.float32)
     x[5, 0] = 0.0    # no threshold: about half of 4096 neurons fire (list drained and refilled)
     x[9, 0] = 0.5    # a few hundred fire (per-row list of the row-pack kernel)
-    x[11, 0] = 0.3   # ~900 fire: over the row-pack capacity, the kernel scans g itself
+    x[11, 0] = 0.3   # ~900 fire: over the row-pack capacity (ffn_long.cu, or one block with long_rows off)
     w["x"] = x.astype(bfloat16)
     wg = to_gpu(w)
     ffn = (GatedFFN(wg["w_gate"], wg["w_up"], wg["w_down"]) if gated else ReluFFN(wg["w_up"], wg["w_down"]))
@@ -991,3 +991,81 @@ def test_plan_keeps_one_copy_of_the_down_projection(gated):
         poison()
         y = ffn(w["x"], mode=mode)
         assert rel_err(y, want) < TOL[np.dtype(np.float32)], mode
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("M, chunk_rows", [(1, None), (17, None), (300, None), (2600, 700)],
+                         ids=["M1", "M17", "M300", "two-streams"])
+def test_long_rows_spread_over_blocks_match_the_serial_path(dtype, gated, M, chunk_rows):
+    """Tokens firing more neurons than a row list holds (LIST_ROW_CAP) run through
+    ffn_long.cu by default: the other rows keep the serial path's bits exactly, the long
+    rows (every neuron, about 2000, just over the cap) match the float64 reference, h of
+    return_activations matches it too, and a second call gives the same bits. The
+    general path at every size (decode kernels off), both FFN kinds, every dtype, the
+    two-stream pipeline."""
+    from twellpy.backends.cuda_ffn import LIST_ROW_CAP
+
+    H = 4608                                     # > 4096: the down kernel reads a mask in two rounds
+    w = make_ffn(M, 256, H, 12, gated=gated, dtype=dtype, xp=cp, seed=93 + M)
+    x = w["x"].copy()
+    pre = (w["w_gate"] if gated else w["w_up"]).astype(cp.float32)
+    x[0, 0] = -50.0                              # token 0: every neuron
+    if M > 2:
+        x[M // 2, 0] = 0.0                       # no threshold: about half the neurons
+        # token M - 1: about 600, just over the cap (x[:, 0] carries the threshold -w[:, 0])
+        r = M - 1
+        rest = x[r].astype(cp.float32) @ pre.T - x[r, 0].astype(cp.float32) * pre[:, 0]
+        ratio = cp.sort(rest / -pre[:, 0])[::-1]
+        x[r, 0] = float(ratio[LIST_ROW_CAP + 90])
+    ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"]) if gated else ReluFFN(w["w_up"], w["w_down"])
+    ffn.decode_rows = 0
+    ffn._plan.chunk_rows = chunk_rows
+    u = {2: np.uint16, 4: np.uint32, 8: np.uint64}[np.dtype(dtype).itemsize]
+    outs = {}
+    for long_rows in (False, True):
+        ffn._plan.long_rows = long_rows
+        poison()
+        y, h = ffn(x, mode="sparse", return_activations=True)
+        outs[long_rows] = (y, cp.asarray(h.toarray()))
+    (y0, h0), (y1, h1) = outs[False], outs[True]
+    fired = (x.astype(cp.float32) @ pre.T > 0).sum(axis=1)
+    long = fired > LIST_ROW_CAP
+    assert bool(long[0]) and int(fired[0]) == H
+    if M > 2:
+        assert LIST_ROW_CAP < int(fired[M - 1]) < 2 * LIST_ROW_CAP and int(fired[M // 2]) > 1000
+    short = ~long
+    assert bool((y1[short].view(u) == y0[short].view(u)).all()), "rows within their list changed bits"
+    ref = ref64(dict(w, x=x), gated)
+    tol = TOL[np.dtype(dtype)] * (5 if np.dtype(dtype).itemsize == 2 else 1)
+    assert rel_err(y1[long], ref[long]) <= tol
+    assert rel_err(y1, ref) <= tol
+    x64 = x.astype(cp.float64)
+    g = x64 @ (w["w_gate"] if gated else w["w_up"]).astype(cp.float64).T
+    h_ref = cp.where(g <= 0, 0, g * (x64 @ w["w_up"].astype(cp.float64).T) if gated else g)
+    assert rel_err(h1[long], h_ref[long]) <= tol
+    assert bool((h1[short].view(u) == h0[short].view(u)).all())
+    poison()
+    y2 = ffn(x, mode="sparse")
+    assert bool((y2.view(u) == y1.view(u)).all()), "long rows are not deterministic"
+
+
+def test_long_rows_off_with_the_heavy_row_hand_off():
+    """heavy_limit hands rows over the limit to the host's dense sub-FFN: the long-row
+    kernels stay out of it (both results exact, no long-row launch)."""
+    w = make_ffn(600, 256, 2304, 12, dtype=bfloat16, xp=cp, seed=97)
+    x = w["x"].copy()
+    x[3, 0] = -50.0
+    ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"])
+    ffn.heavy_limit = 256
+    launched = []
+    real = ffn._plan._launch_long
+    ffn._plan._launch_long = lambda *a, **k: (launched.append(1), real(*a, **k))
+    poison()
+    y = ffn(x, mode="sparse")
+    assert not launched and ffn.last_info["heavy_rows"] >= 1
+    assert rel_err(y, ref64(dict(w, x=x))) <= 1e-2
+    ffn.heavy_limit = None
+    poison()
+    y = ffn(x, mode="sparse")
+    assert launched and rel_err(y, ref64(dict(w, x=x))) <= 1e-2

@@ -442,10 +442,10 @@ typedef __nv_bfloat16 bf16;
 #define FFN(NAME, T, SPLIT)                                                                            \
 void NAME(const T* x, const T* g, const T* w_up, const T* w_downT, T* y, const int* list_idx,          \
           float* list_val, const int* row_count, int capr, int* heavy, unsigned long long* counters,     \
-          int M, int D, int H, int heavy_limit, int grid, int threads) {                                 \
+          int M, int D, int H, int heavy_limit, int grid, int threads, int long_rows) {                  \
     emu::launch(twellpy_ffn_sparse<T, 1, 8, true, false, SPLIT>, dim3(grid), dim3(threads), 0, x,        \
                 (long long)D, g, (long long)H, w_up, w_downT, y, (long long)D, (T*)nullptr, 0LL, list_idx, \
-                list_val, row_count, capr, heavy, counters, M, D, H, heavy_limit);                        \
+                list_val, row_count, capr, heavy, counters, M, D, H, heavy_limit, long_rows);             \
 }
 FFN(ffn_bf16_fused, bf16, false)
 FFN(ffn_bf16_split, bf16, true)
@@ -464,6 +464,24 @@ RES_LISTS(res_lists_bf16_4, bf16, 4)
 RES_LISTS(res_lists_f32_1, float, 1)
 RES_LISTS(res_lists_f32_2, float, 2)
 RES_LISTS(res_lists_f32_4, float, 4)
+#define LONG(NAME, T, GATED)                                                                           \
+void long_##NAME(const T* x, T* g, const T* w_up, const T* w_downT, T* y, const int* row_count, int capr, \
+                 unsigned* mask, T* h_out, unsigned* tickets, int M, int D, int H, int gy) {           \
+    const int HW = (H + 31) / 32, DV = D / (16 / (int)sizeof(T));                                     \
+    const int gx_up = (HW + LONG_WARPS - 1) / LONG_WARPS, gx_down = (DV + LONG_GROUP - 1) / LONG_GROUP; \
+    dim3 grid((gx_up + gx_down) * gy), block(LONG_THREADS);                                           \
+    if (h_out)                                                                                        \
+        emu::launch(twellpy_ffn_long<T, GATED, true>, grid, block, 0, x, (long long)D, g, (long long)H, w_up, \
+                    w_downT, y, (long long)D, row_count, capr, mask, (long long)HW, h_out, (long long)H,  \
+                    tickets, gx_up, gx_down, gy, M, D, H);                                             \
+    else                                                                                              \
+        emu::launch(twellpy_ffn_long<T, GATED, false>, grid, block, 0, x, (long long)D, g, (long long)H, w_up, \
+                    w_downT, y, (long long)D, row_count, capr, mask, (long long)HW, h_out, 0LL,          \
+                    tickets, gx_up, gx_down, gy, M, D, H);                                             \
+}
+LONG(bf16, bf16, true)
+LONG(bf16_relu, bf16, false)
+LONG(f32, float, true)
 }
 """
 _FFN_DEFINES = {"RES_THREADS": 64, "RES_STAGE": 64, "COMPACT_WARPS": 2}
@@ -472,7 +490,8 @@ _FFN_DEFINES = {"RES_THREADS": 64, "RES_STAGE": 64, "COMPACT_WARPS": 2}
 @pytest.fixture(scope="module")
 def ffn_lib(tmp_path_factory):
     harness = _FFN_HARNESS.replace('#include "resident_source.cuh"',
-                                   _emulation_source("spmm_resident.cu").replace('#include "common.cuh"', ""))
+                                   _emulation_source("spmm_resident.cu").replace('#include "common.cuh"', "")
+                                   + _emulation_source("ffn_long.cu").replace('#include "common.cuh"', ""))
     return _build(tmp_path_factory, "ffn_sparse.cu", harness, _FFN_DEFINES)
 
 
@@ -525,7 +544,7 @@ def test_ffn_split_mode_gives_the_fused_bits(ffn_lib, dtype, heavy_limit):
         lists_val = val.copy()
         getattr(ffn_lib, f"ffn_{sfx}_{'split' if split else 'fused'}")(
             _ptr(x), _ptr(g), _ptr(w_up), _ptr(w_downT), _ptr(y), _ptr(idx), _ptr(lists_val), _ptr(count), capr,
-            _ptr(heavy), _ptr(counters), M, D, H, heavy_limit, 13, threads)
+            _ptr(heavy), _ptr(counters), M, D, H, heavy_limit, 13, threads, 0)
         if split:
             lim = min(capr, heavy_limit)
             served = (count <= lim)
@@ -558,6 +577,189 @@ def test_ffn_split_mode_gives_the_fused_bits(ffn_lib, dtype, heavy_limit):
     err = np.linalg.norm(y_split[ok].astype(np.float64) - ref[ok]) / np.linalg.norm(ref[ok])
     assert err < (1e-2 if dtype == bfloat16 else 1e-5), err
     assert not y_split[7].astype(np.float32).any()
+
+
+def _run_long(lib, sfx, x, g, w_up, w_downT, y, count, capr, mask, h_out, M, D, H, gy):
+    """twellpy_ffn_long through the harness; its tickets must be zero again afterwards."""
+    tickets = np.zeros(4, np.uint32)
+    getattr(lib, f"long_{sfx}")(_ptr(x), _ptr(g), _ptr(w_up), _ptr(w_downT), _ptr(y), _ptr(count), capr, _ptr(mask),
+                                None if h_out is None else _ptr(h_out), _ptr(tickets), M, D, H, gy)
+    np.testing.assert_array_equal(tickets, 0, err_msg="the last block zeroes the tickets for the next launch")
+
+
+# three of the twelve combinations: every dtype, mode and grid shape once (each case
+# emulates the sparse kernel three times, 30-60 s on the 2-core CI machine)
+@pytest.mark.parametrize("dtype, split, gy", [(bfloat16, False, 2), (bfloat16, True, 1),
+                                              (np.dtype(np.float32), False, 5)], ids=["bf16-fused-2", "bf16-split-1",
+                                                                                      "f32-fused-5"])
+def test_long_rows_spread_over_blocks(ffn_lib, dtype, split, gy):
+    """With long_rows the sparse kernel leaves rows over capr to ffn_long.cu: y of every
+    other row keeps the serial path's bits, the long rows (just over capr, hundreds, every
+    neuron, a NaN gate, a row whose h is 0 at an active neuron) match a float64 reference
+    of the FFN with h rounded to the dtype, the counters are the serial path's, and a
+    second run gives the same bits. Rows in three 128-row chunks and grids of 1, 2 and 5
+    row chunks in flight (the chunk loop and blocks with nothing to do)."""
+    rng = np.random.default_rng(29)
+    M, D, H, capr = 300, 64, 600, 16
+    x = rng.standard_normal((M, D)).astype(dtype)
+    w_gate = (rng.standard_normal((H, D)) / 8).astype(np.float32)
+    w_gate[:, 0] -= 2.1
+    x[:, 0] = 1
+    x[7, :] = 0
+    g = (x.astype(np.float32) @ w_gate.T).astype(dtype)
+    g[11, :300] = np.abs(g[11, :300].astype(np.float32)) + 0.25   # 300+ active
+    g[12, :18] = 1.0                                              # just over capr
+    g[150] = np.abs(g[150].astype(np.float32)) + 0.5              # every neuron (second chunk)
+    g[299, 40:90] = 2.0                                           # last row, third chunk
+    g[299, 45] = np.nan                                           # NaN gate: active, NaN h
+    g[290, :40] = 1.0
+    w_up = (rng.standard_normal((H, D)) / 8).astype(dtype)
+    w_up[5] = 0                                                   # h = 0 at an active neuron
+    w_downT = (rng.standard_normal((H, D)) / 8).astype(dtype)
+    idx, val, count = _row_lists(g, capr)
+    long_rows = np.flatnonzero(count > capr)
+    assert set(long_rows) >= {11, 12, 150, 290, 299} and count[150] == H
+    sfx = "bf16" if dtype == bfloat16 else "f32"
+    threads = 128 if dtype == bfloat16 else 64
+
+    def run(long):
+        gg = g.copy()
+        y = np.full((M, D), np.nan, np.float32).astype(dtype)
+        heavy = np.full(M, -1, np.int32)
+        counters = np.zeros(2, np.uint64)
+        lists_val = val.copy()
+        getattr(ffn_lib, f"ffn_{sfx}_{'split' if split else 'fused'}")(
+            _ptr(x), _ptr(gg), _ptr(w_up), _ptr(w_downT), _ptr(y), _ptr(idx), _ptr(lists_val), _ptr(count), capr,
+            _ptr(heavy), _ptr(counters), M, D, H, 0x7FFFFFFF, 13, threads, int(long))
+        if split:
+            plan = resident_layout(M, H, D, np.dtype(dtype).itemsize, 5, 64 * 1024, _FFN_DEFINES["RES_THREADS"],
+                                   _FFN_DEFINES["RES_STAGE"], 16)
+            lpr, smem, n_slices, n_chunks, rows = plan
+            getattr(ffn_lib, f"res_lists_{sfx}_{lpr}")(
+                _ptr(count), capr, capr, _ptr(idx), _ptr(lists_val), _ptr(w_downT), _ptr(y), M, H, D, rows,
+                n_slices, n_chunks, ctypes.c_longlong(smem))
+        mask = np.full((M, (H + 31) // 32), 0xDEADBEEF, np.uint32)
+        if long:
+            assert np.isnan(y[long_rows].astype(np.float32)).all(), "the sparse kernel left the long rows alone"
+            _run_long(ffn_lib, sfx, x, gg, w_up, w_downT, y, count, capr, mask, None, M, D, H, gy)
+        return y, heavy, counters, gg, mask
+
+    y_serial, heavy_0, counters_0, _, _ = run(False)
+    y_long, heavy_1, counters_1, g_after, mask = run(True)
+    bits = np.uint16 if dtype == bfloat16 else np.uint32
+    np.testing.assert_array_equal(counters_1, counters_0)
+    np.testing.assert_array_equal(heavy_1, np.zeros(M, np.int32))
+    short = count <= capr
+    np.testing.assert_array_equal(y_long[short].view(bits), y_serial[short].view(bits))
+    np.testing.assert_array_equal(run(True)[0].view(bits), y_long.view(bits))
+    # the mask holds each long row's active bits; other rows are untouched
+    active = ~(g.astype(np.float32) <= 0)
+    for r in range(M):
+        if r in long_rows:
+            word_bits = np.zeros(mask.shape[1] * 32, bool)
+            word_bits[:H] = active[r]
+            want = np.packbits(word_bits.reshape(-1, 32)[:, ::-1], axis=1, bitorder="big").view(">u4").ravel()
+            np.testing.assert_array_equal(mask[r], want.astype(np.uint32))
+        else:
+            assert (mask[r] == 0xDEADBEEF).all()
+    # h over the active entries of the long rows only
+    gf, xf = g.astype(np.float64), x.astype(np.float64)
+    h = np.where(active, gf * (xf @ w_up.astype(np.float64).T), 0.0)
+    h_rounded = h.astype(np.float32).astype(dtype).astype(np.float64)
+    changed = g_after.view(bits) != g.view(bits)
+    assert not changed[short].any()
+    np.testing.assert_allclose(g_after[long_rows].astype(np.float64)[active[long_rows]],
+                               h_rounded[long_rows][active[long_rows]], rtol=1e-2 if dtype == bfloat16 else 1e-5,
+                               atol=1e-3 if dtype == bfloat16 else 1e-6)
+    assert np.isnan(g_after[299, 45].astype(np.float32)) and np.isnan(y_long[299].astype(np.float32)).all()
+    ok = [r for r in long_rows if r != 299]
+    ref = h_rounded[ok] @ w_downT.astype(np.float64)
+    err = np.linalg.norm(y_long[ok].astype(np.float64) - ref) / np.linalg.norm(ref)
+    assert err < (1e-2 if dtype == bfloat16 else 1e-5), err
+    # against the serial path's long rows (h in fp32 there): within the dtype's rounding
+    err_serial = (np.linalg.norm(y_long[ok].astype(np.float64) - y_serial[ok].astype(np.float64))
+                  / np.linalg.norm(y_serial[ok].astype(np.float64)))
+    assert err_serial < (2e-2 if dtype == bfloat16 else 1e-5), err_serial
+
+
+def test_long_rows_kernel_writes_h_and_the_plain_relu_ffn(ffn_lib):
+    """WRITE_H: h_out gets h at the long rows' active entries only; the plain ReLU FFN
+    (GATED = false) keeps h = g in place and writes it to h_out; y of the long rows
+    from that h, other rows untouched."""
+    rng = np.random.default_rng(31)
+    M, D, H, capr = 140, 64, 200, 8
+    x = rng.standard_normal((M, D)).astype(bfloat16)
+    g = (rng.standard_normal((M, H)) - 1.5).astype(bfloat16)
+    g[3] = np.abs(g[3].astype(np.float32)) + 0.1                  # every neuron
+    g[130, :30] = 1.0                                             # second chunk
+    w_up = (rng.standard_normal((H, D)) / 8).astype(bfloat16)
+    w_downT = (rng.standard_normal((H, D)) / 8).astype(bfloat16)
+    _, _, count = _row_lists(g, capr)
+    long_rows = np.flatnonzero(count > capr)
+    assert {3, 130} <= set(long_rows)
+    active = ~(g.astype(np.float32) <= 0)
+    for gated in (True, False):
+        gg = g.copy()
+        mask = np.zeros((M, (H + 31) // 32), np.uint32)
+        h_out = np.full((M, H), np.nan, np.float32).astype(bfloat16)
+        y = np.full((M, D), np.nan, np.float32).astype(bfloat16)
+        _run_long(ffn_lib, "bf16" if gated else "bf16_relu", x, gg, w_up, w_downT, y, count, capr, mask, h_out,
+                  M, D, H, 1)
+        h_ref = np.where(active, gg.astype(np.float64), 0.0)
+        ref = h_ref[long_rows] @ w_downT.astype(np.float64)
+        err = np.linalg.norm(y[long_rows].astype(np.float64) - ref) / np.linalg.norm(ref)
+        assert err < 1e-2, err
+        assert np.isnan(np.delete(y, long_rows, axis=0).astype(np.float32)).all()
+        sel = np.zeros((M, H), bool)
+        sel[long_rows] = active[long_rows]
+        np.testing.assert_array_equal(h_out.view(np.uint16)[sel], gg.view(np.uint16)[sel])
+        assert np.isnan(h_out[~sel].astype(np.float32)).all()
+        if not gated:
+            np.testing.assert_array_equal(gg.view(np.uint16), g.view(np.uint16))
+
+
+
+@pytest.mark.parametrize("sfx, D, H", [("bf16", 72, 4648), ("bf16_relu", 72, 4648), ("bf16", 264, 200),
+                                        ("f32", 12, 4200)], ids=["bf16-H4648", "relu-H4648", "bf16-D264", "f32-H4200"])
+def test_long_rows_wide_shapes(ffn_lib, sfx, D, H):
+    """The long-row kernel alone at shapes the other tests do not reach: H > 32 *
+    LONG_THREADS (the down work builds a row's column list in more than one
+    round of mask words, as at W1's H = 5632), H % 32 != 0 (partial last mask word), a
+    last y slice of fewer than LONG_GROUP vectors (D = 72 in bf16: DV = 9) and more than
+    32 vectors per up dot product (D = 264: DV = 33). y and the mask against float64
+    with h rounded to the dtype; rows not over capr untouched."""
+    dtype = np.dtype(np.float32) if sfx == "f32" else bfloat16
+    gated = sfx != "bf16_relu"
+    rng = np.random.default_rng(37)
+    M, capr = 3, 16
+    x = rng.standard_normal((M, D)).astype(dtype)
+    g = rng.standard_normal((M, H)).astype(dtype)
+    g[1] = np.abs(g[1].astype(np.float32)) + 0.1                 # every neuron
+    w_up = (rng.standard_normal((H, D)) / 8).astype(dtype)
+    w_downT = (rng.standard_normal((H, D)) / 8).astype(dtype)
+    active = ~(g.astype(np.float32) <= 0)
+    count = active.sum(axis=1).astype(np.int32)
+    count[0] = capr                                              # row 0: a list row, left alone
+    gg = g.copy()
+    mask = np.full((M, (H + 31) // 32), 0xDEADBEEF, np.uint32)
+    y = np.full((M, D), np.nan, np.float32).astype(dtype)
+    _run_long(ffn_lib, sfx, x, gg, w_up, w_downT, y, count, capr, mask, None, M, D, H, 1)
+    assert np.isnan(y[0].astype(np.float32)).all() and (mask[0] == 0xDEADBEEF).all()
+    bits = np.uint16 if dtype == bfloat16 else np.uint32
+    np.testing.assert_array_equal(gg[0].view(bits), g[0].view(bits))
+    np.testing.assert_array_equal(gg[~active].view(bits), g[~active].view(bits))
+    gf = g.astype(np.float64)
+    h = np.where(active, gf * (x.astype(np.float64) @ w_up.astype(np.float64).T) if gated else gf, 0.0)
+    h = h.astype(np.float32).astype(dtype).astype(np.float64)
+    tol = 1e-2 if dtype == bfloat16 else 1e-5
+    for r in (1, 2):
+        word_bits = np.zeros(mask.shape[1] * 32, bool)
+        word_bits[:H] = active[r]
+        want = np.packbits(word_bits.reshape(-1, 32)[:, ::-1], axis=1, bitorder="big").view(">u4").ravel()
+        np.testing.assert_array_equal(mask[r], want.astype(np.uint32))
+        ref = h[r] @ w_downT.astype(np.float64)
+        err = np.linalg.norm(y[r].astype(np.float64) - ref) / np.linalg.norm(ref)
+        assert err < tol, (r, err)
 
 
 _PACK_HARNESS = r"""

@@ -14,9 +14,10 @@ Results come back in the caller's array type.
 
 Exactness. ``relu(NaN) = NaN`` and counts as active (IEEE semantics with
 ``check_finite=False``). The sparse kernels have no per-tile capacity: they
-compact each token's active neurons themselves (the CUDA kernel processes and
-refills its shared-memory list as often as a token needs), so a token firing
-thousands of neurons is exact. On CUDA, setting ``heavy_limit`` (<= 2048)
+compact each token's active neurons themselves, so a token firing thousands of
+neurons is exact (on CUDA such a token, past 512 active neurons, is spread over
+many blocks by ``raw_kernels/ffn_long.cu``, which rounds its h to the data type
+as the dense path does). On CUDA, setting ``heavy_limit`` (<= 2048)
 hands tokens firing more neurons to an exact dense sub-FFN instead. Nothing is
 ever dropped; ``slots`` and ``tile`` only shape the TwELL container returned
 with ``return_activations=True`` (rows over capacity go to its dense backup).

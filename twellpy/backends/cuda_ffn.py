@@ -10,9 +10,14 @@ One call (sparse mode):
 3. ``twellpy_ffn_sparse`` (``raw_kernels/ffn_sparse.cu``): per row, the
    up-projection dot products and down-projection axpys of the listed neurons
    only; h never reaches DRAM. A row with more than ``LIST_ROW_CAP`` active
-   neurons scans ``g`` itself and processes its neurons in as many rounds as
-   needed, so any sparsity pattern is exact. Optionally (``heavy_limit``) such
-   rows are handed to an exact dense sub-FFN instead.
+   neurons is left to ``raw_kernels/ffn_long.cu`` (``FFNPlan.long_rows``): one
+   more launch spreads it over many blocks (up projections per 32 columns of
+   g, h written over them; then the down projection per slice of y), so a
+   token firing thousands of neurons is not one block's serial work. With
+   ``long_rows`` off the kernel scans g itself for such a row and processes its
+   neurons in as many rounds as needed. Any sparsity pattern is exact either
+   way. Optionally (``heavy_limit``) such rows are handed to an exact dense
+   sub-FFN instead.
    Split mode (``FFNPlan.split_down``): for the rows its lists serve, the kernel
    does only the up projection and writes h over the lists' gate values;
    ``twellpy_spmm_resident`` (``raw_kernels/spmm_resident.cu``) then adds the
@@ -179,6 +184,24 @@ _declare_sparse([(bfloat16, 2, _KB_FOR_NV[DEFAULT_KB][2], True, False)], min_blo
 _registry.declare(_PACK_FILE, [f"twellpy_ffn_{k}<{_registry.ctype(d)}>"
                                for d in _DTYPES for k in ("pack", "gate_mul", "relu", "rowpack")])
 
+_LONG_FILE = "ffn_long.cu"
+#: threads of a long-row block (ffn_long.cu's LONG_THREADS): a block scans this many rows'
+#: counts at a time; up work gives each warp one 32-column word of g, down work each
+#: group of _LONG_GROUP lanes one neuron of a slice of _LONG_GROUP vectors
+_LONG_THREADS = 128
+_LONG_GROUP = 8
+#: row chunks (of _LONG_THREADS rows) the long-row kernel scans at once
+_LONG_ROW_CHUNKS = 64
+
+
+def _long_name(dtype, gated, write_h):
+    b = lambda v: "true" if v else "false"  # noqa: E731
+    return f"twellpy_ffn_long<{_registry.ctype(dtype)}, {b(gated)}, {b(write_h)}>"
+
+
+_registry.declare(_LONG_FILE, [_long_name(d, gated, wh) for d in _DTYPES for gated in (True, False)
+                               for wh in (True, False)])
+
 _DECODE_FILE = "ffn_decode.cu"
 #: rows a decode launch is instantiated for: a call of M <= 16 rows uses the smallest >= M;
 #: a longer call runs groups of 16 rows (a grid dimension of both kernels)
@@ -231,7 +254,7 @@ _registry.declare(_DECODE_FILE, sorted({n for dt in _DTYPES for gated in (True, 
 LIST_ROW_CAP = 512
 # kernel arguments built once (numpy scalars cost a microsecond each per call)
 _NULL = np.uint64(0)
-_I32_ZERO, _I64_ZERO = np.int32(0), np.int64(0)
+_I32_ZERO, _I64_ZERO, _I32_ONE = np.int32(0), np.int64(0), np.int32(1)
 _I32_LIST_ROW_CAP = np.int32(LIST_ROW_CAP)
 
 # cuBLAS constants (cudaDataType_t / cublasComputeType_t / cublasOperation_t)
@@ -527,6 +550,11 @@ class FFNPlan:
         #: calls without ``heavy_limit``. 0 turns them off. The default stays at 16 until
         #: decode_probe.py has timed longer calls against the general path.
         self.decode_rows = _DECODE_MR[-1]
+        #: rows firing more than LIST_ROW_CAP neurons are spread over many blocks by
+        #: ffn_long.cu (one launch after the sparse kernel; without ``heavy_limit``).
+        #: False: the sparse kernel computes them in one block each, serially (a token
+        #: firing all 5632 neurons of W1 took that block about 1.7 ms on an H100).
+        self.long_rows = True
         self._decode_ws = None
         #: event recorded at the end of every call: the next call's stream waits for it,
         #: since a call returns before its kernels finish and the workspaces are shared
@@ -600,6 +628,10 @@ class FFNPlan:
                         "u": None}
             if self.sparse_ok:
                 self._ws["list_idx"] = [cp.empty((chunk, capr), np.int32) for _ in range(2)]
+                # active bits of the long rows (ffn_long.cu); 1/16 of g's bytes in bf16
+                self._ws["long_mask"] = [cp.empty((chunk, -(-self.H // 32)), np.uint32) for _ in range(2)]
+                # the long-row kernel's work tickets: zero between launches (it zeroes them itself)
+                self._ws["long_tickets"] = cp.zeros((4,), np.uint32)
                 self._ws["list_val"] = [cp.empty((chunk, capr), acc) for _ in range(2)]
                 self._ws["row_count"] = [cp.empty((chunk,), np.int32) for _ in range(2)]
             self._ws_rows = chunk
@@ -660,6 +692,8 @@ class FFNPlan:
             return hit
         if kind == "rowpack":
             k = _registry.get_kernel(_PACK_FILE, f"twellpy_ffn_rowpack<{_registry.ctype(self.dtype)}>")
+        elif kind.startswith("long"):
+            k = _registry.get_kernel(_LONG_FILE, _long_name(self.dtype, self.gated, kind == "long_h"))
         else:
             _, nv = self.config
             kb = _KB_FOR_NV[self.kb_variant][nv]
@@ -712,13 +746,16 @@ class FFNPlan:
             ws = self._ws
             lists = (ws["list_idx"][buf], ws["list_val"][buf], ws["row_count"][buf], _I32_LIST_ROW_CAP)
         heavy_arg = self._heavy_arg()
+        long_rows = buf is not None and self.long_rows and self.heavy_limit is None
         args = (x, np.int64(x.strides[0] // isz), g, np.int64(g.strides[0] // isz),
                 self.w_up, self.w_downT, y, np.int64(y.strides[0] // isz),
                 h_ptr, ldh) + lists + (heavy, counters,
-                np.int32(m)) + self._dims + (np.int32(heavy_arg),)
+                np.int32(m)) + self._dims + (np.int32(heavy_arg), _I32_ONE if long_rows else _I32_ZERO)
         grid = (min(m, grid_cap),)
         with (_nullcontext() if on_current else stream):
             k(grid, (warps * 32,), args)
+            if long_rows:
+                self._launch_long(x, g, y, h_out, buf)
             if split is not None:
                 # the fused kernel wrote h over the gate values of the list rows; rows
                 # over min(capr, heavy_limit) it computed whole (or left to the host)
@@ -728,6 +765,27 @@ class FFNPlan:
                 cuda._resident_spmm(ws["list_idx"][buf], ws["list_val"][buf], self.w_downT, y, split,
                                     row_count=ws["row_count"][buf], stride=LIST_ROW_CAP,
                                     row_cap=min(LIST_ROW_CAP, heavy_arg))
+
+    def _launch_long(self, x, g, y, h_out, buf):
+        """The rows of more than LIST_ROW_CAP active neurons (``ffn_long.cu``), on the
+        current stream after the sparse kernel, which left them alone: h over their
+        active gate values in ``g``, then their y rows, in one launch."""
+        m = x.shape[0]
+        k, _ = self._kernel("long" if h_out is None else "long_h")
+        isz = self.dtype.itemsize
+        ws = self._ws
+        mask = ws["long_mask"][buf]
+        if h_out is None:
+            h_ptr, ldh = _NULL, _I64_ZERO
+        else:
+            h_ptr, ldh = h_out, np.int64(h_out.strides[0] // isz)
+        gy = min(-(-m // _LONG_THREADS), _LONG_ROW_CHUNKS)
+        gx_up = -(-mask.shape[1] // (_LONG_THREADS // 32))
+        gx_down = -(-(self.D // (16 // isz)) // _LONG_GROUP)
+        k(((gx_up + gx_down) * gy,), (_LONG_THREADS,),
+          (x, np.int64(x.strides[0] // isz), g, np.int64(g.strides[0] // isz), self.w_up, self.w_downT, y,
+           np.int64(y.strides[0] // isz), ws["row_count"][buf], _I32_LIST_ROW_CAP, mask, np.int64(mask.shape[1]),
+           h_ptr, ldh, ws["long_tickets"], np.int32(gx_up), np.int32(gx_down), np.int32(gy), np.int32(m)) + self._dims)
 
     def _heavy_arg(self):
         if self.heavy_limit is None:
