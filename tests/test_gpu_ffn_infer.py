@@ -766,15 +766,17 @@ def test_ffn_on_the_second_gpu_with_the_first_current():
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("M, H", [(1, 1000), (2, 1000), (3, 1000), (8, 1000), (16, 1000), (3, 5632)])
 def test_decode_kernels_match_float64_reference(M, H, gated, dtype):
-    # calls of at most 16 rows run the two decode kernels (ffn_decode.cu); the general path
-    # (decode_rows = 0) gives the same result within the dtype's tolerance. H = 5632: the
-    # down kernel lists the active neurons in three windows of 2048
+    # calls of at most decode_rows rows run the two decode kernels (ffn_decode.cu; 16 here,
+    # to cover every instantiation); the general path (decode_rows = 0) gives the same
+    # result within the dtype's tolerance. H = 5632: the down kernel lists the active
+    # neurons in three windows of 2048
     w = to_gpu(make_ffn(M, 256, H, 30, sigma=0.3, gated=gated, dtype=dtype, xp=np, seed=80 + M))
     if M >= 3:
         w["x"][1] = 0           # an empty row: nothing fires
         w["x"][2, 0] = -40.0    # column 0 of w_gate (w_up) holds -threshold: this row fires every neuron
     cls = GatedFFN if gated else ReluFFN
     ffn = cls(*((w["w_gate"],) if gated else ()), w["w_up"], w["w_down"])
+    ffn.decode_rows = 16
     ref = ref64(w, gated)
     poison()
     y = ffn(w["x"])
@@ -805,6 +807,9 @@ def test_decode_path_choice_and_return_activations():
     poison()
     y = ffn(w["x"][:4])                                  # 4 * 4096 * 2 bytes = 32 KB of x: decode
     assert ffn.last_info.get("kernel") == "decode" and rel_err(y, ref[:4]) <= 1e-2
+    y = ffn(w["x"][:9])                                  # over the default decode_rows (8): general path
+    assert "kernel" not in ffn.last_info and rel_err(y, ref[:9]) <= 1e-2
+    ffn.decode_rows = 16
     poison()
     y = ffn(w["x"][:16])                                 # 128 KB: decode, the kernel allowed it first
     assert ffn.last_info.get("kernel") == "decode" and rel_err(y, ref[:16]) <= 1e-2

@@ -25,7 +25,7 @@ One call (sparse mode):
    block's shared memory, so ``w_down`` is read once per slice instead of once
    per active neuron. Same bits.
 
-Decode calls (at most ``FFNPlan.decode_rows`` rows, default 16, up to 128; 16 rows of x
+Decode calls (at most ``FFNPlan.decode_rows`` rows, default 8, up to 128; 16 rows of x
 within a block's shared memory, "auto" or "sparse", no ``heavy_limit``) skip all of the above: ``raw_kernels/ffn_decode.cu``
 does the gate GEMV, ReLU and up dot products of the active neurons in one kernel
 and their down projection in a second, and the first kernel also writes the
@@ -547,9 +547,11 @@ class FFNPlan:
         #: calls of at most this many rows (at most _DECODE_MAX_ROWS) whose 16-row groups
         #: of x fit a block's shared memory run the decode kernels (``ffn_decode.cu``):
         #: the whole FFN in two launches instead of about eight, for "auto" and "sparse"
-        #: calls without ``heavy_limit``. 0 turns them off. The default stays at 16 until
-        #: decode_probe.py has timed longer calls against the general path.
-        self.decode_rows = _DECODE_MR[-1]
+        #: calls without ``heavy_limit``. 0 turns them off. Default 8: on an H100
+        #: (2026-12-06, decode_probe.py, W1 sizes) 8 rows took 0.066 ms against 0.089 for
+        #: dense, but the 16-row kernels 0.157 ms while the general path took 0.088; groups
+        #: of 16 (decode_rows = 128) were 0.14-0.40x dense at 32-128 rows.
+        self.decode_rows = 8
         #: rows firing more than LIST_ROW_CAP neurons are spread over many blocks by
         #: ffn_long.cu (one launch after the sparse kernel; without ``heavy_limit``).
         #: False: the sparse kernel computes them in one block each, serially (a token
