@@ -211,11 +211,11 @@ fi
 if [[ $what == race || $what == sanitize || $what == all ]]; then
   # racecheck (shared-memory hazards), initcheck and synccheck on the construction, transpose and
   # SpMM kernels (the row-block SpMM shares its entry list through shared memory). Measured
-  # 2026-12-02: racecheck 37 s, initcheck 5 s for these 356 tests.
+  # 2026-12-02: racecheck 37 s, initcheck 5 s for these 356 tests. RACE_TESTS / RACE_K choose others.
   for tool in racecheck initcheck synccheck; do
     TWELLPY_SANITIZE=1 timeout ${RACE_TIMEOUT:-150} compute-sanitizer --tool $tool --print-limit 20 \
-      python -m pytest -q -m gpu -x tests/test_gpu_containers.py -p no:cacheprovider \
-      -k "construct or transpose or spmm_misaligned or spmm_w1 or row_block" > "$OUT/$tool.log" 2>&1
+      python -m pytest -q -m gpu -x ${RACE_TESTS:-tests/test_gpu_containers.py} -p no:cacheprovider \
+      -k "${RACE_K:-construct or transpose or spmm_misaligned or spmm_w1 or row_block}" > "$OUT/$tool.log" 2>&1
     rc=$?
     echo "$tool exit $rc: $(grep -E '[0-9]+ passed' "$OUT/$tool.log" | tail -1); $(grep 'SUMMARY' "$OUT/$tool.log" | tail -1)"
     [[ $rc == 0 ]] || status=1
