@@ -20,6 +20,10 @@
 // up work all went to blocks that had already started, so the wait always ends, whatever
 // the order in which the hardware schedules blocks. The last block to finish zeroes the
 // counters for the next launch (the plan allocates them zeroed, once).
+// phase 1 and 2 split the same work over two launches (up work, then down work; block
+// index instead of tickets, no wait): for tools that serialise or suspend blocks, as
+// compute-sanitizer's racecheck and initcheck appeared to (2026-12-06, H100: both hung on
+// the one-launch form while memcheck-free runs and synccheck passed), and as a fallback.
 // No atomics in the arithmetic: every value is summed in a fixed order, so the bits do
 // not depend on scheduling. Activeness comes from the mask, never from h, so a neuron
 // whose h is 0 still multiplies its (possibly non-finite) down weights, as in the
@@ -219,6 +223,9 @@ __device__ __forceinline__ void down_work(int bx, int by, int gy, const T* h, lo
 //   h_out     (M, H)   row stride ldh   optional (WRITE_H): h at the long rows' active entries
 //   tickets   (>= 3,)  uint32           zero at launch, zero again at the end: [0] tickets
 //                                       handed out, [1] up items done, [2] blocks done
+//                                       (phase 0 only; untouched by phases 1 and 2)
+//   phase     0: one launch, tickets; 1: up work only, grid gx_up * gy; 2: down work only,
+//             grid gx_down * gy, launched after phase 1 on the same stream
 // Grid: (gx_up + gx_down) * gy blocks in x, with gx_up = ceil(HW / LONG_WARPS) (one warp
 // per 32-column word), gx_down = ceil(DV / LONG_GROUP) and gy row chunks in flight; block
 // LONG_THREADS. Requirements as twellpy_ffn_sparse: D % (16/sizeof(T)) == 0 and
@@ -229,7 +236,7 @@ twellpy_ffn_long(const T* __restrict__ x, long long ldx, T* g, long long ldg, co
                  const T* __restrict__ w_downT, T* __restrict__ y, long long ldy,
                  const int* __restrict__ row_count, int capr, unsigned* mask, long long ldm,
                  T* __restrict__ h_out, long long ldh, unsigned* tickets, int gx_up, int gx_down, int gy,
-                 int M, int D, int H) {
+                 int phase, int M, int D, int H) {
     using namespace twellpy_long;
     typedef typename accum<T>::type A;
     __shared__ long long s_rows[LONG_THREADS];
@@ -238,6 +245,17 @@ twellpy_ffn_long(const T* __restrict__ x, long long ldx, T* g, long long ldg, co
     __shared__ A s_part[LONG_GROUPS][LONG_GROUP][vec_of<T>::n];
     __shared__ unsigned s_ticket;
     const unsigned n_up = (unsigned)gx_up * (unsigned)gy;
+    if (phase != 0) {
+        // two launches: the stream orders the up launch before the down launch
+        const unsigned b = blockIdx.x;
+        if (phase == 1)
+            up_work<T, GATED, WRITE_H>((int)(b % gx_up), (int)(b / gx_up), gy, x, ldx, g, ldg, w_up, row_count,
+                                       capr, mask, ldm, h_out, ldh, M, D, H, s_rows, s_tot);
+        else
+            down_work<T>((int)(b % gx_down), (int)(b / gx_down), gy, g, ldg, mask, ldm, row_count, capr, w_downT,
+                         y, ldy, M, D, H, s_rows, s_tot, s_idx, s_part);
+        return;
+    }
     if (threadIdx.x == 0) s_ticket = atomicAdd(&tickets[0], 1u);
     __syncthreads();
     const unsigned t = s_ticket;

@@ -1055,6 +1055,40 @@ def test_long_rows_spread_over_blocks_match_the_serial_path(dtype, gated, M, chu
     assert bool((y2.view(u) == y1.view(u)).all()), "long rows are not deterministic"
 
 
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("M, chunk_rows", [(300, None), (2600, 700)], ids=["M300", "two-streams"])
+def test_long_rows_in_two_launches_give_the_same_bits(dtype, gated, M, chunk_rows, monkeypatch):
+    """long_launches = 2 (up work, then down work, no waiting between blocks; what the
+    sanitizer runs use) gives exactly the one-launch bits of y and h, three long rows
+    among ordinary ones, the two-stream pipeline too; TWELLPY_FFN_LONG_LAUNCHES sets
+    the default and rejects other values."""
+    w = make_ffn(M, 256, 4608, 12, gated=gated, dtype=dtype, xp=cp, seed=61 + M)
+    x = w["x"].copy()
+    x[0, 0] = x[M // 2, 0] = x[M - 1, 0] = -50.0       # three tokens firing every neuron
+    make = lambda: GatedFFN(w["w_gate"], w["w_up"], w["w_down"]) if gated else ReluFFN(w["w_up"], w["w_down"])  # noqa: E731
+    ffn = make()
+    assert ffn._plan.long_launches == 1
+    ffn.decode_rows = 0
+    ffn._plan.chunk_rows = chunk_rows
+    u = {2: np.uint16, 4: np.uint32, 8: np.uint64}[np.dtype(dtype).itemsize]
+    outs = []
+    for launches in (1, 2):
+        ffn._plan.long_launches = launches
+        poison()
+        y, h = ffn(x, mode="sparse", return_activations=True)
+        outs.append((y, cp.asarray(h.toarray())))
+    assert bool((outs[1][0].view(u) == outs[0][0].view(u)).all()), "y: two launches, other bits"
+    assert bool((outs[1][1].view(u) == outs[0][1].view(u)).all()), "h: two launches, other bits"
+    tol = TOL[np.dtype(dtype)] * (5 if np.dtype(dtype).itemsize == 2 else 1)
+    assert rel_err(outs[1][0], cp.asarray(ref64(dict(w, x=x), gated))) <= tol
+    monkeypatch.setenv("TWELLPY_FFN_LONG_LAUNCHES", "2")
+    assert make()._plan.long_launches == 2
+    monkeypatch.setenv("TWELLPY_FFN_LONG_LAUNCHES", "3")
+    with pytest.raises(ValueError, match="TWELLPY_FFN_LONG_LAUNCHES must be 1 or 2"):
+        make()
+
+
 def test_long_rows_off_with_the_heavy_row_hand_off():
     """heavy_limit hands rows over the limit to the host's dense sub-FFN: the long-row
     kernels stay out of it (both results exact, no long-row launch)."""

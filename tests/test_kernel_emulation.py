@@ -466,18 +466,18 @@ RES_LISTS(res_lists_f32_2, float, 2)
 RES_LISTS(res_lists_f32_4, float, 4)
 #define LONG(NAME, T, GATED)                                                                           \
 void long_##NAME(const T* x, T* g, const T* w_up, const T* w_downT, T* y, const int* row_count, int capr, \
-                 unsigned* mask, T* h_out, unsigned* tickets, int M, int D, int H, int gy) {           \
+                 unsigned* mask, T* h_out, unsigned* tickets, int M, int D, int H, int gy, int phase) {  \
     const int HW = (H + 31) / 32, DV = D / (16 / (int)sizeof(T));                                     \
     const int gx_up = (HW + LONG_WARPS - 1) / LONG_WARPS, gx_down = (DV + LONG_GROUP - 1) / LONG_GROUP; \
-    dim3 grid((gx_up + gx_down) * gy), block(LONG_THREADS);                                           \
+    dim3 grid((phase == 0 ? gx_up + gx_down : phase == 1 ? gx_up : gx_down) * gy), block(LONG_THREADS); \
     if (h_out)                                                                                        \
         emu::launch(twellpy_ffn_long<T, GATED, true>, grid, block, 0, x, (long long)D, g, (long long)H, w_up, \
                     w_downT, y, (long long)D, row_count, capr, mask, (long long)HW, h_out, (long long)H,  \
-                    tickets, gx_up, gx_down, gy, M, D, H);                                             \
+                    tickets, gx_up, gx_down, gy, phase, M, D, H);                                      \
     else                                                                                              \
         emu::launch(twellpy_ffn_long<T, GATED, false>, grid, block, 0, x, (long long)D, g, (long long)H, w_up, \
                     w_downT, y, (long long)D, row_count, capr, mask, (long long)HW, h_out, 0LL,          \
-                    tickets, gx_up, gx_down, gy, M, D, H);                                             \
+                    tickets, gx_up, gx_down, gy, phase, M, D, H);                                      \
 }
 LONG(bf16, bf16, true)
 LONG(bf16_relu, bf16, false)
@@ -580,11 +580,23 @@ def test_ffn_split_mode_gives_the_fused_bits(ffn_lib, dtype, heavy_limit):
 
 
 def _run_long(lib, sfx, x, g, w_up, w_downT, y, count, capr, mask, h_out, M, D, H, gy):
-    """twellpy_ffn_long through the harness; its tickets must be zero again afterwards."""
+    """twellpy_ffn_long through the harness; its tickets must be zero again afterwards.
+    The two-launch form (phase 1, then phase 2) runs on copies and must give the same
+    bits in y, g (h in place), the mask and h_out."""
+    copies = [a.copy() if a is not None else None for a in (g, y, mask, h_out)]
     tickets = np.zeros(4, np.uint32)
     getattr(lib, f"long_{sfx}")(_ptr(x), _ptr(g), _ptr(w_up), _ptr(w_downT), _ptr(y), _ptr(count), capr, _ptr(mask),
-                                None if h_out is None else _ptr(h_out), _ptr(tickets), M, D, H, gy)
+                                None if h_out is None else _ptr(h_out), _ptr(tickets), M, D, H, gy, 0)
     np.testing.assert_array_equal(tickets, 0, err_msg="the last block zeroes the tickets for the next launch")
+    g2, y2, mask2, h2 = copies
+    poisoned = np.full(4, 0xA5A5A5A5, np.uint32)   # the two-launch form never touches the tickets
+    for phase in (1, 2):
+        getattr(lib, f"long_{sfx}")(_ptr(x), _ptr(g2), _ptr(w_up), _ptr(w_downT), _ptr(y2), _ptr(count), capr,
+                                    _ptr(mask2), None if h2 is None else _ptr(h2), _ptr(poisoned), M, D, H, gy, phase)
+    assert (poisoned == 0xA5A5A5A5).all()
+    for one, two in ((g, g2), (y, y2), (mask, mask2), (h_out, h2)):
+        if one is not None:
+            np.testing.assert_array_equal(two.view(np.uint8), one.view(np.uint8), err_msg="two launches, other bits")
 
 
 # three of the twelve combinations: every dtype, mode and grid shape once (each case

@@ -557,6 +557,15 @@ class FFNPlan:
         #: False: the sparse kernel computes them in one block each, serially (a token
         #: firing all 5632 neurons of W1 took that block about 1.7 ms on an H100).
         self.long_rows = True
+        #: launches of the long-row kernel (TWELLPY_FFN_LONG_LAUNCHES=1|2): 1, blocks
+        #: take work tickets and the down work waits for the up work inside one launch;
+        #: 2, up work then down work as two launches, no waiting between blocks (same
+        #: bits). For tools that suspend or serialise blocks (compute-sanitizer's
+        #: racecheck and initcheck hung on the one-launch form on an H100, 2026-12-06).
+        env_launches = os.environ.get("TWELLPY_FFN_LONG_LAUNCHES", "1")
+        if env_launches not in ("1", "2"):
+            raise ValueError(f"TWELLPY_FFN_LONG_LAUNCHES must be 1 or 2, got {env_launches!r}")
+        self.long_launches = int(env_launches)
         self._decode_ws = None
         #: event recorded at the end of every call: the next call's stream waits for it,
         #: since a call returns before its kernels finish and the workspaces are shared
@@ -784,10 +793,17 @@ class FFNPlan:
         gy = min(-(-m // _LONG_THREADS), _LONG_ROW_CHUNKS)
         gx_up = -(-mask.shape[1] // (_LONG_THREADS // 32))
         gx_down = -(-(self.D // (16 // isz)) // _LONG_GROUP)
-        k(((gx_up + gx_down) * gy,), (_LONG_THREADS,),
-          (x, np.int64(x.strides[0] // isz), g, np.int64(g.strides[0] // isz), self.w_up, self.w_downT, y,
-           np.int64(y.strides[0] // isz), ws["row_count"][buf], _I32_LIST_ROW_CAP, mask, np.int64(mask.shape[1]),
-           h_ptr, ldh, ws["long_tickets"], np.int32(gx_up), np.int32(gx_down), np.int32(gy), np.int32(m)) + self._dims)
+        head = (x, np.int64(x.strides[0] // isz), g, np.int64(g.strides[0] // isz), self.w_up, self.w_downT, y,
+                np.int64(y.strides[0] // isz), ws["row_count"][buf], _I32_LIST_ROW_CAP, mask, np.int64(mask.shape[1]),
+                h_ptr, ldh, ws["long_tickets"], np.int32(gx_up), np.int32(gx_down), np.int32(gy))
+        tail = (np.int32(m),) + self._dims
+        if self.long_launches == 1:
+            k(((gx_up + gx_down) * gy,), (_LONG_THREADS,), head + (_I32_ZERO,) + tail)
+        elif self.long_launches == 2:
+            k((gx_up * gy,), (_LONG_THREADS,), head + (_I32_ONE,) + tail)
+            k((gx_down * gy,), (_LONG_THREADS,), head + (np.int32(2),) + tail)
+        else:
+            raise ValueError(f"long_launches must be 1 or 2, got {self.long_launches!r}")
 
     def _heavy_arg(self):
         if self.heavy_limit is None:
