@@ -89,13 +89,18 @@ memcheck_resume_pass() {  # memcheck_resume_pass MARK WORKERS TIMEOUT_S TAG [-k 
   # H100: one worker climbed to 47.7 GB with and without it; under TWELLPY_SANITIZE=1 CuPy has
   # no pool to release, see docs/bench_logs/session22_2026-12-06/)
   local hygiene="-p benchmarks.gpu_memory_hygiene"; [[ ${MEMCHECK_HYGIENE:-1} == 0 ]] && hygiene=
+  # MEMCHECK_BACKTRACE (default device): compute-sanitizer 2025.3's host backtraces keep the Python
+  # frame of every launch and allocation alive, with their locals: on 2026-12-06 (H100) a dropped
+  # FFN plan was never finalised under memcheck (13 tests of its finaliser failed) and held its
+  # workspaces; with --show-backtrace device the frames go and the plan is freed at its del.
+  # Reports still name the kernel and the device frame.
   # MEMCHECK_PRINT_LIMIT: reports printed per process (default 20). The triage rejects a pass whose
   # ERROR SUMMARY counts more errors than were printed; on 2026-12-06 (H100) the examples and Dask
   # tests passed with 118 errors counted and 20 printed, every printed one numba's driver probing
   # (cuGetProcAddress), so those tests need a higher limit for the triage to see all of them
   OUT= TWELLPY_SANITIZE=1 TWELLPY_LEDGER="$ledger" TWELLPY_LEDGER_DONE='docs/bench_logs/memcheck_ledger/*.txt' \
     TWELLPY_TEST_TIMES="$times" timeout $limit compute-sanitizer --tool memcheck --print-limit ${MEMCHECK_PRINT_LIMIT:-20} \
-    --kernel-name ${MEMCHECK_KERNELS:-kns=twellpy_} \
+    --kernel-name ${MEMCHECK_KERNELS:-kns=twellpy_} --show-backtrace ${MEMCHECK_BACKTRACE:-device} \
     python -m pytest -q -m "$mark" "$@" -n $workers $XDIST_DIST ${MEMCHECK_TESTS:-tests} -p no:cacheprovider \
     $hygiene -p benchmarks.run_times --durations=25 >> "$log" 2>&1
   local rc=$?

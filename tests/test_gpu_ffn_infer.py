@@ -706,6 +706,9 @@ def test_split_mode_choice():
     assert plan._split_plan(3, y[:3], None) is None        # no row lists: nothing to split
 
 
+@pytest.mark.skipif(os.environ.get("TWELLPY_SANITIZE") == "1",
+                    reason="without CuPy's pool (TWELLPY_SANITIZE) every cudaFree inside the call waits for the "
+                           "device, so the call cannot return while held, and no pool can hand the workspaces out")
 def test_dropping_an_ffn_waits_for_its_last_call_on_another_stream():
     """A plan dropped while its last call (on another stream) still runs waits for that call:
     its workspaces go back to the free list of the stream that allocated them, where the next
