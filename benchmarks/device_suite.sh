@@ -46,7 +46,7 @@ if [[ $what == memcheck ]]; then
   # MEMCHECK_KERNELS=kns=twellpy_ checks only twellpy's own kernels (every raw_kernels/ entry point starts
   # with twellpy_); library kernels (cuBLAS, CuPy, torch) then run unpatched, which is what makes a shard fit.
   OUT= TWELLPY_SANITIZE=1 TWELLPY_SHARD=$shard timeout ${SHARD_TIMEOUT:-580} compute-sanitizer --tool memcheck --print-limit 20 \
-    ${MEMCHECK_KERNELS:+--kernel-name $MEMCHECK_KERNELS} \
+    ${MEMCHECK_KERNELS:+--kernel-name $MEMCHECK_KERNELS} --show-backtrace ${MEMCHECK_BACKTRACE:-device} \
     python -m pytest -q -m gpu -n ${MEMCHECK_WORKERS:-8} tests -p no:cacheprovider --durations=8 > "$OUT/memcheck_$tag.txt" 2>&1
   rc=$?
   echo "memcheck shard $shard exit $rc: $(grep -c 'Invalid' "$OUT/memcheck_$tag.txt") 'Invalid' lines;" \
@@ -209,7 +209,7 @@ if [[ $what == profile ]]; then
 fi
 if [[ $what == sanitize || $what == all ]]; then
   # memcheck on the GPU suite (small cases only: TWELLPY_SANITIZE=1 lets tests shrink sizes)
-  TWELLPY_SANITIZE=1 compute-sanitizer --tool memcheck --print-limit 20 \
+  TWELLPY_SANITIZE=1 compute-sanitizer --tool memcheck --print-limit 20 --show-backtrace ${MEMCHECK_BACKTRACE:-device} \
     python -m pytest -q -m gpu -x tests -k "not slow" -p no:cacheprovider > "$OUT/memcheck.log" 2>&1
   echo "memcheck exit $?: $(grep -c 'Invalid\|ERROR SUMMARY' "$OUT/memcheck.log") lines; $(grep 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)"
 fi
