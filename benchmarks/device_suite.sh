@@ -58,10 +58,15 @@ kill_leftovers() {  # kill_leftovers WHEN: pytest workers or sanitizers still al
   # A pass cut by its time limit can leave xdist workers behind on the warm machine; one of them waiting
   # for the exclusive GPU lock holds the writer gate, and every later shared-lock test then waits
   # (suspected in session 13, call 3: two passes, 0 tests in 487 s). List them, then kill them.
-  # (So never put the words of the pgrep pattern below in the device command line itself:
-  # MEMCHECK_TESTS="$(cat FILE)" is fine, a literal "python -m pytest" there would be killed.)
-  local pids
-  pids=$(pgrep -f 'python -m pytest|compute-sanitizer|execnet|xdist' | grep -vx -e $$ -e $PPID -e $BASHPID | tr '\n' ' ')
+  # Every ancestor of this shell is spared: the device runs a call's command line in nested
+  # shells, and on 2026-12-06 a command line that itself said "python -m pytest" was matched
+  # and killed (twice) when only this shell and its parent were spared.
+  local pids ancestors="" p=$BASHPID
+  while [[ -n $p && $p != 0 && $p != 1 ]]; do
+    ancestors+=" -e $p"
+    p=$(awk '{print $4}' "/proc/$p/stat" 2>/dev/null)
+  done
+  pids=$(pgrep -f 'python -m pytest|compute-sanitizer|execnet|xdist' | grep -vx -e $$ $ancestors | tr '\n' ' ')
   echo "[$1] GPU processes: $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ';')"
   if [[ -n ${pids// } ]]; then
     echo "[$1] killing leftover processes: $(ps -o pid=,etimes=,args= -p $(echo $pids | tr " " ",") 2>/dev/null | cut -c1-120 | tr '\n' ';')"
