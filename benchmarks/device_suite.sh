@@ -14,7 +14,9 @@
 #   (behind shared-lock tests they can wait for the whole call).
 #   repeat the call (copying $OUT's ledger into docs/bench_logs/memcheck_ledger/) until it says
 #   nothing is left.
-#   Keep 8 workers: 14 made no progress in 570 s (instrumentation does not scale with processes).
+#   Workers: 4 by default. Under the sanitizer the workers' start-up grows much faster than their
+#   number (H100, 2026-12-06, last worker ready after: 4 workers 17-24 s, 6 workers 66-75 s, 8 workers
+#   130-243 s; 14 made no progress in 570 s), while 4 workers pass about 300 short tests in 60 s.
 # Logs and JSON go to $OUT (or ./device_out); the short tables print last.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_device_env.sh"
@@ -179,7 +181,9 @@ sys.exit(not any(REPORT.search(line) for line in open(sys.argv[1], errors="repla
     fi
     t0=$SECONDS; IFS=';' read -ra groups <<< "$MEMCHECK_GROUPS"; left=${#groups[@]}; g=0
     # MEMCHECK_GROUP_MIN_S: a pass spends a minute or two starting its workers under the sanitizer
-    # (2026-12-06, H100: five groups of 111 s each, 8 workers, and not one test started in any), so a
+    # (2026-12-06, H100: five groups of 111 s each, 8 workers, and not one test started in any; again
+    # in the twenty-sixth session: three groups of 150 s, 8 workers, 0 tests; see the worker note at
+    # the top), so a
     # group gets at least this long and the groups that no longer fit wait for the next call
     min_s=${MEMCHECK_GROUP_MIN_S:-300}
     for group in "${groups[@]}"; do
@@ -189,10 +193,10 @@ sys.exit(not any(REPORT.search(line) for line in open(sys.argv[1], errors="repla
       fi
       share=$(( remaining / left )); (( share < min_s )) && share=$min_s; (( share > remaining )) && share=$remaining
       left=$((left - 1)); g=$((g + 1))
-      MEMCHECK_TESTS="$group" memcheck_resume_pass "${MEMCHECK_MARK:-gpu}" ${MEMCHECK_WORKERS:-8} $share group$g
+      MEMCHECK_TESTS="$group" memcheck_resume_pass "${MEMCHECK_MARK:-gpu}" ${MEMCHECK_WORKERS:-4} $share group$g
     done
   elif [[ $what == memcheck-resume ]]; then
-    memcheck_resume_pass "${MEMCHECK_MARK:-gpu}" ${MEMCHECK_WORKERS:-8} ${SHARD_TIMEOUT:-560} all
+    memcheck_resume_pass "${MEMCHECK_MARK:-gpu}" ${MEMCHECK_WORKERS:-4} ${SHARD_TIMEOUT:-560} all
   else
     # memcheck-finish: what a plain resume left behind on 2026-12-03 (14 tests passed in 540 s): every
     # worker sat in one of the tests that start subprocesses or many threads (the GPU examples, the
