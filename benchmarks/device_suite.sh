@@ -14,9 +14,10 @@
 #   (behind shared-lock tests they can wait for the whole call).
 #   repeat the call (copying $OUT's ledger into docs/bench_logs/memcheck_ledger/) until it says
 #   nothing is left.
-#   Workers: 4 by default. Under the sanitizer the workers' start-up grows much faster than their
-#   number (H100, 2026-12-06, last worker ready after: 4 workers 17-24 s, 6 workers 66-75 s, 8 workers
-#   130-243 s; 14 made no progress in 570 s), while 4 workers pass about 300 short tests in 60 s.
+#   Workers: 4 by default in memcheck-resume (8 in memcheck K/N and memcheck-finish). Under the
+#   sanitizer the workers' start-up grows much faster than their number (H100, 2026-12-06, last
+#   worker ready after: 4 workers 17-24 s, 6 workers 66-75 s, 8 workers 130-243 s; 14 made no
+#   progress in 570 s), while 4 workers pass about 300 short tests in 60 s.
 # Logs and JSON go to $OUT (or ./device_out); the short tables print last.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_device_env.sh"
@@ -68,7 +69,7 @@ kill_leftovers() {  # kill_leftovers WHEN: pytest workers or sanitizers still al
     ancestors+=" -e $p"
     p=$(awk '{print $4}' "/proc/$p/stat" 2>/dev/null)
   done
-  pids=$(pgrep -f 'python -m pytest|compute-sanitizer|execnet|xdist' | grep -vx -e $$ $ancestors | tr '\n' ' ')
+  pids=$(pgrep -f 'python -m pytest|compute-sanitizer|execnet|xdist' | grep -vx $ancestors | tr '\n' ' ')
   echo "[$1] GPU processes: $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ';')"
   if [[ -n ${pids// } ]]; then
     echo "[$1] killing leftover processes: $(ps -o pid=,etimes=,args= -p $(echo $pids | tr " " ",") 2>/dev/null | cut -c1-120 | tr '\n' ';')"
@@ -159,6 +160,7 @@ sys.exit(not any(REPORT.search(line) for line in open(sys.argv[1], errors="repla
     echo "memcheck_triage.py does NOT recognise the planted overrun's report"; exit 1
   fi
   echo "positive control: memcheck reported the planted overrun in twellpy_sanitizer_probe<float>"
+  resume_workers=${MEMCHECK_WORKERS:-4}  # see "Workers" at the top
   if [[ $what == memcheck-resume && -n ${MEMCHECK_GROUPS:-} ]]; then
     # MEMCHECK_GROUPS="a.py b.py;c.py": one pass per group, each with fresh worker processes, so
     # that what one process accumulates under the sanitizer ends with its group (2026-12-06, H100:
@@ -181,10 +183,9 @@ sys.exit(not any(REPORT.search(line) for line in open(sys.argv[1], errors="repla
     fi
     t0=$SECONDS; IFS=';' read -ra groups <<< "$MEMCHECK_GROUPS"; left=${#groups[@]}; g=0
     # MEMCHECK_GROUP_MIN_S: a pass spends a minute or two starting its workers under the sanitizer
-    # (2026-12-06, H100: five groups of 111 s each, 8 workers, and not one test started in any; again
-    # in the twenty-sixth session: three groups of 150 s, 8 workers, 0 tests; see the worker note at
-    # the top), so a
-    # group gets at least this long and the groups that no longer fit wait for the next call
+    # (2026-12-06, H100: five groups of 111 s, then three of 150 s, all at 8 workers, and not one
+    # test started in any; see the worker note at the top), so a group gets at least this long and
+    # the groups that no longer fit wait for the next call
     min_s=${MEMCHECK_GROUP_MIN_S:-300}
     for group in "${groups[@]}"; do
       remaining=$(( ${SHARD_TIMEOUT:-560} - (SECONDS - t0) ))
@@ -193,10 +194,10 @@ sys.exit(not any(REPORT.search(line) for line in open(sys.argv[1], errors="repla
       fi
       share=$(( remaining / left )); (( share < min_s )) && share=$min_s; (( share > remaining )) && share=$remaining
       left=$((left - 1)); g=$((g + 1))
-      MEMCHECK_TESTS="$group" memcheck_resume_pass "${MEMCHECK_MARK:-gpu}" ${MEMCHECK_WORKERS:-4} $share group$g
+      MEMCHECK_TESTS="$group" memcheck_resume_pass "${MEMCHECK_MARK:-gpu}" $resume_workers $share group$g
     done
   elif [[ $what == memcheck-resume ]]; then
-    memcheck_resume_pass "${MEMCHECK_MARK:-gpu}" ${MEMCHECK_WORKERS:-4} ${SHARD_TIMEOUT:-560} all
+    memcheck_resume_pass "${MEMCHECK_MARK:-gpu}" $resume_workers ${SHARD_TIMEOUT:-560} all
   else
     # memcheck-finish: what a plain resume left behind on 2026-12-03 (14 tests passed in 540 s): every
     # worker sat in one of the tests that start subprocesses or many threads (the GPU examples, the
