@@ -13,7 +13,9 @@
 #   MEMCHECK_MARK="gpu and gpu_exclusive" with MEMCHECK_WORKERS=1 runs the exclusive-lock tests alone
 #   (behind shared-lock tests they can wait for the whole call).
 #   repeat the call (copying $OUT's ledger into docs/bench_logs/memcheck_ledger/) until it says
-#   nothing is left.
+#   nothing is left. SHARD_TIMEOUT (default 560) is the seconds memcheck-resume/finish may use,
+#   counted from this script's start, less MEMCHECK_END_MARGIN_S (30) for the last triage; leave the
+#   caller's packing of $OUT another ~20 s before the device call's own limit.
 #   Workers: 4 by default in memcheck-resume (8 in memcheck K/N and memcheck-finish). Under the
 #   sanitizer the workers' start-up grows much faster than their number (H100, 2026-12-06, last
 #   worker ready after: 4 workers 17-24 s, 6 workers 66-75 s, 8 workers 130-243 s; 14 made no
@@ -181,14 +183,20 @@ sys.exit(not any(REPORT.search(line) for line in open(sys.argv[1], errors="repla
       fi
       rm -f "$collected"
     fi
-    t0=$SECONDS; IFS=';' read -ra groups <<< "$MEMCHECK_GROUPS"; left=${#groups[@]}; g=0
+    # SHARD_TIMEOUT counts from this script's start (bash's SECONDS), not from here: the bytecode
+    # warm-up and the positive control take 30-40 s, and a budget counted from here overran a
+    # 600 s device call on 2026-12-06 (the call was killed before $OUT was packed, and its
+    # ledgers were saved only because the device's tree keeps the _device_ copies).
+    # MEMCHECK_END_MARGIN_S is kept free for the last triage and the caller's packing of $OUT.
+    end_margin=${MEMCHECK_END_MARGIN_S:-30}
+    IFS=';' read -ra groups <<< "$MEMCHECK_GROUPS"; left=${#groups[@]}; g=0
     # MEMCHECK_GROUP_MIN_S: a pass spends a minute or two starting its workers under the sanitizer
     # (2026-12-06, H100: five groups of 111 s, then three of 150 s, all at 8 workers, and not one
     # test started in any; see the worker note at the top), so a group gets at least this long and
     # the groups that no longer fit wait for the next call
     min_s=${MEMCHECK_GROUP_MIN_S:-300}
     for group in "${groups[@]}"; do
-      remaining=$(( ${SHARD_TIMEOUT:-560} - (SECONDS - t0) ))
+      remaining=$(( ${SHARD_TIMEOUT:-560} - SECONDS - end_margin ))
       if (( remaining < min_s && g > 0 )); then
         echo "memcheck: $left group(s) left for the next call (${remaining} s left, a group needs ${min_s} s)"; break
       fi
@@ -197,7 +205,7 @@ sys.exit(not any(REPORT.search(line) for line in open(sys.argv[1], errors="repla
       MEMCHECK_TESTS="$group" memcheck_resume_pass "${MEMCHECK_MARK:-gpu}" $resume_workers $share group$g
     done
   elif [[ $what == memcheck-resume ]]; then
-    memcheck_resume_pass "${MEMCHECK_MARK:-gpu}" $resume_workers ${SHARD_TIMEOUT:-560} all
+    memcheck_resume_pass "${MEMCHECK_MARK:-gpu}" $resume_workers $(( ${SHARD_TIMEOUT:-560} - SECONDS - ${MEMCHECK_END_MARGIN_S:-30} )) all
   else
     # memcheck-finish: what a plain resume left behind on 2026-12-03 (14 tests passed in 540 s): every
     # worker sat in one of the tests that start subprocesses or many threads (the GPU examples, the
@@ -206,11 +214,10 @@ sys.exit(not any(REPORT.search(line) for line in open(sys.argv[1], errors="repla
     #   short   shared-lock tests without subprocesses or thread pools (8 workers)
     #   exclusive  the exclusive-lock tests, one worker
     #   long    the subprocess / cluster / many-thread tests (8 workers), with whatever time is left
-    t0=$SECONDS
     long_k="test_example_runs_on_gpu or local_cuda_cluster or test_gpu_container_ops_from_many_threads"
     memcheck_resume_pass "gpu and not gpu_exclusive" ${MEMCHECK_WORKERS:-8} ${SHORT_TIMEOUT:-200} short -k "not ($long_k)"
     memcheck_resume_pass "gpu and gpu_exclusive" 1 ${EXCLUSIVE_TIMEOUT:-120} exclusive
-    memcheck_resume_pass "gpu and not gpu_exclusive" ${MEMCHECK_WORKERS:-8} $(( ${SHARD_TIMEOUT:-560} - (SECONDS - t0) )) long -k "$long_k"
+    memcheck_resume_pass "gpu and not gpu_exclusive" ${MEMCHECK_WORKERS:-8} $(( ${SHARD_TIMEOUT:-560} - SECONDS - ${MEMCHECK_END_MARGIN_S:-30} )) long -k "$long_k"
   fi
 fi
 if [[ $what == profile ]]; then
