@@ -38,6 +38,11 @@ REPORT = re.compile(
 # numba's CUDA driver setup (entered by distributed's cupy deserialiser in the Dask tests)
 # probes driver entry points and handles CUDA_ERROR_INVALID_VALUE; memcheck reports each probe
 PROBE = re.compile(r"Program hit CUDA_ERROR_INVALID_VALUE .*cuGetProcAddress")
+# cuda.core's Device() without an id asks cuCtxGetDevice for the current device and, on
+# CUDA_ERROR_INVALID_CONTEXT (a fresh process), falls back to device 0 as cudart does; dask-cuda's
+# worker preload calls Device().set_current() in every new worker (one report per worker in the
+# Dask tests, 2026-12-06, H100). A handled return code, not a memory access
+CONTEXT_PROBE = re.compile(r"Program hit CUDA_ERROR_INVALID_CONTEXT .*cuCtxGetDevice")
 # the sanitizer's note that the target exited non-zero: pytest's exit status, which the caller reads
 EXIT_NOTE = re.compile(r"process didn't terminate successfully|Target application returned an error")
 SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error")
@@ -63,8 +68,9 @@ def _rows(times_dir, kind, width):
 
 
 def read_events(timed_log):
-    """(times of error reports, number of probes, errors counted by ERROR SUMMARY lines, untimed lines)."""
-    events, probes, summarised, untimed = [], 0, 0, 0
+    """(times of error reports, number of probes, errors counted by ERROR SUMMARY lines, untimed lines,
+    number of context probes)."""
+    events, probes, summarised, untimed, context_probes = [], 0, 0, 0, 0
     with open(timed_log, errors="replace") as f:
         for raw in f:
             t, line = _stamped(raw)
@@ -74,13 +80,15 @@ def read_events(timed_log):
                     continue
                 if PROBE.search(rest):
                     probes += 1
+                elif CONTEXT_PROBE.search(rest):
+                    context_probes += 1
                 elif t is None:
                     untimed += 1
                 else:
                     events.append(t)
             for match in SUMMARY.finditer(line):
                 summarised += int(match.group(1))
-    return events, probes, summarised, untimed
+    return events, probes, summarised, untimed, context_probes
 
 
 def read_times(times_dir, by="test"):
@@ -177,7 +185,7 @@ def time_budget(timed_log, times_dir):
 
 def triage(timed_log, times_dir, ledger, slack=30.0):
     """Split ``ledger`` in place; return (exit status, one-line verdict)."""
-    events, probes, summarised, untimed = read_events(timed_log)
+    events, probes, summarised, untimed, context_probes = read_events(timed_log)
     spans = read_times(times_dir)
     with open(ledger) as f:
         lines = f.read().splitlines()
@@ -185,6 +193,9 @@ def triage(timed_log, times_dir, ledger, slack=30.0):
     passed = [ln for ln in lines if ln.startswith("ok ")]
     node_of = {ln: ln[3:].split("\t", 1)[0] for ln in passed}
     note = f"{len(events)} sanitizer reports, {probes} numba driver probes (not counted)"
+    if context_probes:
+        note += f", {context_probes} cuda.core context probes (not counted)"
+    probes += context_probes
 
     def write(keep, reject):
         with open(ledger, "w") as f:
