@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # One device call's worth of checks of ffn_long.cu (the FFN's long rows, see its header):
 #   1. its GPU tests, plain (one launch, tickets, down work waiting for up work);
-#   2. racecheck, initcheck and synccheck on them with TWELLPY_FFN_LONG_LAUNCHES=2 (up work,
-#      then down work, no waiting between blocks), float32 only: racecheck dies in cuBLAS's
-#      bfloat16 GEMM before any twellpy kernel ("Internal Sanitizer Error ... hardware
-#      exception", benchmarks/racecheck_cublas_probe.py; seen again on 2026-12-06, H100, at the
-#      first bfloat16 test) and initcheck does not see that GEMM's writes (it reported every
+#   2. racecheck, initcheck and synccheck on them with TWELLPY_FFN_LONG_LAUNCHES=3 (scan,
+#      up work and down work as three launches, no waiting between blocks), float32 only:
+#      racecheck dies in cuBLAS's bfloat16 GEMM before any twellpy kernel ("Internal
+#      Sanitizer Error ... hardware exception", benchmarks/racecheck_cublas_probe.py; seen
+#      again on 2026-12-06, H100, at the first bfloat16 test) and initcheck does not see that GEMM's writes (it reported every
 #      read of g in twellpy_ffn_rowpack<bf16> as uninitialised). On 2026-12-06 racecheck and
 #      initcheck also stalled on the one-launch form, after such a bfloat16 test;
-#   3. memcheck on them, with two launches, and with one launch under a time limit (to tell
+#   3. memcheck on them, with three launches, and with one launch under a time limit (to tell
 #      whether memcheck runs the ticket wait; a timeout is reported, not hidden).
 # Usage (device, repo root): bash benchmarks/long_rows_sanitize.sh; logs in $OUT/long_rows_sanitize.tgz.
 # LONG_K narrows the tests (pytest -k); *_TIMEOUT limit each step (seconds).
@@ -30,10 +30,10 @@ python -m pytest -q -m gpu -n 8 $XDIST_DIST $files -k "$k" -p no:cacheprovider >
 summary plain $?; pack
 for tool in racecheck initcheck synccheck memcheck; do
   sel=$ks32; [[ $tool == memcheck ]] && sel=$ks
-  TWELLPY_FFN_LONG_LAUNCHES=2 TWELLPY_SANITIZE=1 timeout ${SANITIZE_TIMEOUT:-150} compute-sanitizer --tool $tool \
+  TWELLPY_FFN_LONG_LAUNCHES=3 TWELLPY_SANITIZE=1 timeout ${SANITIZE_TIMEOUT:-150} compute-sanitizer --tool $tool \
     --print-limit 20 --kernel-name kns=twellpy_ffn_long --show-backtrace device \
-    python -m pytest -q -m gpu $files -k "$sel" -p no:cacheprovider > "$R/${tool}_two_launches.log" 2>&1
-  summary ${tool}_two_launches $?; pack
+    python -m pytest -q -m gpu $files -k "$sel" -p no:cacheprovider > "$R/${tool}_three_launches.log" 2>&1
+  summary ${tool}_three_launches $?; pack
 done
 TWELLPY_SANITIZE=1 timeout ${ONE_LAUNCH_TIMEOUT:-120} compute-sanitizer --tool memcheck --print-limit 20 \
   --kernel-name kns=twellpy_ffn_long --show-backtrace device python -m pytest -q -m gpu $files -k "$ks" -p no:cacheprovider \

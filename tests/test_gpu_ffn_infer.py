@@ -1061,8 +1061,8 @@ def test_long_rows_spread_over_blocks_match_the_serial_path(dtype, gated, M, chu
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("M, chunk_rows", [(300, None), (2600, 700)], ids=["M300", "two-streams"])
-def test_long_rows_in_two_launches_give_the_same_bits(dtype, gated, M, chunk_rows, monkeypatch):
-    """long_launches = 2 (up work, then down work, no waiting between blocks; what the
+def test_long_rows_in_three_launches_give_the_same_bits(dtype, gated, M, chunk_rows, monkeypatch):
+    """long_launches = 3 (scan, up work, down work as three launches, no waiting between blocks; what the
     sanitizer runs use) gives exactly the one-launch bits of y and h, three long rows
     among ordinary ones, the two-stream pipeline too; TWELLPY_FFN_LONG_LAUNCHES sets
     the default and rejects other values."""
@@ -1076,19 +1076,20 @@ def test_long_rows_in_two_launches_give_the_same_bits(dtype, gated, M, chunk_row
     ffn._plan.chunk_rows = chunk_rows
     u = {2: np.uint16, 4: np.uint32, 8: np.uint64}[np.dtype(dtype).itemsize]
     outs = []
-    for launches in (1, 2):
+    for launches in (1, 3):
         ffn._plan.long_launches = launches
         poison()
         y, h = ffn(x, mode="sparse", return_activations=True)
         outs.append((y, cp.asarray(h.toarray())))
-    assert bool((outs[1][0].view(u) == outs[0][0].view(u)).all()), "y: two launches, other bits"
-    assert bool((outs[1][1].view(u) == outs[0][1].view(u)).all()), "h: two launches, other bits"
+    assert not bool(ffn._plan._ws["long_state"].any()), "the last block zeroes the state for the next call"
+    assert bool((outs[1][0].view(u) == outs[0][0].view(u)).all()), "y: three launches, other bits"
+    assert bool((outs[1][1].view(u) == outs[0][1].view(u)).all()), "h: three launches, other bits"
     tol = TOL[np.dtype(dtype)] * (5 if np.dtype(dtype).itemsize == 2 else 1)
     assert rel_err(outs[1][0], cp.asarray(ref64(dict(w, x=x), gated))) <= tol
-    monkeypatch.setenv("TWELLPY_FFN_LONG_LAUNCHES", "2")
-    assert make()._plan.long_launches == 2
     monkeypatch.setenv("TWELLPY_FFN_LONG_LAUNCHES", "3")
-    with pytest.raises(ValueError, match="TWELLPY_FFN_LONG_LAUNCHES must be 1 or 2"):
+    assert make()._plan.long_launches == 3
+    monkeypatch.setenv("TWELLPY_FFN_LONG_LAUNCHES", "2")
+    with pytest.raises(ValueError, match="TWELLPY_FFN_LONG_LAUNCHES must be 1 or 3"):
         make()
 
 

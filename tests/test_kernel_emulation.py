@@ -466,25 +466,32 @@ RES_LISTS(res_lists_f32_2, float, 2)
 RES_LISTS(res_lists_f32_4, float, 4)
 #define LONG(NAME, T, GATED)                                                                           \
 void long_##NAME(const T* x, T* g, const T* w_up, const T* w_downT, T* y, const int* row_count, int capr, \
-                 unsigned* mask, T* h_out, unsigned* tickets, int M, int D, int H, int gy, int phase) {  \
-    const int HW = (H + 31) / 32, DV = D / (16 / (int)sizeof(T));                                     \
-    const int gx_up = (HW + LONG_WARPS - 1) / LONG_WARPS, gx_down = (DV + LONG_GROUP - 1) / LONG_GROUP; \
-    dim3 grid((phase == 0 ? gx_up + gx_down : phase == 1 ? gx_up : gx_down) * gy), block(LONG_THREADS); \
-    if (h_out)                                                                                        \
-        emu::launch(twellpy_ffn_long<T, GATED, true>, grid, block, 0, x, (long long)D, g, (long long)H, w_up, \
-                    w_downT, y, (long long)D, row_count, capr, mask, (long long)HW, h_out, (long long)H,  \
-                    tickets, gx_up, gx_down, gy, phase, M, D, H);                                      \
-    else                                                                                              \
-        emu::launch(twellpy_ffn_long<T, GATED, false>, grid, block, 0, x, (long long)D, g, (long long)H, w_up, \
-                    w_downT, y, (long long)D, row_count, capr, mask, (long long)HW, h_out, 0LL,          \
-                    tickets, gx_up, gx_down, gy, phase, M, D, H);                                      \
+                 unsigned* mask, T* h_out, unsigned* state, int* list, int M, int D, int H, int blocks,     \
+                 int split) {                                                                         \
+    const int HW = (H + 31) / 32;                                                                     \
+    const int n_scan = (M + LONG_SCAN - 1) / LONG_SCAN;                                               \
+    for (int phase = split ? 1 : 0; phase <= (split ? 3 : 0); ++phase) {                              \
+        dim3 grid(phase == 1 ? n_scan : blocks), block(LONG_THREADS);                                 \
+        if (h_out)                                                                                    \
+            emu::launch(twellpy_ffn_long<T, GATED, true>, grid, block, 0, x, (long long)D, g, (long long)H, w_up, \
+                        w_downT, y, (long long)D, row_count, capr, mask, (long long)HW, h_out, (long long)H, \
+                        state, list, phase, M, D, H);                                                  \
+        else                                                                                          \
+            emu::launch(twellpy_ffn_long<T, GATED, false>, grid, block, 0, x, (long long)D, g, (long long)H, \
+                        w_up, w_downT, y, (long long)D, row_count, capr, mask, (long long)HW, h_out, 0LL,   \
+                        state, list, phase, M, D, H);                                                  \
+    }                                                                                                 \
 }
 LONG(bf16, bf16, true)
 LONG(bf16_relu, bf16, false)
 LONG(f32, float, true)
 }
 """
-_FFN_DEFINES = {"RES_THREADS": 64, "RES_STAGE": 64, "COMPACT_WARPS": 2}
+# LONG_WARPS 4 (production 8): 128 emulated threads a block, and a mask of more than
+# 128 words (H > 4096, the wide-shape test) is read in two rounds, as at W1 with 8 warps
+# past H = 8192; LONG_SCAN_ROUNDS 1 (production 4): scan items of 128 rows, so M = 300
+# is three scan items and the list is appended to by several
+_FFN_DEFINES = {"RES_THREADS": 64, "RES_STAGE": 64, "COMPACT_WARPS": 2, "LONG_WARPS": 4, "LONG_SCAN_ROUNDS": 1}
 
 
 @pytest.fixture(scope="module")
@@ -579,38 +586,39 @@ def test_ffn_split_mode_gives_the_fused_bits(ffn_lib, dtype, heavy_limit):
     assert not y_split[7].astype(np.float32).any()
 
 
-def _run_long(lib, sfx, x, g, w_up, w_downT, y, count, capr, mask, h_out, M, D, H, gy):
-    """twellpy_ffn_long through the harness; its tickets must be zero again afterwards.
-    The two-launch form (phase 1, then phase 2) runs on copies and must give the same
-    bits in y, g (h in place), the mask and h_out."""
+def _run_long(lib, sfx, x, g, w_up, w_downT, y, count, capr, mask, h_out, M, D, H, blocks):
+    """twellpy_ffn_long through the harness, one launch of ``blocks`` persistent blocks;
+    its state must be zero again afterwards. The three-launch form (scan, up, down) runs
+    on copies and must give the same bits in y, g (h in place), the mask and h_out, and
+    leave its state zero too."""
     copies = [a.copy() if a is not None else None for a in (g, y, mask, h_out)]
-    tickets = np.zeros(4, np.uint32)
-    getattr(lib, f"long_{sfx}")(_ptr(x), _ptr(g), _ptr(w_up), _ptr(w_downT), _ptr(y), _ptr(count), capr, _ptr(mask),
-                                None if h_out is None else _ptr(h_out), _ptr(tickets), M, D, H, gy, 0)
-    np.testing.assert_array_equal(tickets, 0, err_msg="the last block zeroes the tickets for the next launch")
+    for split, (gg, yy, mm, hh) in ((False, (g, y, mask, h_out)), (True, copies)):
+        state = np.zeros(8, np.uint32)
+        long_list = np.full(M, -1, np.int32)
+        getattr(lib, f"long_{sfx}")(_ptr(x), _ptr(gg), _ptr(w_up), _ptr(w_downT), _ptr(yy), _ptr(count), capr,
+                                    _ptr(mm), None if hh is None else _ptr(hh), _ptr(state), _ptr(long_list), M, D,
+                                    H, blocks, int(split))
+        np.testing.assert_array_equal(state, 0, err_msg="the last block zeroes the state for the next launch")
+        found = long_list[long_list >= 0]
+        np.testing.assert_array_equal(np.sort(found), np.flatnonzero(count > capr), err_msg="the list of long rows")
     g2, y2, mask2, h2 = copies
-    poisoned = np.full(4, 0xA5A5A5A5, np.uint32)   # the two-launch form never touches the tickets
-    for phase in (1, 2):
-        getattr(lib, f"long_{sfx}")(_ptr(x), _ptr(g2), _ptr(w_up), _ptr(w_downT), _ptr(y2), _ptr(count), capr,
-                                    _ptr(mask2), None if h2 is None else _ptr(h2), _ptr(poisoned), M, D, H, gy, phase)
-    assert (poisoned == 0xA5A5A5A5).all()
     for one, two in ((g, g2), (y, y2), (mask, mask2), (h_out, h2)):
         if one is not None:
-            np.testing.assert_array_equal(two.view(np.uint8), one.view(np.uint8), err_msg="two launches, other bits")
+            np.testing.assert_array_equal(two.view(np.uint8), one.view(np.uint8), err_msg="three launches, other bits")
 
 
 # three of the twelve combinations: every dtype, mode and grid shape once (each case
 # emulates the sparse kernel three times, 30-60 s on the 2-core CI machine)
-@pytest.mark.parametrize("dtype, split, gy", [(bfloat16, False, 2), (bfloat16, True, 1),
-                                              (np.dtype(np.float32), False, 5)], ids=["bf16-fused-2", "bf16-split-1",
-                                                                                      "f32-fused-5"])
-def test_long_rows_spread_over_blocks(ffn_lib, dtype, split, gy):
+@pytest.mark.parametrize("dtype, split, blocks", [(bfloat16, False, 2), (bfloat16, True, 1),
+                                                  (np.dtype(np.float32), False, 5)], ids=["bf16-fused-2", "bf16-split-1",
+                                                                                          "f32-fused-5"])
+def test_long_rows_spread_over_blocks(ffn_lib, dtype, split, blocks):
     """With long_rows the sparse kernel leaves rows over capr to ffn_long.cu: y of every
     other row keeps the serial path's bits, the long rows (just over capr, hundreds, every
     neuron, a NaN gate, a row whose h is 0 at an active neuron) match a float64 reference
     of the FFN with h rounded to the dtype, the counters are the serial path's, and a
-    second run gives the same bits. Rows in three 128-row chunks and grids of 1, 2 and 5
-    row chunks in flight (the chunk loop and blocks with nothing to do)."""
+    second run gives the same bits. Rows in three scan items, persistent grids of 1, 2 and
+    5 blocks (one block doing every item, and blocks drawing only the closing ticket)."""
     rng = np.random.default_rng(29)
     M, D, H, capr = 300, 64, 600, 16
     x = rng.standard_normal((M, D)).astype(dtype)
@@ -653,7 +661,7 @@ def test_long_rows_spread_over_blocks(ffn_lib, dtype, split, gy):
         mask = np.full((M, (H + 31) // 32), 0xDEADBEEF, np.uint32)
         if long:
             assert np.isnan(y[long_rows].astype(np.float32)).all(), "the sparse kernel left the long rows alone"
-            _run_long(ffn_lib, sfx, x, gg, w_up, w_downT, y, count, capr, mask, None, M, D, H, gy)
+            _run_long(ffn_lib, sfx, x, gg, w_up, w_downT, y, count, capr, mask, None, M, D, H, blocks)
         return y, heavy, counters, gg, mask
 
     y_serial, heavy_0, counters_0, _, _ = run(False)

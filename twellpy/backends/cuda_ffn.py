@@ -11,9 +11,10 @@ One call (sparse mode):
    up-projection dot products and down-projection axpys of the listed neurons
    only; h never reaches DRAM. A row with more than ``LIST_ROW_CAP`` active
    neurons is left to ``raw_kernels/ffn_long.cu`` (``FFNPlan.long_rows``): one
-   more launch spreads it over many blocks (up projections per 32 columns of
-   g, h written over them; then the down projection per slice of y), so a
-   token firing thousands of neurons is not one block's serial work. With
+   more launch spreads it over many blocks (work items: the long rows listed,
+   up projections per 32 columns of g with h written over them, then the down
+   projection per slice of y), so a token firing thousands of neurons is not
+   one block's serial work. With
    ``long_rows`` off the kernel scans g itself for such a row and processes its
    neurons in as many rounds as needed. Any sparsity pattern is exact either
    way. Optionally (``heavy_limit``) such rows are handed to an exact dense
@@ -185,13 +186,13 @@ _registry.declare(_PACK_FILE, [f"twellpy_ffn_{k}<{_registry.ctype(d)}>"
                                for d in _DTYPES for k in ("pack", "gate_mul", "relu", "rowpack")])
 
 _LONG_FILE = "ffn_long.cu"
-#: threads of a long-row block (ffn_long.cu's LONG_THREADS): a block scans this many rows'
-#: counts at a time; up work gives each warp one 32-column word of g, down work each
-#: group of _LONG_GROUP lanes one neuron of a slice of _LONG_GROUP vectors
-_LONG_THREADS = 128
-_LONG_GROUP = 8
-#: row chunks (of _LONG_THREADS rows) the long-row kernel scans at once
-_LONG_ROW_CHUNKS = 64
+#: threads of a long-row block (ffn_long.cu's LONG_THREADS) and the rows of row_count
+#: per scan item (its LONG_SCAN)
+_LONG_THREADS = 256
+_LONG_SCAN = 1024
+#: blocks per SM of the long-row kernel's persistent grid (256 threads, about 45 KB of
+#: shared memory each)
+_LONG_BLOCKS_PER_SM = 2
 
 
 def _long_name(dtype, gated, write_h):
@@ -557,14 +558,15 @@ class FFNPlan:
         #: False: the sparse kernel computes them in one block each, serially (a token
         #: firing all 5632 neurons of W1 took that block about 1.7 ms on an H100).
         self.long_rows = True
-        #: launches of the long-row kernel (TWELLPY_FFN_LONG_LAUNCHES=1|2): 1, blocks
-        #: take work tickets and the down work waits for the up work inside one launch;
-        #: 2, up work then down work as two launches, no waiting between blocks (same
-        #: bits). For tools that suspend or serialise blocks (compute-sanitizer's
-        #: racecheck and initcheck hung on the one-launch form on an H100, 2026-12-06).
+        #: launches of the long-row kernel (TWELLPY_FFN_LONG_LAUNCHES=1|3): 1, blocks
+        #: take work tickets and wait inside one launch for the stage before theirs
+        #: (scan, up work, down work); 3, the three stages as three launches, no waiting
+        #: between blocks (same bits). For tools that suspend or serialise blocks
+        #: (compute-sanitizer's racecheck and initcheck stalled on the one-launch form on
+        #: an H100, 2026-12-06).
         env_launches = os.environ.get("TWELLPY_FFN_LONG_LAUNCHES", "1")
-        if env_launches not in ("1", "2"):
-            raise ValueError(f"TWELLPY_FFN_LONG_LAUNCHES must be 1 or 2, got {env_launches!r}")
+        if env_launches not in ("1", "3"):
+            raise ValueError(f"TWELLPY_FFN_LONG_LAUNCHES must be 1 or 3, got {env_launches!r}")
         self.long_launches = int(env_launches)
         self._decode_ws = None
         #: event recorded at the end of every call: the next call's stream waits for it,
@@ -641,8 +643,10 @@ class FFNPlan:
                 self._ws["list_idx"] = [cp.empty((chunk, capr), np.int32) for _ in range(2)]
                 # active bits of the long rows (ffn_long.cu); 1/16 of g's bytes in bf16
                 self._ws["long_mask"] = [cp.empty((chunk, -(-self.H // 32)), np.uint32) for _ in range(2)]
-                # the long-row kernel's work tickets: zero between launches (it zeroes them itself)
-                self._ws["long_tickets"] = cp.zeros((4,), np.uint32)
+                # the long-row kernel's state (tickets, counts): zero between launches (it
+                # zeroes it itself), and its list of the long rows found
+                self._ws["long_state"] = cp.zeros((8,), np.uint32)
+                self._ws["long_list"] = [cp.empty((chunk,), np.int32) for _ in range(2)]
                 self._ws["list_val"] = [cp.empty((chunk, capr), acc) for _ in range(2)]
                 self._ws["row_count"] = [cp.empty((chunk,), np.int32) for _ in range(2)]
             self._ws_rows = chunk
@@ -780,7 +784,8 @@ class FFNPlan:
     def _launch_long(self, x, g, y, h_out, buf):
         """The rows of more than LIST_ROW_CAP active neurons (``ffn_long.cu``), on the
         current stream after the sparse kernel, which left them alone: h over their
-        active gate values in ``g``, then their y rows, in one launch."""
+        active gate values in ``g``, then their y rows, in one launch (or three, see
+        ``long_launches``)."""
         m = x.shape[0]
         k, _ = self._kernel("long" if h_out is None else "long_h")
         isz = self.dtype.itemsize
@@ -790,20 +795,19 @@ class FFNPlan:
             h_ptr, ldh = _NULL, _I64_ZERO
         else:
             h_ptr, ldh = h_out, np.int64(h_out.strides[0] // isz)
-        gy = min(-(-m // _LONG_THREADS), _LONG_ROW_CHUNKS)
-        gx_up = -(-mask.shape[1] // (_LONG_THREADS // 32))
-        gx_down = -(-(self.D // (16 // isz)) // _LONG_GROUP)
         head = (x, np.int64(x.strides[0] // isz), g, np.int64(g.strides[0] // isz), self.w_up, self.w_downT, y,
                 np.int64(y.strides[0] // isz), ws["row_count"][buf], _I32_LIST_ROW_CAP, mask, np.int64(mask.shape[1]),
-                h_ptr, ldh, ws["long_tickets"], np.int32(gx_up), np.int32(gx_down), np.int32(gy))
+                h_ptr, ldh, ws["long_state"], ws["long_list"][buf])
         tail = (np.int32(m),) + self._dims
+        grid = (_sm_count(self.device_id) * _LONG_BLOCKS_PER_SM,)
         if self.long_launches == 1:
-            k(((gx_up + gx_down) * gy,), (_LONG_THREADS,), head + (_I32_ZERO,) + tail)
-        elif self.long_launches == 2:
-            k((gx_up * gy,), (_LONG_THREADS,), head + (_I32_ONE,) + tail)
-            k((gx_down * gy,), (_LONG_THREADS,), head + (np.int32(2),) + tail)
+            k(grid, (_LONG_THREADS,), head + (_I32_ZERO,) + tail)
+        elif self.long_launches == 3:
+            k((-(-m // _LONG_SCAN),), (_LONG_THREADS,), head + (_I32_ONE,) + tail)
+            k(grid, (_LONG_THREADS,), head + (np.int32(2),) + tail)
+            k(grid, (_LONG_THREADS,), head + (np.int32(3),) + tail)
         else:
-            raise ValueError(f"long_launches must be 1 or 2, got {self.long_launches!r}")
+            raise ValueError(f"long_launches must be 1 or 3, got {self.long_launches!r}")
 
     def _heavy_arg(self):
         if self.heavy_limit is None:
