@@ -1070,6 +1070,7 @@ def test_long_rows_in_three_launches_give_the_same_bits(dtype, gated, M, chunk_r
     x = w["x"].copy()
     x[0, 0] = x[M // 2, 0] = x[M - 1, 0] = -50.0       # three tokens firing every neuron
     make = lambda: GatedFFN(w["w_gate"], w["w_up"], w["w_down"]) if gated else ReluFFN(w["w_up"], w["w_down"])  # noqa: E731
+    monkeypatch.delenv("TWELLPY_FFN_LONG_LAUNCHES", raising=False)  # the default, even in a run that sets it
     ffn = make()
     assert ffn._plan.long_launches == 1
     ffn.decode_rows = 0
