@@ -607,6 +607,18 @@ def _run_long(lib, sfx, x, g, w_up, w_downT, y, count, capr, mask, h_out, M, D, 
             np.testing.assert_array_equal(two.view(np.uint8), one.view(np.uint8), err_msg="three launches, other bits")
 
 
+def test_long_row_launch_constants_match_the_kernel():
+    """The host's block size and scan-item rows (cuda_ffn) are the kernel's LONG_THREADS
+    and LONG_SCAN at its default defines: phase 1's grid is ceil(M / LONG_SCAN) blocks, so
+    a mismatch would leave rows unscanned. Read from the source, no GPU needed."""
+    from twellpy.backends import cuda_ffn
+
+    src = (Path(__file__).resolve().parent.parent / "raw_kernels" / "ffn_long.cu").read_text()
+    define = {m.group(1): int(m.group(2)) for m in re.finditer(r"^#define (LONG_\w+) (\d+)$", src, re.M)}
+    assert cuda_ffn._LONG_THREADS == 32 * define["LONG_WARPS"]
+    assert cuda_ffn._LONG_SCAN == cuda_ffn._LONG_THREADS * define["LONG_SCAN_ROUNDS"]
+
+
 # three of the twelve combinations: every dtype, mode and grid shape once (each case
 # emulates the sparse kernel three times, 30-60 s on the 2-core CI machine)
 @pytest.mark.parametrize("dtype, split, blocks", [(bfloat16, False, 2), (bfloat16, True, 1),

@@ -762,6 +762,8 @@ class FFNPlan:
             lists = (ws["list_idx"][buf], ws["list_val"][buf], ws["row_count"][buf], _I32_LIST_ROW_CAP)
         heavy_arg = self._heavy_arg()
         long_rows = buf is not None and self.long_rows and self.heavy_limit is None
+        if long_rows and self.long_launches not in (1, 3):  # before anything is queued
+            raise ValueError(f"long_launches must be 1 or 3, got {self.long_launches!r}")
         args = (x, np.int64(x.strides[0] // isz), g, np.int64(g.strides[0] // isz),
                 self.w_up, self.w_downT, y, np.int64(y.strides[0] // isz),
                 h_ptr, ldh) + lists + (heavy, counters,
