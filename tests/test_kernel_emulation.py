@@ -502,6 +502,32 @@ def ffn_lib(tmp_path_factory):
     return _build(tmp_path_factory, "ffn_sparse.cu", harness, _FFN_DEFINES)
 
 
+def _run_sparse_step(lib, sfx, split, x, g, w_up, w_downT, idx, val, count, capr, heavy_limit, threads,
+                     long_rows=False):
+    """The fused sparse kernel through the harness on fresh poisoned outputs (13 blocks);
+    split: its up-only form, then the resident kernel's down projection from the row lists
+    (rows up to min(capr, heavy_limit)). The lists' values are a copy of ``val`` (h goes
+    over the served rows' gate values in split mode). Returns y, heavy, counters, those
+    values, and the resident plan's row chunks (None when fused)."""
+    (M, D), H = x.shape, g.shape[1]
+    y = np.full((M, D), np.nan, np.float32).astype(x.dtype)
+    heavy = np.full(M, -1, np.int32)
+    counters = np.zeros(2, np.uint64)
+    lists_val = val.copy()
+    getattr(lib, f"ffn_{sfx}_{'split' if split else 'fused'}")(
+        _ptr(x), _ptr(g), _ptr(w_up), _ptr(w_downT), _ptr(y), _ptr(idx), _ptr(lists_val), _ptr(count), capr,
+        _ptr(heavy), _ptr(counters), M, D, H, heavy_limit, 13, threads, int(long_rows))
+    n_chunks = None
+    if split:
+        lpr, smem, n_slices, n_chunks, rows = resident_layout(M, H, D, x.dtype.itemsize, 5, 64 * 1024,
+                                                              _FFN_DEFINES["RES_THREADS"],
+                                                              _FFN_DEFINES["RES_STAGE"], 16)
+        getattr(lib, f"res_lists_{sfx}_{lpr}")(
+            _ptr(count), capr, min(capr, heavy_limit), _ptr(idx), _ptr(lists_val), _ptr(w_downT), _ptr(y), M, H, D,
+            rows, n_slices, n_chunks, ctypes.c_longlong(smem))
+    return y, heavy, counters, lists_val, n_chunks
+
+
 def _row_lists(g, capr):
     """What twellpy_ffn_rowpack writes: the active neurons (> 0 or NaN) of each
     row in column order with their gate values, for rows of at most capr."""
@@ -545,26 +571,13 @@ def test_ffn_split_mode_gives_the_fused_bits(ffn_lib, dtype, heavy_limit):
     threads = 128 if dtype == bfloat16 else 64               # NV = 1: threads * 16 / itemsize >= D
 
     def run(split):
-        y = np.full((M, D), np.nan, np.float32).astype(dtype)
-        heavy = np.full(M, -1, np.int32)
-        counters = np.zeros(2, np.uint64)
-        lists_val = val.copy()
-        getattr(ffn_lib, f"ffn_{sfx}_{'split' if split else 'fused'}")(
-            _ptr(x), _ptr(g), _ptr(w_up), _ptr(w_downT), _ptr(y), _ptr(idx), _ptr(lists_val), _ptr(count), capr,
-            _ptr(heavy), _ptr(counters), M, D, H, heavy_limit, 13, threads, 0)
+        y, heavy, counters, lists_val, n_chunks = _run_sparse_step(ffn_lib, sfx, split, x, g, w_up, w_downT, idx,
+                                                                   val, count, capr, heavy_limit, threads)
         if split:
-            lim = min(capr, heavy_limit)
-            served = (count <= lim)
             # h replaced the gate values of the served rows' lists, nothing else
-            unserved = ~served
+            unserved = ~(count <= min(capr, heavy_limit))
             np.testing.assert_array_equal(lists_val[unserved].view(np.uint32), val[unserved].view(np.uint32))
-            plan = resident_layout(M, H, D, np.dtype(dtype).itemsize, 5, 64 * 1024, _FFN_DEFINES["RES_THREADS"],
-                                   _FFN_DEFINES["RES_STAGE"], 16)
-            lpr, smem, n_slices, n_chunks, rows = plan
             assert n_chunks > 1
-            getattr(ffn_lib, f"res_lists_{sfx}_{lpr}")(
-                _ptr(count), capr, lim, _ptr(idx), _ptr(lists_val), _ptr(w_downT), _ptr(y), M, H, D, rows,
-                n_slices, n_chunks, ctypes.c_longlong(smem))
         return y, heavy, counters
 
     y_fused, heavy_f, counters_f = run(False)
@@ -656,20 +669,8 @@ def test_long_rows_spread_over_blocks(ffn_lib, dtype, split, blocks):
 
     def run(long):
         gg = g.copy()
-        y = np.full((M, D), np.nan, np.float32).astype(dtype)
-        heavy = np.full(M, -1, np.int32)
-        counters = np.zeros(2, np.uint64)
-        lists_val = val.copy()
-        getattr(ffn_lib, f"ffn_{sfx}_{'split' if split else 'fused'}")(
-            _ptr(x), _ptr(gg), _ptr(w_up), _ptr(w_downT), _ptr(y), _ptr(idx), _ptr(lists_val), _ptr(count), capr,
-            _ptr(heavy), _ptr(counters), M, D, H, 0x7FFFFFFF, 13, threads, int(long))
-        if split:
-            plan = resident_layout(M, H, D, np.dtype(dtype).itemsize, 5, 64 * 1024, _FFN_DEFINES["RES_THREADS"],
-                                   _FFN_DEFINES["RES_STAGE"], 16)
-            lpr, smem, n_slices, n_chunks, rows = plan
-            getattr(ffn_lib, f"res_lists_{sfx}_{lpr}")(
-                _ptr(count), capr, capr, _ptr(idx), _ptr(lists_val), _ptr(w_downT), _ptr(y), M, H, D, rows,
-                n_slices, n_chunks, ctypes.c_longlong(smem))
+        y, heavy, counters, _, _ = _run_sparse_step(ffn_lib, sfx, split, x, gg, w_up, w_downT, idx, val, count, capr,
+                                                    0x7FFFFFFF, threads, long_rows=long)
         mask = np.full((M, (H + 31) // 32), 0xDEADBEEF, np.uint32)
         if long:
             assert np.isnan(y[long_rows].astype(np.float32)).all(), "the sparse kernel left the long rows alone"

@@ -63,6 +63,11 @@ def ctype(dtype) -> str:
         raise TypeError(f"no CUDA type for dtype {np.dtype(dtype)}") from None
 
 
+def cbool(value) -> str:
+    """C++ literal for a bool template argument in a name expression."""
+    return "true" if value else "false"
+
+
 def declare(source_file: str, name_expressions, defines=None):
     """Register kernel instantiations that live in ``raw_kernels/source_file``.
 

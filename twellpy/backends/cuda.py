@@ -175,9 +175,8 @@ def _name_spmm_rows(dtype, vec, nv, kb):
 def _name_resident(dtype, lpr, value_dtype=None, lists=False, dual=False, prod=False):
     """``twellpy_spmm_resident<T, V, LPR, LISTS[, DUAL[, PROD]]>``: V (the entries'
     value type) defaults to T."""
-    b = lambda v: "true" if v else "false"  # noqa: E731
     tail = ", false, true>" if prod else (", true>" if dual else ">")
-    return f"twellpy_spmm_resident<{_ct(dtype)}, {_ct(value_dtype or dtype)}, {lpr}, {b(lists)}" + tail
+    return f"twellpy_spmm_resident<{_ct(dtype)}, {_ct(value_dtype or dtype)}, {lpr}, {reg.cbool(lists)}" + tail
 
 
 def _name_cast(src, dst):

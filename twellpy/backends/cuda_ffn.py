@@ -111,7 +111,7 @@ def _deferred_message(bad):
 
 
 def _sparse_name(dtype, nv, kb, gated, write_h, split=False):
-    b = lambda v: "true" if v else "false"  # noqa: E731
+    b = _registry.cbool
     return f"twellpy_ffn_sparse<{_registry.ctype(dtype)}, {nv}, {kb}, {b(gated)}, {b(write_h)}, {b(split)}>"
 
 
@@ -196,7 +196,7 @@ _LONG_BLOCKS_PER_SM = 2
 
 
 def _long_name(dtype, gated, write_h):
-    b = lambda v: "true" if v else "false"  # noqa: E731
+    b = _registry.cbool
     return f"twellpy_ffn_long<{_registry.ctype(dtype)}, {b(gated)}, {b(write_h)}>"
 
 
@@ -242,7 +242,7 @@ def _own_copy(a):
 def _decode_names(dtype, gated, mr):
     """Name expressions of the (gate, down) decode kernels for ``dtype`` and M <= ``mr``."""
     c = _registry.ctype(dtype)
-    return (f"twellpy_ffn_decode_gate<{c}, {'true' if gated else 'false'}, {mr}>",
+    return (f"twellpy_ffn_decode_gate<{c}, {_registry.cbool(gated)}, {mr}>",
             f"twellpy_ffn_decode_down<{c}, {mr}>")
 
 
@@ -802,14 +802,12 @@ class FFNPlan:
                 h_ptr, ldh, ws["long_state"], ws["long_list"][buf])
         tail = (np.int32(m),) + self._dims
         grid = (_sm_count(self.device_id) * _LONG_BLOCKS_PER_SM,)
-        if self.long_launches == 1:
+        if self.long_launches == 1:  # _launch_sparse checked the value before queueing anything
             k(grid, (_LONG_THREADS,), head + (_I32_ZERO,) + tail)
-        elif self.long_launches == 3:
+        else:
             k((-(-m // _LONG_SCAN),), (_LONG_THREADS,), head + (_I32_ONE,) + tail)
             k(grid, (_LONG_THREADS,), head + (np.int32(2),) + tail)
             k(grid, (_LONG_THREADS,), head + (np.int32(3),) + tail)
-        else:
-            raise ValueError(f"long_launches must be 1 or 3, got {self.long_launches!r}")
 
     def _heavy_arg(self):
         if self.heavy_limit is None:
