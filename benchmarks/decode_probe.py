@@ -7,9 +7,12 @@ and torch's when torch is installed) and the twellpy call unchecked,
 the decode kernels off (``decode_rows = 0``: the general path; M <= 16 only);
 for M > 16 (general path by default) also the same call with ``decode_rows = 128``
 (the decode kernels in groups of 16 rows: "grouped decode"), which decides whether
-the default should rise past 16. Then it profiles the checked call with cProfile (host functions by own time). A
-call that costs more host time than GPU time is host-bound: that is what
-decides decode speed.
+the default should rise past 16; and for every M the same calls with CUDA graphs
+(``graphs=True``: "graph" unchecked, "graph checked" the default call), whose bits must
+equal the ordinary call's (a line says so). Then it profiles the checked call with
+cProfile (host functions by own time), with graphs too at M = 16 and 128. A call that
+costs more host time than GPU time is host-bound: that is what decides decode speed.
+"host ms" is the host's own time a call (100 calls queued, no wait).
 
 Usage (device): ``python benchmarks/decode_probe.py``
 """
@@ -33,9 +36,15 @@ from twellpy._ffn_infer import GatedFFN  # noqa: E402
 
 
 def per_call_ms(fn, calls, sync):
-    """Host milliseconds a call: back to back (sync once) and one at a time (sync each)."""
+    """Milliseconds a call: back to back (sync once), one at a time (sync each), and the
+    host's own time (100 calls queued without waiting, then one wait outside the timing)."""
     for _ in range(5):
         fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(100):
+        fn()
+    host = (time.perf_counter() - t0) / 100 * 1e3
     sync()
     t0 = time.perf_counter()
     for _ in range(calls):
@@ -48,7 +57,7 @@ def per_call_ms(fn, calls, sync):
         fn()
         sync()
         ts.append(time.perf_counter() - t0)
-    return stream, float(np.median(ts)) * 1e3
+    return stream, float(np.median(ts)) * 1e3, host
 
 
 def main():
@@ -56,7 +65,7 @@ def main():
 
     sync = cp.cuda.get_current_stream().synchronize
     print(f"device {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
-    print(f"{'M':>4s} {'variant':>16s} {'stream ms':>10s} {'synced ms':>10s} {'x dense':>8s}")
+    print(f"{'M':>4s} {'variant':>16s} {'stream ms':>10s} {'synced ms':>10s} {'x dense':>8s} {'host ms':>8s}")
     profiled = {}
     try:
         import torch
@@ -71,6 +80,7 @@ def main():
             return (cp.maximum(x @ wgT, 0) * (x @ wuT)) @ wdT
 
         ffn = GatedFFN(wg, wu, wd)
+        graphed = GatedFFN(wg, wu, wd, graphs=True)  # per_call_ms's first calls warm up and capture
         general = GatedFFN(wg, wu, wd)
         general.decode_rows = 0
         variants = {
@@ -79,6 +89,8 @@ def main():
             "auto": lambda: ffn(x, check_finite=False),
             "auto checked": lambda: ffn(x),  # the default: decode calls defer the NaN/Inf report
             "auto sync": lambda: ffn(x, check_finite="sync"),  # every call waits for its count
+            "graph": lambda: graphed(x, check_finite=False),
+            "graph checked": lambda: graphed(x),  # the default call, as "auto checked"
         }
         if M > 16:
             grouped = GatedFFN(wg, wu, wd)
@@ -104,9 +116,13 @@ def main():
             syncs["torch dense"] = torch.cuda.synchronize
         base = None
         for name, fn in variants.items():
-            stream, synced = per_call_ms(fn, 400, syncs.get(name, sync))
+            stream, synced, host = per_call_ms(fn, 400, syncs.get(name, sync))
             base = stream if base is None else base
-            print(f"{M:4d} {name:>16s} {stream:10.4f} {synced:10.4f} {base / stream:8.2f}")
+            print(f"{M:4d} {name:>16s} {stream:10.4f} {synced:10.4f} {base / stream:8.2f} {host:8.4f}")
+        y_graph, y_plain = graphed(x, check_finite=False), ffn(x, check_finite=False)
+        same = bool((y_graph.view(cp.uint16) == y_plain.view(cp.uint16)).all())
+        print(f"{M:4d} graphs: last call {graphed.last_info.get('graph')!r}, bits "
+              f"{'equal to' if same else 'DIFFERENT FROM'} the ordinary call's")
         if M in (1, 128):
             # M = 1 runs the decode kernels; at M = 128 (general path) the checked call cost
             # 0.053 ms more than the unchecked one on an H100 (2026-12-05), cause unknown
@@ -119,6 +135,16 @@ def main():
             out = io.StringIO()
             pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(14)
             profiled[M] = out.getvalue()
+        if M in (16, 128):
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(300):
+                graphed(x)
+            sync()
+            prof.disable()
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(14)
+            profiled[f"{M}, graphs=True"] = out.getvalue()
     for M, text in profiled.items():
         print(f"\ncProfile of 300 checked calls at M = {M} (own time):")
         lines = [ln for ln in text.splitlines() if ln.strip()]

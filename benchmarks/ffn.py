@@ -3,7 +3,9 @@
 For every workload (bf16, gated): dense FFN through torch/cuBLAS, the gate
 GEMM alone (the practical floor), twellpy's fused path in several kernel
 variants (the fastest is reported) and in ``mode="auto"``, each with its
-relative error against a float32 reference. Then a crossover sweep of the
+relative error against a float32 reference; at decode sizes (W4: at most
+``GRAPH_MAX_ROWS`` rows) also the default call with CUDA graphs (``graphs=True``),
+whose bits must equal the call without, in a table of its own after the main one. Then a crossover sweep of the
 mean active neurons per token (5..400) at W1-16k shape, plotted to
 ``docs/ffn_crossover.png`` (and ``$OUT``). A short table is printed last;
 full numbers go to ``$OUT/ffn_bench.json``.
@@ -29,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.workloads import WORKLOADS, make_ffn, reference_ffn  # noqa: E402
 from twellpy._array import bfloat16, to_caller  # noqa: E402
 from twellpy._ffn_infer import GatedFFN  # noqa: E402
+from twellpy.backends.cuda_ffn import GRAPH_MAX_ROWS  # noqa: E402
 
 GPU_WORKLOADS = ["W1-16k", "W1-64k", "W2", "W3", "W4-1", "W4-16", "W4-128", "W5", "U1-s0.3", "U1-s0.5", "U1-hot"]
 SWEEP_NNZ = [5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 400]
@@ -189,6 +192,8 @@ def bench_gpu_workload(name, spec, reps, log, variants=VARIANTS, with_auto=True)
         # every call waiting for its count (check_finite="sync"; the default before decode calls deferred it)
         row["sync_stream_ms"] = time_stream(lambda: ffn(x, check_finite="sync"), calls=10, reps=3,
                                             sync=cp.cuda.Device().synchronize)
+    if with_auto and spec["M"] <= GRAPH_MAX_ROWS:
+        bench_graphs(row, x, wg, wu, wd, reps, dense, log)
     row["speedup"] = row["dense_ms"] / row["twellpy_ms"]
     row["auto_speedup"] = row["dense_ms"] / row["auto_ms"] if with_auto else None
     row["floor_speedup"] = row["dense_ms"] / row["gate_ms"]
@@ -199,6 +204,35 @@ def bench_gpu_workload(name, spec, reps, log, variants=VARIANTS, with_auto=True)
     cp.get_default_memory_pool().free_all_blocks()
     torch.cuda.empty_cache()
     return row
+
+
+def bench_graphs(row, x, wg, wu, wd, reps, dense, log):
+    """The decode-size call with CUDA graphs (issue 4: W4 never slower than dense): the
+    default settings with and without ``graphs=True``, same bits required; unchecked
+    one call at a time (events, as ``dense_ms``), and back to back unchecked and checked
+    (the default call) against torch dense back to back, all in this run."""
+    import cupy as cp
+    import torch
+
+    graphed = GatedFFN(wg, wu, wd, graphs=True)
+    plain = GatedFFN(wg, wu, wd)
+    for _ in range(3):  # warm-up, capture, replay
+        y = graphed(x, check_finite=False)
+    row["graph_note"] = graphed.last_info.get("graph")
+    row["graph_bits_equal"] = bool((y.view(cp.uint16) == plain(x, check_finite=False).view(cp.uint16)).all())
+    sync = cp.cuda.Device().synchronize
+    row["graph_ms"] = time_cupy(lambda: graphed(x, check_finite=False), reps)
+    row["plain_ms"] = time_cupy(lambda: plain(x, check_finite=False), reps)
+    row["graph_stream_ms"] = time_stream(lambda: graphed(x, check_finite=False), calls=10, reps=3, sync=sync)
+    row["plain_stream_ms"] = time_stream(lambda: plain(x, check_finite=False), calls=10, reps=3, sync=sync)
+    row["graph_checked_stream_ms"] = time_stream(lambda: graphed(x), calls=10, reps=3, sync=sync)
+    row["graph_dense_stream_ms"] = time_stream(dense, calls=10, reps=3, sync=torch.cuda.synchronize)
+    log(f"  {row['workload']:8s} graphs: {row['graph_ms']:.4f} ms (without {row['plain_ms']:.4f}, torch dense "
+        f"{row['dense_ms']:.4f}); back to back {row['graph_stream_ms']:.4f} (without "
+        f"{row['plain_stream_ms']:.4f}, checked {row['graph_checked_stream_ms']:.4f}, torch dense "
+        f"{row['graph_dense_stream_ms']:.4f}); last call {row['graph_note']!r}, bits "
+        f"{'equal' if row['graph_bits_equal'] else 'DIFFERENT'}")
+    del graphed, plain
 
 
 def plot_crossover(rows, paths):
@@ -299,6 +333,19 @@ def run_gpu(args):
               f"{r.get('dense_stream_ms', float('nan')) / stream:5.2f} {sync_stream:8.3f} "
               f"{r.get('dense_stream_ms', float('nan')) / sync_stream:5.2f} {r['twellpy_err']:8.1e} "
               f"{(r['mean_active'] or 0):7.1f}  {r['twellpy_variant']} [{r['auto_mode']}]")
+    graphed = [r for r in rows if "graph_ms" in r]
+    if graphed:
+        # decode sizes with CUDA graphs (graphs=True), unchecked unless said; x: torch dense over the column
+        # before it ("dense" one call at a time between events, "dense-s" back to back), measured in this run
+        print(f"\n{'workload':9s} {'dense':>8s} {'plain':>8s} {'x':>5s} {'graph':>8s} {'x':>5s} {'dense-s':>8s} "
+              f"{'plain-s':>8s} {'x':>5s} {'graph-s':>8s} {'x':>5s} {'g-chk-s':>8s} {'x':>5s}  bits")
+        for r in graphed:
+            ds = r["graph_dense_stream_ms"]
+            print(f"{r['workload']:9s} {r['dense_ms']:8.4f} {r['plain_ms']:8.4f} {r['dense_ms'] / r['plain_ms']:5.2f} "
+                  f"{r['graph_ms']:8.4f} {r['dense_ms'] / r['graph_ms']:5.2f} {ds:8.4f} {r['plain_stream_ms']:8.4f} "
+                  f"{ds / r['plain_stream_ms']:5.2f} {r['graph_stream_ms']:8.4f} {ds / r['graph_stream_ms']:5.2f} "
+                  f"{r['graph_checked_stream_ms']:8.4f} {ds / r['graph_checked_stream_ms']:5.2f}  "
+                  f"{'equal' if r['graph_bits_equal'] else 'DIFFERENT'} [{r['graph_note']}]")
 
 
 M_SWEEP = [1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call that checks a tree with pending/ patches applied (see pending/README.md):
 # the GPU tests of the files the patches touch, then the FFN tables that decide whether each
-# patch lands (ffn.py's full table, hot_rows_probe.py, decode_probe.py). Every log goes into
+# patch lands (ffn.py's full table and its decode-size table with CUDA graphs, hot_rows_probe.py,
+# decode_probe.py, graph rows included). Every log goes into
 # $OUT/pending_check.tgz (the device returns at most 8 files); the tables print as they end.
 # Usage (device, repo root of the patched tree; carry=[".whl"] is not needed):
 #   bash benchmarks/pending_check.sh
@@ -21,10 +22,10 @@ tests=${PENDING_TESTS:-"tests/test_gpu_ffn_infer.py tests/test_ffn_infer.py test
 step gpu_tests ${TESTS_LIMIT:-200} python -m pytest -q -m gpu -n ${GPU_WORKERS:-12} $XDIST_DIST $tests -p no:cacheprovider
 grep -E "passed|failed" "$R/gpu_tests.log" | tail -1; grep -E "^(FAILED|ERROR) " "$R/gpu_tests.log" | head -10
 step ffn ${FFN_LIMIT:-120} python benchmarks/ffn.py --reps 20
-tail -16 "$R/ffn.log"
+tail -30 "$R/ffn.log"
 step hot_rows ${HOT_LIMIT:-120} python benchmarks/hot_rows_probe.py
 cat "$R/hot_rows.log"
 step decode ${DECODE_LIMIT:-90} python benchmarks/decode_probe.py
-head -60 "$R/decode.log" | tail -58
+head -90 "$R/decode.log" | tail -88
 tar czf "$OUT/pending_check.tgz" -C "$R" .
 cat "$R/steps.txt"

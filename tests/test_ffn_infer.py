@@ -520,3 +520,311 @@ def test_check_finite_modes_on_the_cpu():
             GatedFFN(w["w_gate"], w["w_up"], w["w_down"], check_finite=wrong)
     with pytest.raises(ValueError, match="check_finite must be True, False or 'sync'"):
         ffn(w["x"], check_finite="later")
+
+
+# ---- CUDA graphs of decode-size calls: what runs without a device ----------------------
+
+@pytest.mark.parametrize("case, want", [
+    (dict(M=1, mode="auto"), ("sparse", None)),
+    (dict(M=128, mode="sparse"), ("sparse", None)),
+    (dict(M=16, mode="dense"), ("dense", None)),
+    (dict(M=16, mode="auto", sparse_ok=False), ("dense", None)),            # odd D: every call dense
+    (dict(M=16, mode="dense", heavy_limit=256, chunk=4), ("dense", None)),  # dense ignores both
+    (dict(M=0, mode="auto"), (None, "0 rows")),
+    (dict(M=129, mode="sparse"), (None, "129 rows")),
+    (dict(M=16, mode="auto", return_activations=True), (None, "return_activations")),
+    (dict(M=16, mode="sparse", heavy_limit=256), (None, "heavy_limit")),
+    (dict(M=16, mode="sparse", heavy_limit=0), (None, "heavy_limit")),      # 0 is a limit, not None
+    (dict(M=16, mode="auto", chunk=8), (None, "chunks of 8 rows")),
+    (dict(M=16, mode="auto", chunk=16), ("sparse", None)),                  # one chunk of all rows
+    (dict(M=100, mode="auto", auto_min_rows=64), (None, "measures the density")),
+    (dict(M=100, mode="sparse", auto_min_rows=64), ("sparse", None)),
+    (dict(M=200, mode="sparse", max_rows=256), ("sparse", None)),
+])
+def test_graph_route_decisions(case, want):
+    """Only calls whose launches are decided before they start run as CUDA graphs."""
+    from twellpy.backends.cuda_ffn import graph_route
+
+    kind, reason = graph_route(**case)
+    assert kind == want[0]
+    if want[1] is None:
+        assert reason is None
+    else:
+        assert want[1] in reason
+
+
+def test_graph_cache_is_a_bounded_lru():
+    from twellpy.backends.cuda_ffn import GRAPH_LIMIT, GraphCache
+
+    assert GRAPH_LIMIT == 8 and GraphCache().limit == 8
+    for bad in (0, -1, 2.5, True, "8"):
+        with pytest.raises(ValueError, match="limit must be a positive int"):
+            GraphCache(bad)
+    c = GraphCache(3)
+    assert c.put("a", 1) == [] and c.put("b", 2) == [] and c.put("c", 3) == []
+    assert c.get("a") == 1                      # now the most recently used
+    assert c.put("d", 4) == [2]                 # "b" was the least recently used
+    assert c.keys() == ["c", "a", "d"] and "b" not in c and c.get("b") is None
+    assert c.put("c", 5) == [] and c.keys() == ["a", "d", "c"] and len(c) == 3   # replaced, not added
+    assert c.put("e", 6) == [1] and c.put("f", 7) == [4]
+    assert c.replace(lambda v: v % 2, 0) == [5, 7] and c.keys() == ["c", "e", "f"]   # order kept
+    assert [c.get(k) for k in ("c", "e", "f")] == [0, 6, 0]
+    assert c.clear() == [0, 6, 0] and len(c) == 0
+
+
+def test_graphs_option_on_the_cpu():
+    w = make_ffn(16, 32, 128, 8, seed=3)
+    args = (w["w_gate"], w["w_up"], w["w_down"])
+    with pytest.raises(ValueError, match="graphs=True needs the CUDA backend"):
+        GatedFFN(*args, graphs=True)
+    with pytest.raises(ValueError, match="graphs=True needs the CUDA backend"):
+        ReluFFN(w["w_up"], w["w_down"], graphs=True)
+    for bad in (1, "yes", 0.0):
+        with pytest.raises(TypeError, match="graphs must be True, False or None"):
+            GatedFFN(*args, graphs=bad)
+    ffn = GatedFFN(*args, graphs=False)                 # accepted: nothing to turn off
+    assert ffn.graphs is None and "graphs" not in repr(ffn)
+    with pytest.raises(AttributeError, match="CUDA backend only"):
+        ffn.graphs = True
+    assert rel_err(ffn(w["x"]), ref64(w)) <= 1e-5 and "graph" not in ffn.last_info
+
+
+def test_graphs_environment_variable(monkeypatch):
+    """TWELLPY_FFN_GRAPHS sets the CUDA plans' default, like the other TWELLPY_FFN_* tunables."""
+    from twellpy.backends.cuda_ffn import graphs_default
+
+    monkeypatch.delenv("TWELLPY_FFN_GRAPHS", raising=False)
+    assert graphs_default() is False
+    monkeypatch.setenv("TWELLPY_FFN_GRAPHS", "1")
+    assert graphs_default() is True
+    monkeypatch.setenv("TWELLPY_FFN_GRAPHS", "0")
+    assert graphs_default() is False
+    for bad in ("yes", "true", " 1", "2"):
+        monkeypatch.setenv("TWELLPY_FFN_GRAPHS", bad)
+        with pytest.raises(ValueError, match="TWELLPY_FFN_GRAPHS must be 0 or 1"):
+            graphs_default()
+
+
+def _graph_plan(monkeypatch, **over):
+    """A CUDA FFNPlan of D=256, H=1024 bf16 without a device: the attributes the graph
+    routing reads, a fake CuPy that logs copies, launches and events."""
+    from twellpy.backends import cuda_ffn
+
+    log = []
+
+    class Event:
+        def __init__(self, name="done"):
+            self.name = name
+
+        def record(self, stream):
+            log.append(("record", self.name, stream.ptr))
+
+        def synchronize(self):
+            log.append(("wait", self.name))
+
+    class Stream:
+        def __init__(self, ptr):
+            self.ptr, self.capturing = ptr, False
+
+        def wait_event(self, event):
+            log.append(("stream waits", self.ptr, event.name))
+
+        def is_capturing(self):
+            return self.capturing
+
+    class Array:
+        def __init__(self, shape, dtype, ptr, contiguous=True):
+            self.shape, self.dtype, self.ndim = tuple(shape), np.dtype(dtype), len(shape)
+            self.nbytes = int(np.prod(shape)) * self.dtype.itemsize
+            self.data = SimpleNamespace(ptr=ptr)
+            self.flags = SimpleNamespace(c_contiguous=contiguous)
+
+    ptrs = iter(range(1 << 20, 1 << 30, 1 << 16))
+    streams = {0: Stream(0), 7: Stream(7)}
+    current = [streams[0]]
+    rt = SimpleNamespace(memcpyDeviceToDevice=3,
+                         memcpyAsync=lambda dst, src, n, kind, s: log.append(("copy", dst, src, n, s)))
+    fake_cp = SimpleNamespace(cuda=SimpleNamespace(get_current_stream=lambda: current[0], runtime=rt),
+                              empty=lambda shape, dtype: Array(shape, dtype, next(ptrs)))
+    monkeypatch.setattr(cuda_ffn, "cupy_module", lambda: fake_cp)
+    monkeypatch.setattr(cuda_ffn, "_decode_smem_limit", lambda device_id: 48 * 1024)
+    plan = object.__new__(cuda_ffn.FFNPlan)
+    attrs = dict(dtype=bfloat16, D=256, H=1024, gated=True, sparse_ok=True, heavy_limit=None, chunk_rows=None,
+                 decode_rows=8, config=(4, 1), kb_variant="narrow", l2_hint=False, min_blocks=2, long_rows=True,
+                 long_launches=1, split_down=False, device_id=0, _graphs_on=True,
+                 _graphs=cuda_ffn.GraphCache(3), _graph_warned=False, _done=Event(), _calls=0, _check=None,
+                 _unreported=[], _last_rows=0, _last_sparse_rows=0)
+    attrs.update(over)
+    plan.__dict__.update(attrs)
+    captured = []
+
+    def capture(kind, x, M, check, cur):  # what _capture returns, without a device
+        captured.append((kind, M, check, cur.ptr))
+        xs, ys = Array((M, 256), bfloat16, next(ptrs)), Array((M, 256), bfloat16, next(ptrs))
+        graph = SimpleNamespace(launch=lambda stream: log.append(("launch", len(captured), stream.ptr)))
+        return cuda_ffn._GraphEntry(graph, xs, ys, kind, "counters", None)
+
+    monkeypatch.setattr(plan, "_capture", capture)
+    monkeypatch.setattr(plan, "_graph_unsupported", lambda kind, M: None)
+    return plan, SimpleNamespace(log=log, Array=Array, streams=streams, current=current, captured=captured,
+                                 ptrs=ptrs)
+
+
+def test_graph_key_holds_what_the_launches_depend_on(monkeypatch):
+    plan, env = _graph_plan(monkeypatch)
+    key, kind = plan._graph_key(3, "auto", False, None, False, 0)
+    assert kind == "decode"                                    # 3 <= decode_rows
+    assert plan._graph_key(3, "sparse", False, None, False, 0) == (key[:2] + ("decode",) + key[3:], "decode")
+    k16, kind16 = plan._graph_key(16, "auto", False, None, False, 0)
+    assert kind16 == "sparse" and plan._graph_key(16, "dense", False, None, False, 0)[1] == "dense"
+    assert plan._graph_key(16, "auto", False, None, True, 0)[0] != k16           # the NaN/Inf count
+    assert plan._graph_key(16, "auto", False, None, False, 7)[0] != k16          # another stream
+    import threading
+
+    other = []
+    t = threading.Thread(target=lambda: other.append(plan._graph_key(16, "auto", False, None, False, 0)))
+    t.start()
+    t.join()
+    assert other[0][1] == "sparse" and other[0][0] != k16                      # another thread
+    assert plan._graph_key(16, "auto", False, 0, False, 0)[0] == k16            # chunk_rows 0: the default
+    for name, value in (("kb_variant", "wide"), ("l2_hint", True), ("min_blocks", 1), ("long_rows", False),
+                        ("long_launches", 3), ("config", (8, 1)), ("split_down", "auto")):
+        old = getattr(plan, name)
+        setattr(plan, name, value)
+        assert plan._graph_key(16, "auto", False, None, False, 0)[0] != k16, name
+        setattr(plan, name, old)
+    assert plan._graph_key(16, "auto", False, None, False, 0)[0] == k16
+    plan.decode_rows = 16                                      # the same rows now take the decode kernels
+    assert plan._graph_key(16, "auto", False, None, False, 0)[1] == "decode"
+    plan.decode_rows = 8
+    assert plan._graph_key(16, "auto", False, 8, False, 0) == (None, "chunks of 8 rows (the two-stream pipeline)")
+    plan.chunk_rows = 4
+    assert plan._graph_key(16, "auto", False, None, False, 0)[0] is None
+    assert plan._graph_key(16, "auto", False, 32, False, 0)[1] == "sparse"     # the call's own chunk wins
+    plan.chunk_rows, plan.heavy_limit = None, 300
+    assert "heavy_limit" in plan._graph_key(16, "auto", False, None, False, 0)[1]
+    assert plan._graph_key(16, "dense", False, None, False, 0)[1] == "dense"
+
+
+def test_graph_call_warms_up_captures_then_replays(monkeypatch):
+    """The plan's graph bookkeeping without a device: a signature's first call runs the
+    ordinary path, its second captures and launches, later ones copy x in, launch, copy
+    the output into a fresh array and record the end of the call after that copy."""
+    plan, env = _graph_plan(monkeypatch)
+    log = env.log
+    x = env.Array((16, 256), bfloat16, 4096)
+    assert plan._graph_call(x, 16, "auto", False, None, False, False) == "warm-up"
+    assert log == [] and len(plan._graphs) == 1
+    y, h, info = plan._graph_call(x, 16, "auto", False, None, False, False)
+    assert env.captured == [("sparse", 16, False, 0)] and info["graph"] == "capture" and h is None
+    assert info["mode"] == "sparse" and "kernel" not in info and info["finite_check"] == "off"
+    entry = plan._graphs.get(plan._graph_key(16, "auto", False, None, False, 0)[0])
+    del log[:]
+    y, _, info = plan._graph_call(x, 16, "sparse", False, None, False, False)  # "auto" and "sparse": one graph
+    assert info["graph"] == "replay" and len(env.captured) == 1
+    assert log == [("stream waits", 0, "done"), ("copy", entry.x_ptr, 4096, 16 * 256 * 2, 0), ("launch", 1, 0),
+                   ("copy", y.data.ptr, entry.y_ptr, 16 * 256 * 2, 0), ("record", "done", 0)]
+    assert y.data.ptr not in (entry.y_ptr, entry.x_ptr) and y.shape == (16, 256)   # never the graph's buffer
+    assert (plan._last_rows, plan._last_sparse_rows) == (16, 16)
+    # a non-contiguous x is copied by CuPy into the input buffer (on the current stream)
+    copied = []
+    monkeypatch.setattr(type(entry.x), "__setitem__", lambda self, k, v: copied.append((self.data.ptr, v)),
+                        raising=False)
+    x_nc = env.Array((16, 256), bfloat16, 8192, contiguous=False)
+    plan._graph_call(x_nc, 16, "auto", False, None, False, False)
+    assert copied == [(entry.x_ptr, x_nc)]
+    # the decode kernels and the dense path get graphs of their own, reported as such
+    for M, mode, kind in ((2, "auto", "decode"), (2, "dense", "dense")):
+        assert plan._graph_call(env.Array((M, 256), bfloat16, 4096), M, mode, False, None, False, False) == "warm-up"
+        _, _, info = plan._graph_call(env.Array((M, 256), bfloat16, 4096), M, mode, False, None, False, False)
+        assert env.captured[-1][0] == kind and info["graph"] == "capture"
+        assert info.get("kernel") == ("decode" if kind == "decode" else None)
+        assert info["mode"] == ("dense" if kind == "dense" else "sparse")
+    assert (plan._last_rows, plan._last_sparse_rows) == (2, 2)    # a dense call leaves them, as the ordinary path
+    # calls that cannot be graphs say why, and the ordinary path runs them
+    for call, why in (((x, 16, "auto", True, None, False, False), "return_activations"),
+                      ((env.Array((200, 256), bfloat16, 4096), 200, "auto", False, None, False, False), "200 rows"),
+                      ((x, 16, "auto", False, 4, False, False), "chunks of 4 rows"),
+                      ((env.Array((16, 256), np.float16, 4096), 16, "auto", False, None, False, False), "dtype")):
+        note = plan._graph_call(*call)
+        assert note.startswith("fallback: ") and why in note
+
+
+def test_graph_cache_bound_and_invalidation_wait_for_the_last_call(monkeypatch):
+    """Dropping a graph (least recently used past the limit, the workspaces replaced, graphs
+    turned off) waits for the plan's last call first: its buffers go back to CuPy's pool."""
+    from twellpy.backends import cuda_ffn
+
+    plan, env = _graph_plan(monkeypatch)   # a cache of 3
+    log = env.log
+
+    def graph_of(M):
+        x = env.Array((M, 256), bfloat16, 4096)
+        assert plan._graph_call(x, M, "sparse", False, None, False, False) == "warm-up"
+        assert plan._graph_call(x, M, "sparse", False, None, False, False)[2]["graph"] == "capture"
+
+    for M in (9, 10, 11):
+        graph_of(M)
+    del log[:]
+    x = env.Array((12, 256), bfloat16, 4096)
+    assert plan._graph_call(x, 12, "sparse", False, None, False, False) == "warm-up"
+    assert ("wait", "done") in log                # M = 9's graph dropped: its last launch ended first
+    assert plan._graph_call(env.Array((9, 256), bfloat16, 4096), 9, "sparse", False, None, False, False) == "warm-up"
+    del log[:]
+    before = len(plan._graphs)
+    plan._before_replacing_buffers()              # the workspaces grow: every graph goes
+    assert log == [("wait", "done")] and len(plan._graphs) == before
+    assert not any(type(v) is cuda_ffn._GraphEntry for v in plan._graphs._items.values())
+    x = env.Array((11, 256), bfloat16, 4096)      # its signature stays warm: the next call captures
+    assert plan._graph_call(x, 11, "sparse", False, None, False, False)[2]["graph"] == "capture"
+    del log[:]
+    with pytest.raises(TypeError, match="graphs must be True or False"):
+        plan.graphs = "off"
+    plan.graphs = False
+    assert log == [("wait", "done")] and len(plan._graphs) == 0 and plan.graphs is False
+    assert plan._graphs_on is False
+
+
+def test_graph_capture_failures_fall_back_once(monkeypatch):
+    """A capture that fails warns once per plan and leaves the signature on the ordinary
+    path (no retry per call); a setup without what a capture needs says why, without a
+    warning; a caller's stream that is capturing itself gets no graph now, but may later."""
+    import warnings
+
+    from twellpy.backends import cuda_ffn
+
+    plan, env = _graph_plan(monkeypatch)
+
+    def broken(kind, x, M, check, cur):
+        raise RuntimeError("allocated during a CUDA graph capture")
+
+    monkeypatch.setattr(plan, "_capture", broken)
+    x = env.Array((16, 256), bfloat16, 4096)
+    plan._graph_call(x, 16, "auto", False, None, False, False)
+    with pytest.warns(RuntimeWarning, match="could not be captured.*allocated during"):
+        note = plan._graph_call(x, 16, "auto", False, None, False, False)
+    assert note.startswith("fallback: capture failed (RuntimeError")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert plan._graph_call(x, 16, "auto", False, None, False, False) == note   # stored: not retried
+        y = env.Array((17, 256), bfloat16, 4096)
+        plan._graph_call(y, 17, "auto", False, None, False, False)
+        assert plan._graph_call(y, 17, "auto", False, None, False, False).startswith("fallback: capture failed")
+    monkeypatch.setattr(plan, "_graph_unsupported", cuda_ffn.FFNPlan._graph_unsupported.__get__(plan))
+    monkeypatch.setattr(cuda_ffn, "_capture_blas_lib", lambda: "no libcublas here")
+    z = env.Array((20, 256), bfloat16, 4096)
+    plan._graph_call(z, 20, "auto", False, None, False, False)
+    assert plan._graph_call(z, 20, "auto", False, None, False, False) == "fallback: no libcublas here"
+    monkeypatch.setattr(cuda_ffn, "_capture_blas_lib", lambda: object())   # a library, now
+    plan.split_down = True                                      # the split step is not captured
+    s = env.Array((21, 256), bfloat16, 4096)
+    plan._graph_call(s, 21, "auto", False, None, False, False)
+    assert "split sparse step" in plan._graph_call(s, 21, "auto", False, None, False, False)
+    plan.split_down = False
+    monkeypatch.setattr(plan, "_capture", lambda kind, x, M, check, cur: pytest.fail("captured"))
+    d = env.Array((2, 256), bfloat16, 4096)                    # decode: no GEMM, no cuBLAS needed
+    plan._graph_call(d, 2, "auto", False, None, False, False)
+    env.current[0].capturing = True
+    assert "capturing a graph itself" in plan._graph_call(d, 2, "auto", False, None, False, False)
+    key = plan._graph_key(2, "auto", False, None, False, 0)[0]
+    assert plan._graphs.get(key) is cuda_ffn._WARM             # not stored: a later call may capture

@@ -1113,3 +1113,284 @@ def test_long_rows_off_with_the_heavy_row_hand_off():
     poison()
     y = ffn(x, mode="sparse")
     assert launched and rel_err(y, ref64(dict(w, x=x))) <= 1e-2
+
+
+# ---------------------------------------------------------------------------
+# CUDA graphs of decode-size calls (graphs=True): the ordinary path's bits, one launch
+def _graph_twins(w, gated, **kw):
+    """(FFN with graphs, FFN without) on the same weights."""
+    cls = GatedFFN if gated else ReluFFN
+    args = ((w["w_gate"],) if gated else ()) + (w["w_up"], w["w_down"])
+    return cls(*args, graphs=True, **kw), cls(*args, graphs=False, **kw)
+
+
+def _inputs(M, D, dtype, k, hot=True):
+    """The k-th x of a call sequence: other values each call (a graph replaying a stale x
+    fails), and for M >= 3 one token firing every neuron (ffn_long.cu inside the graph)."""
+    from benchmarks.workloads import make_inputs
+
+    x = make_inputs(M, D, sigma=0.3, xp=cp, seed=900 + 7 * k + M)
+    if hot and M >= 3:
+        x[(k + 1) % M, 0] = -40.0  # column 0 of the gate weights holds -threshold
+    return x.astype(dtype)
+
+
+def _same_bits(a, b):
+    u = {2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize]
+    return a.shape == b.shape and a.dtype == b.dtype and bool((a.view(u) == b.view(u)).all())
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("M", [1, 3, 16, 100, 128])
+def test_graph_replay_gives_the_ordinary_bits(M, gated, dtype):
+    """Calls with graphs give the bits of the same calls without: the decode kernels (M <= 8),
+    the general sparse path (16-128 rows, long rows included) and the dense path, checked
+    and unchecked, each on new x values every call, on poisoned memory."""
+    w = make_ffn(M, 256, 1024, 20, sigma=0.3, gated=gated, dtype=dtype, xp=cp, seed=500 + M)
+    ffn, plain = _graph_twins(w, gated)
+    k = 0
+    # dense first: the first calls of the other modes size more workspaces (heavy flags),
+    # which drops the graphs made before; "sparse" last, replaying the "auto" graphs
+    for mode in ("dense", "auto", "sparse"):
+        for check in (False, True):
+            seen = []
+            for _ in range(4):
+                x = _inputs(M, 256, dtype, k)
+                k += 1
+                poison()
+                y = ffn(x, mode=mode, check_finite=check)
+                seen.append(ffn.last_info["graph"])
+                want = plain(x, mode=mode, check_finite=check)
+                assert _same_bits(y, want), (mode, check, seen[-1])
+                assert ffn.last_info["mode"] == plain.last_info["mode"]
+                assert ffn.last_info.get("kernel") == plain.last_info.get("kernel")
+            # "auto" and "sparse" share one graph (auto never probes at these sizes)
+            first = ["warm-up", "capture"] if mode != "sparse" else []
+            assert seen == first + ["replay"] * (4 - len(first)), (mode, check, seen)
+    assert (ffn.last_info.get("kernel") == "decode") == (M <= 8)
+    assert rel_err(ffn(x), ref64(dict(w, x=x), gated)) <= TOL[np.dtype(dtype)] * (5 if dtype != np.float64 else 1)
+    # activity statistics come from the graph's own kernels, as on the ordinary path
+    ffn(x, mode="sparse")
+    plain(x, mode="sparse")
+    assert ffn.activity() == plain.activity()
+
+
+@pytest.mark.parametrize("M", [1, 16])
+def test_graph_calls_keep_the_finite_check(M):
+    """The NaN/Inf count of x is made inside the graph and read outside it on the ordinary
+    schedule: deferred calls are reported by the next call or check(), "sync" calls raise
+    themselves, check_finite=False lets NaN through; the graph's output is never shared."""
+    w = make_ffn(M, 128, 512, 12, dtype=np.float32, xp=cp, seed=77 + M)
+    ffn, plain = _graph_twins(w, True)
+    bad = w["x"].copy()
+    bad[M - 1, 3] = np.nan
+    ffn(w["x"])                                       # call 1 waits (warm-up)
+    y2 = ffn(w["x"])                                  # call 2 captures
+    y3 = ffn(w["x"])                                  # call 3 replays
+    assert ffn.last_info["graph"] == "replay" and ffn.last_info["finite_check"] == "deferred"
+    assert y3.data.ptr != y2.data.ptr and _same_bits(y3, plain(w["x"]))
+    y_bad = ffn(bad)                                  # call 4: deferred, replayed
+    assert ffn.last_info["graph"] == "replay" and bool(cp.isnan(y_bad[M - 1]).all())
+    assert _same_bits(y3, plain(w["x"]))              # an earlier result is not overwritten
+    with pytest.raises(ValueError, match=rf"call 4, {M} rows\) contains 1 NaN"):
+        ffn(w["x"])                                   # call 5 reports call 4
+    ffn(bad)                                          # call 6
+    with pytest.raises(ValueError, match=r"call 6,"):
+        ffn.check()
+    for _ in range(12):                               # more calls than the ring of counts holds
+        ffn(w["x"])
+    ffn.check()
+    with pytest.raises(ValueError, match="x contains 1 NaN"):
+        ffn(bad, check_finite="sync")                 # same graph as the deferred calls: waits, raises
+    assert _same_bits(ffn(w["x"], check_finite="sync"), plain(w["x"]))
+    assert ffn.last_info["graph"] == "replay" and ffn.last_info["finite_check"] == "waited"
+    ffn(bad, check_finite=False)
+    y_nan = ffn(bad, check_finite=False)              # a graph without the count
+    assert ffn.last_info["graph"] == "capture" and bool(cp.isnan(y_nan[M - 1]).all())
+    ffn.check()
+
+
+def test_graph_inputs_of_any_layout_and_fresh_outputs():
+    """x given as a strided view or F-ordered is copied into the graph's input like a
+    C-ordered one; each call's y is its own array (an old y keeps its values)."""
+    w = make_ffn(16, 256, 1024, 20, dtype=bfloat16, xp=cp, seed=61)
+    ffn, plain = _graph_twins(w, True)
+    outs = []
+    for k in range(6):
+        x = _inputs(16, 256, bfloat16, k)
+        big = cp.zeros((16, 512), bfloat16)
+        big[:, ::2] = x
+        layouts = (x, big[:, ::2], cp.asfortranarray(x))
+        xin = layouts[k % 3]
+        assert xin.flags.c_contiguous == (k % 3 == 0)
+        poison()
+        y = ffn(xin)
+        assert _same_bits(y, plain(x))
+        outs.append((y, plain(x)))
+    assert ffn.last_info["graph"] == "replay"
+    for y, want in outs:
+        assert _same_bits(y, want)
+
+
+def test_graph_for_an_auto_plan_changing_shape():
+    """One "auto" object called at decode sizes and above: each size gets its graph, a
+    larger call that grows the workspaces drops them (and they are captured again), calls
+    past 128 rows run the ordinary path (and "auto" probes there); every call gives the
+    bits of an object without graphs."""
+    w = make_ffn(700, 256, 1024, 20, sigma=0.3, dtype=bfloat16, xp=cp, seed=62)
+    ffn, plain = _graph_twins(w, True)
+    notes = []
+    for k, M in enumerate((16, 16, 16, 1, 1, 1, 128, 128, 16, 16, 16, 700, 128, 1, 700, 16, 16, 1)):
+        x = _inputs(M, 256, bfloat16, k)
+        poison()
+        y = ffn(x)
+        notes.append(ffn.last_info["graph"])
+        assert _same_bits(y, plain(x)), (k, M, notes[-1])
+    assert notes[:6] == ["warm-up", "capture", "replay"] * 2
+    # 128 rows grew the workspaces: the graphs of 16 rows and 1 went, their signatures stay warm
+    assert notes[6:11] == ["warm-up", "capture", "capture", "replay", "replay"]
+    assert notes[11].startswith("fallback: 700 rows") and notes[14] == notes[11]
+    # 700 rows grew them again (the second call of 700 rows runs as the first: no growth)
+    assert notes[12:14] == ["capture", "capture"] and notes[15:] == ["capture", "replay", "replay"]
+
+
+def test_graph_cache_bound_and_recapture():
+    """At most GRAPH_LIMIT graphs per object (least recently used dropped, captured again
+    when its calls come back), each call still exact."""
+    from twellpy.backends import cuda_ffn
+
+    w = make_ffn(40, 128, 512, 12, dtype=np.float32, xp=cp, seed=63)
+    ffn, plain = _graph_twins(w, True)
+    ffn(w["x"][:40])                                  # the workspaces at their largest first
+    sizes = list(range(9, 9 + cuda_ffn.GRAPH_LIMIT + 2))
+    for M in sizes:
+        for want in ("warm-up", "capture", "replay"):
+            poison()
+            assert _same_bits(ffn(w["x"][:M]), plain(w["x"][:M]))
+            assert ffn.last_info["graph"] == want, (M, want)
+    plan = ffn._plan
+    assert len(plan._graphs) == cuda_ffn.GRAPH_LIMIT
+    assert sum(type(v) is cuda_ffn._GraphEntry for v in plan._graphs._items.values()) == cuda_ffn.GRAPH_LIMIT
+    ffn(w["x"][:sizes[0]])
+    assert ffn.last_info["graph"] == "warm-up"          # dropped: captured again
+    ffn(w["x"][:sizes[-1]])
+    assert ffn.last_info["graph"] == "replay"           # kept
+
+
+@pytest.mark.skipif(os.environ.get("TWELLPY_SANITIZE") == "1",
+                    reason="sanitizer runs allocate without CuPy's pool, whose counter this test reads")
+def test_graphs_allocate_only_the_output_and_go_with_the_object():
+    """A replayed call allocates its y only; dropping the object (or turning graphs off)
+    frees its graphs and their buffers."""
+    import gc
+    import weakref
+
+    from twellpy.backends import cuda_ffn
+
+    w = make_ffn(128, 256, 1024, 20, dtype=bfloat16, xp=cp, seed=64)
+    ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"], graphs=True)
+    for M in (16, 128, 16, 16, 128):
+        y = ffn(w["x"][:M])
+    assert ffn.last_info["graph"] == "capture"
+    pool = cp.get_default_memory_pool()
+    cp.cuda.Device().synchronize()
+    before = pool.used_bytes()
+    y = ffn(w["x"])
+    cp.cuda.Device().synchronize()
+    assert ffn.last_info["graph"] == "replay" and pool.used_bytes() - before <= y.nbytes + 4096
+    del y
+    entries = [v for v in ffn._plan._graphs._items.values() if type(v) is cuda_ffn._GraphEntry]
+    assert len(entries) == 2
+    refs = [weakref.ref(e) for e in entries]
+    held = sum(e.x.nbytes + e.y.nbytes for e in entries)
+    del entries
+    cp.cuda.Device().synchronize()
+    before = pool.used_bytes()
+    ffn.graphs = False
+    assert all(r() is None for r in refs) and before - pool.used_bytes() >= held
+    assert ffn(w["x"][:16]) is not None and "graph" not in ffn.last_info
+    ffn.graphs = True
+    for _ in range(3):
+        ffn(w["x"][:16])
+    refs = [weakref.ref(v) for v in ffn._plan._graphs._items.values() if type(v) is cuda_ffn._GraphEntry]
+    assert len(refs) == 1
+    del ffn
+    gc.collect()
+    assert refs[0]() is None
+
+
+def test_graphs_per_stream_and_across_streams():
+    """A graph is made per caller's stream; calls alternating two streams (and the default
+    stream) each replay their own, ordered after the previous call on the other stream."""
+    w = make_ffn(16, 256, 1024, 20, dtype=bfloat16, xp=cp, seed=65)
+    ffn, plain = _graph_twins(w, True)
+    streams = [cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True), cp.cuda.Stream.null]
+    outs = []
+    for k in range(12):
+        x = _inputs(16, 256, bfloat16, k)
+        with streams[k % 3]:
+            y = ffn(x)
+            outs.append((k, ffn.last_info["graph"], y, x))
+    for s_ in streams:
+        s_.synchronize()
+    assert [n for _, n, _, _ in outs] == ["warm-up"] * 3 + ["capture"] * 3 + ["replay"] * 6
+    for k, _, y, x in outs:
+        assert _same_bits(y, plain(x)), k
+
+
+def test_graph_follows_a_change_of_tuning():
+    """A tuning changed after a capture (decode_rows, the long-row launches, the batch
+    variant) gets a graph of its own, with the bits the ordinary path has under it."""
+    w = make_ffn(16, 256, 1024, 20, dtype=bfloat16, xp=cp, seed=66)
+    ffn, plain = _graph_twins(w, True)
+    for setting in (None, ("long_launches", 3), ("kb_variant", "wide"), ("decode_rows", 16)):
+        if setting is not None:
+            name, value = setting
+            for f in (ffn, plain):
+                setattr(f if name == "decode_rows" else f._plan, name, value)
+        notes = []
+        for k in range(3):
+            x = _inputs(16, 256, bfloat16, 10 + k)
+            poison()
+            assert _same_bits(ffn(x), plain(x)), setting
+            notes.append(ffn.last_info["graph"])
+        assert notes == ["warm-up", "capture", "replay"], setting
+    assert ffn.last_info.get("kernel") == "decode"
+
+
+def test_graph_capture_that_allocates_falls_back(monkeypatch):
+    """An allocation during the capture fails it (no buffer may come from CuPy's pool
+    there): a warning, the call and later ones of the signature on the ordinary path."""
+    w = make_ffn(16, 256, 1024, 20, dtype=bfloat16, xp=cp, seed=67)
+    ffn, plain = _graph_twins(w, True)
+    plan = ffn._plan
+    body = plan._graph_body
+
+    def allocating(kind, x, y, check, blas, stream):
+        body(kind, x, y, check, blas, stream)
+        if stream.is_capturing():
+            cp.empty((1024,), np.float32)
+
+    monkeypatch.setattr(plan, "_graph_body", allocating)
+    x = _inputs(16, 256, bfloat16, 0)
+    ffn(x)
+    with pytest.warns(RuntimeWarning, match="could not be captured.*allocated during a CUDA graph capture"):
+        y = ffn(x)
+    assert ffn.last_info["graph"].startswith("fallback: capture failed") and _same_bits(y, plain(x))
+    assert not cp.cuda.get_current_stream().is_capturing()
+    y = ffn(x)
+    assert ffn.last_info["graph"].startswith("fallback: capture failed") and _same_bits(y, plain(x))
+
+
+def test_graphs_of_the_environment_default(monkeypatch):
+    w = make_ffn(4, 128, 512, 12, dtype=np.float32, xp=cp, seed=68)
+    monkeypatch.setenv("TWELLPY_FFN_GRAPHS", "1")
+    ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"])
+    assert ffn.graphs is True and "graphs=True" in repr(ffn)
+    assert GatedFFN(w["w_gate"], w["w_up"], w["w_down"], graphs=False).graphs is False
+    y = gated_forward(w["x"], w["w_gate"], w["w_up"], w["w_down"])   # a one-off call: warm-up only
+    assert rel_err(y, ref64(w)) <= TOL[np.dtype(np.float32)]
+    monkeypatch.setenv("TWELLPY_FFN_GRAPHS", "2")
+    with pytest.raises(ValueError, match="TWELLPY_FFN_GRAPHS must be 0 or 1"):
+        GatedFFN(w["w_gate"], w["w_up"], w["w_down"])

@@ -36,6 +36,26 @@ neurons only (``last_info["kernel"] == "decode"``). The general path issues
 about eight launches per call, which at these sizes cost more host time than
 the GPU work. Same semantics, exact for any number of active neurons.
 
+CUDA graphs (``graphs=True``, off by default, or ``TWELLPY_FFN_GRAPHS=1``). A
+decode-size call is host-bound: the general path's eight launches, a memset and an
+event cost more host time (about 0.08 ms on an H100) than its GPU work. With graphs
+on, a call of at most 128 rows whose launch sequence is fixed (no
+``return_activations``, no ``heavy_limit``, one row chunk, ``mode`` "sparse",
+"dense", or "auto", which never probes at these sizes) runs as one CUDA graph: the
+first call of a signature (rows, path, NaN/Inf check on or off, the caller's CuPy
+stream and thread, the kernel tunings) runs the ordinary path, the second captures the same
+launches, later ones copy ``x`` into the graph's input buffer, launch the graph,
+and copy its output into a fresh array (never the graph's own buffer). Same kernels
+and arguments, so the same bits as without graphs; the NaN/Inf check of ``x`` keeps
+its schedule (the count is read outside the graph). Each object keeps at most 8
+graphs (least recently used dropped); they are freed with the object, when it is
+turned off, and when a larger call grows the workspaces (recaptured on later calls).
+``last_info["graph"]`` says ``"replay"``, ``"capture"``, ``"warm-up"`` or why a
+call ran without one (``"fallback: ..."``). A failed capture warns once and leaves
+those calls on the ordinary path. Each graph holds its input and output buffers
+(2 * M * D elements); GEMM graphs share a cuBLAS workspace per launch stream and
+thread (32 MiB on Hopper, 4 MiB before).
+
 An inactive neuron contributes exactly nothing: ``h_j = 0`` when the gate is
 inactive, even if the up projection of that neuron is NaN/Inf. (A non-finite
 *down* weight column still reaches every row on the dense path, through the
@@ -84,6 +104,13 @@ def _check_finite_mode(value, name="check_finite"):
         return value
     if not isinstance(value, (bool, np.bool_, int, np.integer)):  # 0 and 1 read as before
         raise TypeError(f"{name} must be True, False or 'sync', got {value!r}")
+    return bool(value)
+
+
+def _check_graphs(value):
+    """True or False (see GatedFFN's ``graphs``)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"graphs must be True, False or None, got {value!r}")
     return bool(value)
 
 
@@ -139,10 +166,12 @@ class _FFN:
 
     _gated = True
 
-    def __init__(self, w_gate, w_up, w_down, *, tile=256, slots=32, mode="auto", check_finite=True):
+    def __init__(self, w_gate, w_up, w_down, *, tile=256, slots=32, mode="auto", check_finite=True, graphs=None):
         self.tile, self.slots = _check_layout(tile, slots)
         self.mode = _check_mode(mode)
         self.check_finite = _check_finite_mode(check_finite)
+        if graphs is not None:
+            _check_graphs(graphs)
         named = ([("w_gate", w_gate)] if self._gated else []) + [("w_up", w_up), ("w_down", w_down)]
         arrs = {name: _weight(w, name) for name, w in named}
         # all weights on one device, one dtype
@@ -172,7 +201,11 @@ class _FFN:
         self.dtype = np.dtype(wu.dtype)
         self.device = devices[first]
         self._backend = backends.get(wu, "ffn")
+        if graphs and self.device == "cpu":  # before the weights are copied
+            raise ValueError("graphs=True needs the CUDA backend (CUDA graphs), but the weights are on cpu")
         self._plan = self._backend.prepare(arrs.get("w_gate"), wu, wd)
+        if graphs is not None and hasattr(self._plan, "graphs"):
+            self._plan.graphs = bool(graphs)
         #: details of the last call: ``mode`` used (``"sparse"``, ``"dense"``, or on
         #: the CPU ``"sparse+dense"`` when auto switched some chunks), ``mean_active`` when measured
         #: on the host (CUDA "auto": the density that decided, and ``decided_by``: ``"probe"``
@@ -284,6 +317,18 @@ class _FFN:
             raise ValueError(f"decode_rows must be an int in [0, 128], got {value!r}")
         self._plan.decode_rows = int(value)
 
+    @property
+    def graphs(self):
+        """CUDA: run decode-size calls as CUDA graphs (see the ``graphs`` parameter of
+        :class:`GatedFFN`); turning it off frees the graphs. None on the CPU."""
+        return getattr(self._plan, "graphs", None)
+
+    @graphs.setter
+    def graphs(self, value):
+        if not hasattr(self._plan, "graphs"):
+            raise AttributeError("graphs applies to the CUDA backend only (CUDA graphs)")
+        self._plan.graphs = _check_graphs(value)
+
     def activity(self):
         """Active-neuron statistics of the last call: ``{"mean_active", "heavy_rows"}``.
 
@@ -293,8 +338,9 @@ class _FFN:
 
     def __repr__(self):
         kind = "GatedFFN" if self._gated else "ReluFFN"
+        graphs = ", graphs=True" if self.graphs else ""
         return (f"{kind}(D={self.D}, H={self.H}, dtype={self.dtype}, device={self.device!r}, "
-                f"mode={self.mode!r}, tile={self.tile}, slots={self.slots})")
+                f"mode={self.mode!r}, tile={self.tile}, slots={self.slots}{graphs})")
 
     def __call__(self, x, *, return_activations=False, mode=None, check_finite=None):
         """Apply the FFN to ``x``.
@@ -394,6 +440,12 @@ class GatedFFN(_FFN):
         and the offending call's ``y`` holds NaN/Inf in the rows concerned.
         ``"sync"`` makes every call wait and raise itself. False lets NaN/Inf
         in ``x`` through, as IEEE arithmetic does.
+    graphs : bool or None
+        CUDA only: run each decode-size call (at most 128 rows) whose launches are
+        fixed as one CUDA graph launch instead of about eight launches (see "CUDA
+        graphs" in the module docstring). None (default) takes ``TWELLPY_FFN_GRAPHS``
+        (``1`` on, otherwise off); True with weights on the CPU raises ValueError.
+        Also a settable property.
 
     Notes
     -----
@@ -425,8 +477,9 @@ class ReluFFN(_FFN):
 
     _gated = False
 
-    def __init__(self, w_up, w_down, *, tile=256, slots=32, mode="auto", check_finite=True):
-        super().__init__(None, w_up, w_down, tile=tile, slots=slots, mode=mode, check_finite=check_finite)
+    def __init__(self, w_up, w_down, *, tile=256, slots=32, mode="auto", check_finite=True, graphs=None):
+        super().__init__(None, w_up, w_down, tile=tile, slots=slots, mode=mode, check_finite=check_finite,
+                         graphs=graphs)
 
 
 def gated_forward(x, w_gate, w_up, w_down, *, return_activations=False, slots=32, tile=256,

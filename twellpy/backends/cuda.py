@@ -304,6 +304,23 @@ class RepeatedNonfiniteCheck:
         """Number of queued counts not yet collected."""
         return sum(t is not None for t in self._tags)
 
+    def launch(self, arr, stream, count=None):
+        """Queue the count of ``arr`` (C-contiguous, this dtype and device) into ``count``
+        (a (1,) uint64 cupy array; default the bound word) on ``stream``, without the copy
+        to the host: a CUDA graph holds this launch, and its caller queues the copy of
+        the word (``queue(None, ...)``) after each replay."""
+        n = int(arr.size)
+        if not n:
+            return
+        grid = min(_blocks(n, self._per_block), _CHECK_MAX_BLOCKS)
+        args = (arr, _i64(n), self._exp_mask, _i32(arr.data.ptr % 16 == 0),
+                self._count if count is None else count)
+        if stream.ptr == _cp().cuda.get_current_stream().ptr:
+            self._kernel((grid,), (_CHECK_BLOCK,), args)
+        else:
+            with stream:  # a raw kernel launches on the current stream
+                self._kernel((grid,), (_CHECK_BLOCK,), args)
+
     def queue(self, arr, stream, tag):
         """Queue the count of ``arr`` (C-contiguous, this dtype and device) and its copy to
         the host on ``stream``; ``tag`` (not None) comes back with the count from :meth:`collect`.
@@ -315,15 +332,8 @@ class RepeatedNonfiniteCheck:
         if self.full:
             raise RuntimeError("the ring of NaN/Inf counts is full: collect before queueing")
         cp = _cp()
-        n = 0 if arr is None else int(arr.size)
-        if n:
-            grid = min(_blocks(n, self._per_block), _CHECK_MAX_BLOCKS)
-            args = (arr, _i64(n), self._exp_mask, _i32(arr.data.ptr % 16 == 0), self._count)
-            if stream.ptr == cp.cuda.get_current_stream().ptr:
-                self._kernel((grid,), (_CHECK_BLOCK,), args)
-            else:
-                with stream:  # a raw kernel launches on the current stream
-                    self._kernel((grid,), (_CHECK_BLOCK,), args)
+        if arr is not None:
+            self.launch(arr, stream)
         rt = cp.cuda.runtime
         slot = self._next
         rt.memcpyAsync(self._host.ctypes.data + 8 * slot, self._count.data.ptr, 8, rt.memcpyDeviceToHost,

@@ -33,6 +33,18 @@ and their down projection in a second, and the first kernel also writes the
 NaN/Inf count of x. Two launches instead of about eight: those calls are
 host-bound.
 
+CUDA graphs (``FFNPlan.graphs``, off by default; ``TWELLPY_FFN_GRAPHS=1`` turns it on for
+new plans). A call of at most ``GRAPH_MAX_ROWS`` (128) rows whose launch sequence is fixed
+(no ``return_activations``, no ``heavy_limit``, one row chunk, and a mode that needs no
+probe: "sparse", "dense", or "auto" at these sizes, which never probes) runs as one graph
+launch: its first call of a signature (rows, kind, NaN/Inf check, caller's stream and
+thread, kernel tunings) runs the ordinary path, its second captures the same launches into a graph
+(every buffer allocated before the capture, cuBLAS given an explicit workspace), and
+later ones copy x into the graph's input buffer, launch, and copy its output buffer
+into a fresh y. Same kernels and arguments as the ordinary path, so the same bits. The
+NaN/Inf count is written into the plan's counter word inside the graph and copied to
+the host outside it, on the ordinary schedule.
+
 Calls of more than ``MAX_CHUNK`` rows run as a two-stream pipeline over row
 chunks: stream A does steps 1-2 of chunk ``i+1`` while stream B does step 3
 of chunk ``i`` (ring buffers of two chunks).
@@ -55,6 +67,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+from collections import OrderedDict
 from contextlib import nullcontext as _nullcontext
 
 import numpy as np
@@ -280,6 +293,121 @@ def _cublas():
     return _CUBLAS
 
 
+class _BlasEntryPoints:
+    """ctypes entry points of one loaded libcublas (see :func:`_capture_blas_lib`)."""
+
+    __slots__ = ("path", "create", "destroy", "set_stream", "set_workspace", "gemm_ex")
+
+    def __init__(self, path, create, destroy, set_stream, set_workspace, gemm_ex):
+        self.path, self.create, self.destroy = path, create, destroy
+        self.set_stream, self.set_workspace, self.gemm_ex = set_stream, set_workspace, gemm_ex
+
+    def new_handle(self):
+        """A cuBLAS handle of this library on the current device."""
+        import ctypes
+
+        handle = ctypes.c_void_p()
+        _blas_check("cublasCreate", self.create(ctypes.byref(handle)))
+        return handle.value
+
+
+@functools.lru_cache(maxsize=None)
+def _capture_blas_lib():
+    """:class:`_BlasEntryPoints` of the libcublas CuPy loaded, or a string saying why not.
+
+    CuPy 14 exposes no ``cublasSetWorkspace``, and its GEMM wrapper calls
+    ``cublasSetStream`` first whenever a stream has ever been made current, which resets
+    the handle to cuBLAS's default workspace: so graph captures run their GEMMs through
+    ctypes, on handles made by the same library (never one of CuPy's: with two copies of
+    libcublas in the process, torch's and CuPy's, a handle must not cross them). The
+    library is the one CuPy loaded (``cuda.pathfinder`` says which), else the first
+    libcublas in the process's maps; only a loaded one is opened (``RTLD_NOLOAD``).
+    """
+    import ctypes
+
+    try:
+        _cublas()  # importing CuPy's wrapper loads libcublas
+    except Exception as exc:  # noqa: BLE001 - reported as the reason graphs are off
+        return f"cuBLAS could not be loaded ({exc})"
+    noload = getattr(os, "RTLD_NOLOAD", None)
+    if noload is None:
+        return "this platform cannot open the libcublas CuPy loaded (no RTLD_NOLOAD)"
+    names = []
+    try:  # CuPy 14 loads its libraries through cuda.pathfinder, which caches what it loaded
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+
+        path = load_nvidia_dynamic_lib("cublas").abs_path
+        if path:
+            names.append(path)
+    except Exception:  # noqa: BLE001 - an older CuPy, or no pathfinder: look at the loaded libraries
+        pass
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(None, 1)[-1] if "/" in line else ""
+                if os.path.basename(path).startswith("libcublas.so") and path not in names:
+                    names.append(path)
+    except OSError:
+        pass
+    names += ["libcublas.so.13", "libcublas.so.12", "libcublas.so.11"]
+    c_int, ptr = ctypes.c_int, ctypes.c_void_p
+    for name in names:
+        try:
+            lib = ctypes.CDLL(name, mode=noload | os.RTLD_LAZY)
+            fns = (lib.cublasCreate_v2, lib.cublasDestroy_v2, lib.cublasSetStream_v2, lib.cublasSetWorkspace_v2,
+                   lib.cublasGemmEx)
+        except (OSError, AttributeError):
+            continue
+        fns[0].argtypes = [ctypes.POINTER(ptr)]
+        fns[1].argtypes = [ptr]
+        fns[2].argtypes = [ptr, ptr]
+        fns[3].argtypes = [ptr, ptr, ctypes.c_size_t]
+        # handle, op_a, op_b, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc, compute, algo
+        fns[4].argtypes = [ptr, c_int, c_int, c_int, c_int, c_int, ptr, ptr, c_int, c_int, ptr, c_int, c_int,
+                           ptr, ptr, c_int, c_int, c_int, c_int]
+        for f in fns:
+            f.restype = c_int
+        return _BlasEntryPoints(name, *fns)
+    return "the libcublas CuPy loaded was not found among the loaded libraries"
+
+
+@functools.lru_cache(maxsize=None)
+def _blas_workspace_bytes(device_id):
+    """Bytes of the workspace a graph's GEMMs get: what cuBLAS's default pool gives a call
+    (32 MiB from Hopper on, 4 MiB before; the largest size in ``CUBLAS_WORKSPACE_CONFIG``
+    when set), so that cuBLAS's heuristics pick the ordinary path's algorithm."""
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")
+    sizes = [int(v) for v in config.split(":")[1::2] if v.isdigit()]
+    if sizes:
+        return max(sizes) * 1024
+    major = int(cupy_module().cuda.runtime.getDeviceProperties(device_id)["major"])
+    return (32 if major >= 9 else 4) << 20
+
+
+class _CaptureBlas:
+    """cuBLAS GEMMs recorded into a CUDA graph: the thread's capture handle, pointed at an
+    explicit workspace before every call (``gemm_nt`` and ``gemm_nn`` take it in place of
+    a handle). Without one, cuBLAS would allocate its workspace inside the capture."""
+
+    __slots__ = ("lib", "handle", "workspace")
+
+    def __init__(self, lib, handle, workspace):
+        self.lib, self.handle, self.workspace = lib, handle, workspace
+
+    def gemm_ex(self, stream, args):
+        """``cublasGemmEx(handle, *args)`` on ``stream`` with the explicit workspace."""
+        lib, h = self.lib, self.handle
+        _blas_check("cublasSetStream", lib.set_stream(h, stream.ptr))
+        # after the stream: setting a stream resets the handle to the default workspace
+        _blas_check("cublasSetWorkspace", lib.set_workspace(h, self.workspace.data.ptr, self.workspace.nbytes))
+        _blas_check("cublasGemmEx", lib.gemm_ex(h, *args))
+
+
+def _blas_check(name, status):
+    if status:
+        raise RuntimeError(f"{name} failed with cuBLAS status {status}")
+
+
 _ONE32_PTR, _ZERO32_PTR = _ONE32.ctypes.data, _ZERO32.ctypes.data
 _ONE64_PTR, _ZERO64_PTR = _ONE64.ctypes.data, _ZERO64.ctypes.data
 
@@ -324,7 +452,9 @@ def _gemm(a, b, n, op_b, out, handle, stream, on_current):
                  compute, _GEMM_DEFAULT)
     # CuPy's cuBLAS wrappers bind the handle to the *current* stream on every
     # call, so the stream is selected by making it current.
-    if on_current:
+    if type(handle) is not int:  # a graph capture's _CaptureBlas: it binds stream and workspace itself
+        handle.gemm_ex(stream, gemm_args[1:])
+    elif on_current:
         _cublas().gemmEx(*gemm_args)
     else:
         with stream:
@@ -348,17 +478,28 @@ def _thread_resources(device_id):
     streams), so one thread should not interleave calls on several of its
     own streams expecting them to overlap.
     """
+    res = _thread_cuda(device_id)
+    return res.streams, res.handles
+
+
+def _thread_cuda(device_id):
+    """The calling thread's :class:`_ThreadCuda` of ``device_id`` (made on first use)."""
     cache = getattr(_THREAD_RESOURCES, "by_device", None)
     if cache is None:
         cache = _THREAD_RESOURCES.by_device = {}
     res = cache.get(device_id)
     if res is None:
         res = cache[device_id] = _ThreadCuda(device_id)
-    return res.streams, res.handles
+    return res
+
+
+#: cuBLAS workspaces of graph GEMMs a thread keeps, one per stream graphs are launched on
+_GRAPH_WORKSPACES = 4
 
 
 class _ThreadCuda:
-    """One thread's streams and cuBLAS handles on one device (see :func:`_thread_resources`)."""
+    """One thread's streams and cuBLAS handles on one device (see :func:`_thread_resources`),
+    and what its CUDA graph captures use (made on the first capture, see :meth:`capture_blas`)."""
 
     def __init__(self, device_id):
         cp = cupy_module()
@@ -367,6 +508,41 @@ class _ThreadCuda:
         with cp.cuda.Device(device_id):
             self.streams = (cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True))
             self.handles = (cublas.create(), cublas.create())
+        self._capture_stream = None  # made on the first capture, as the two below
+        self._capture_handle = None  # (_BlasEntryPoints, handle it made) of the captured GEMMs
+        self._blas_ws = OrderedDict()  # launch stream pointer -> cuBLAS workspace of its graphs
+
+    def capture_stream(self):
+        """The stream this thread captures graphs on (a capture cannot run on the legacy stream)."""
+        if self._capture_stream is None:
+            cp = cupy_module()
+            with cp.cuda.Device(self.device_id):
+                self._capture_stream = cp.cuda.Stream(non_blocking=True)
+        return self._capture_stream
+
+    def capture_blas(self, lib, launch_stream_ptr):
+        """A :class:`_CaptureBlas` for graphs launched on ``launch_stream_ptr``, with
+        ``lib`` (:func:`_capture_blas_lib`).
+
+        The workspace is shared by every graph of this thread launched on that stream,
+        of any plan: launches on one stream run one after the other. The graphs keep a
+        reference to it, so one dropped from this short list lives on while they do.
+        """
+        if self._capture_handle is None:
+            cp = cupy_module()
+            with cp.cuda.Device(self.device_id):
+                self._capture_handle = (lib, lib.new_handle())
+        lib, handle = self._capture_handle  # the library that made the handle (one, in practice)
+        ws = self._blas_ws.get(launch_stream_ptr)
+        nbytes = _blas_workspace_bytes(self.device_id)
+        if ws is None or ws.nbytes < nbytes:
+            cp = cupy_module()
+            with cp.cuda.Device(self.device_id):
+                ws = self._blas_ws[launch_stream_ptr] = cp.empty((nbytes,), np.uint8)
+        self._blas_ws.move_to_end(launch_stream_ptr)
+        while len(self._blas_ws) > _GRAPH_WORKSPACES:
+            self._blas_ws.popitem(last=False)
+        return _CaptureBlas(lib, handle, ws)
 
     def __del__(self):
         # runs when the thread's local storage goes; cublasDestroy waits for
@@ -377,6 +553,9 @@ class _ThreadCuda:
             with cp.cuda.Device(self.device_id):
                 for h in self.handles:
                     cublas.destroy(h)
+                if self._capture_handle is not None:
+                    lib, h = self._capture_handle
+                    lib.destroy(h)
         except Exception:  # noqa: BLE001 - interpreter shutdown or a lost device: nothing to free
             pass
 
@@ -445,6 +624,165 @@ def pack_activation(h, tile, slots):
                                 np.int32(slots), np.int32(n_tiles), values, indices, counts, row_max))
     backup, backup_rows = overflow_rows_to_backup(cp, h, values, indices, counts, row_max, slots)
     return values, indices, counts, backup, backup_rows
+
+
+# ---- CUDA graphs of decode-size calls -----------------------------------------
+#: most rows of a call that runs as a CUDA graph (the decode sizes, issue 4's W4)
+GRAPH_MAX_ROWS = _DECODE_MAX_ROWS
+#: graphs (and the notes on signatures without one) a plan keeps, least recently used dropped
+GRAPH_LIMIT = 8
+
+
+def graph_route(M, mode, *, return_activations=False, heavy_limit=None, chunk=None, sparse_ok=True,
+                auto_min_rows=512, max_rows=GRAPH_MAX_ROWS):
+    """Whether a call can run as a CUDA graph, from the call and its plan's settings alone.
+
+    A graph replays one launch sequence, so only a call whose launches are decided
+    before it starts qualifies; everything else runs the ordinary path.
+
+    Parameters
+    ----------
+    M : int
+        Rows of the call.
+    mode : {"auto", "sparse", "dense"}
+        The call's mode.
+    return_activations : bool
+        The call returns h (fresh arrays of its own: not a graph).
+    heavy_limit : int or None
+        The plan's hand-off of heavy rows (a host synchronisation per call).
+    chunk : int or None
+        Rows per pipeline chunk asked for (``chunk_rows``); fewer than ``M`` is a pipeline.
+    sparse_ok : bool
+        The plan has a sparse path (else every call is dense).
+    auto_min_rows : int
+        ``FFNPlan.AUTO_MIN_ROWS``: "auto" calls of more rows measure their density.
+    max_rows : int
+        Most rows a graph serves.
+
+    Returns
+    -------
+    kind : {"sparse", "dense"} or None
+        The path the graph holds ("sparse" covers the decode kernels, which the plan
+        tells apart), or None.
+    reason : str or None
+        Why not, when ``kind`` is None.
+    """
+    if return_activations:
+        return None, "return_activations"
+    if not 0 < M <= max_rows:
+        return None, f"{M} rows (graphs serve 1 to {max_rows})"
+    if mode == "dense" or not sparse_ok:
+        return "dense", None  # one chunk of GEMMs whatever the other settings
+    if heavy_limit is not None:
+        return None, "heavy_limit (a host synchronisation per call)"
+    if chunk is not None and int(chunk) < M:
+        return None, f"chunks of {int(chunk)} rows (the two-stream pipeline)"
+    if mode == "auto" and M > auto_min_rows:
+        return None, "mode='auto' measures the density of this call"
+    return "sparse", None  # "auto" at these sizes never probes: it runs sparse
+
+
+class GraphCache:
+    """Bounded least-recently-used map from a call's signature to its graph (or a note).
+
+    Parameters
+    ----------
+    limit : int
+        Most entries kept; :meth:`put` returns the ones it drops, so that the owner can
+        wait for their last launch before their buffers are freed.
+    """
+
+    def __init__(self, limit=GRAPH_LIMIT):
+        if isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or int(limit) < 1:
+            raise ValueError(f"limit must be a positive int, got {limit!r}")
+        self.limit = int(limit)
+        self._items = OrderedDict()
+
+    def get(self, key):
+        """The entry of ``key`` (now the most recently used), or None."""
+        value = self._items.get(key)
+        if value is not None:
+            self._items.move_to_end(key)
+        return value
+
+    def put(self, key, value):
+        """Store ``value`` under ``key``; returns the entries dropped to stay within the limit."""
+        self._items[key] = value
+        self._items.move_to_end(key)
+        dropped = []
+        while len(self._items) > self.limit:
+            dropped.append(self._items.popitem(last=False)[1])
+        return dropped
+
+    def replace(self, predicate, value):
+        """Put ``value`` in place of every entry ``predicate`` holds for (order kept);
+        returns the entries replaced."""
+        out = []
+        for key, old in self._items.items():
+            if predicate(old):
+                out.append(old)
+                self._items[key] = value
+        return out
+
+    def clear(self):
+        """Drop every entry; returns them."""
+        values = list(self._items.values())
+        self._items.clear()
+        return values
+
+    def keys(self):
+        """Keys from least to most recently used."""
+        return list(self._items)
+
+    def __len__(self):
+        return len(self._items)
+
+    def __contains__(self, key):
+        return key in self._items
+
+
+class _GraphNote:
+    """A signature's entry without a graph: seen once (warm-up) or not capturable."""
+
+    __slots__ = ("note",)
+
+    def __init__(self, note):
+        self.note = note
+
+
+#: a signature seen once: its next call captures
+_WARM = _GraphNote("warm-up")
+
+
+class _GraphEntry:
+    """A captured call: the graph, its input and output buffers, what it holds on to."""
+
+    __slots__ = ("graph", "x", "y", "x_ptr", "y_ptr", "nbytes", "kind", "counters", "blas_workspace",
+                 "__weakref__")
+
+    def __init__(self, graph, x, y, kind, counters, blas_workspace):
+        self.graph, self.x, self.y, self.kind = graph, x, y, kind
+        self.x_ptr, self.y_ptr, self.nbytes = x.data.ptr, y.data.ptr, x.nbytes
+        self.counters, self.blas_workspace = counters, blas_workspace
+
+
+def _is_graph(entry):
+    return type(entry) is _GraphEntry
+
+
+def graphs_default():
+    """Whether new plans run decode-size calls as CUDA graphs: ``TWELLPY_FFN_GRAPHS`` (0 or 1; 0 when unset)."""
+    env = os.environ.get("TWELLPY_FFN_GRAPHS", "0")
+    if env not in ("0", "1"):
+        raise ValueError(f"TWELLPY_FFN_GRAPHS must be 0 or 1, got {env!r}")
+    return env == "1"
+
+
+def _refuse_allocation(nbytes):
+    """CuPy allocator in force during a capture: a buffer allocated there would go back
+    to the pool after the capture while the graph still uses it."""
+    raise RuntimeError(f"twellpy: {nbytes} bytes were allocated during a CUDA graph capture "
+                       f"(every buffer of a graph must exist before it)")
 
 
 class FFNPlan:
@@ -572,10 +910,16 @@ class FFNPlan:
         #: event recorded at the end of every call: the next call's stream waits for it,
         #: since a call returns before its kernels finish and the workspaces are shared
         self._done = None
+        self._graphs_on = graphs_default()  # see the graphs property
+        #: graphs of this plan by call signature (see _graph_key), and notes on signatures without one
+        self._graphs = GraphCache(GRAPH_LIMIT)
+        self._graph_warned = False  # a failed capture is reported once per plan
 
     def __del__(self):
         # The workspaces go back to the free list of the stream they were allocated on,
-        # which may be idle while a later call on another stream still writes them.
+        # which may be idle while a later call on another stream still writes them. The
+        # same wait covers the graphs' buffers (_done is recorded after each replay too):
+        # they go with the plan's attributes, after this returns.
         bad = list(getattr(self, "_unreported", ()))
         try:
             if self._done is not None:
@@ -626,9 +970,14 @@ class FFNPlan:
         """Wait for the previous call's kernels: calls return before they finish,
         and a freed buffer goes back to the free list of the stream that allocated
         it, which may be idle while a later call on another stream still uses it
-        (growth is rare, so this wait is too)."""
+        (growth is rare, so this wait is too). The plan's graphs hold the addresses of the
+        buffers about to go: they are dropped, their signatures left warm (the next call
+        of each captures again, with the new buffers)."""
         if self._done is not None:
             self._done.synchronize()
+        graphs = getattr(self, "_graphs", None)  # plans made by object.__new__ in tests have none
+        if graphs:
+            graphs.replace(_is_graph, _WARM)
 
     def _workspace(self, chunk):
         """Grow-only ring buffers; a call with an already-seen size allocates nothing."""
@@ -831,10 +1180,13 @@ class FFNPlan:
         else:
             gemm_nt(h, self.w_down, y, handle, stream)
 
-    def dense_rows(self, x, y, h_out=None, *, max_chunk=16384):
-        """Dense FFN of all rows of ``x`` on the current stream (chunked workspace)."""
+    def dense_rows(self, x, y, h_out=None, *, max_chunk=16384, handle=None):
+        """Dense FFN of all rows of ``x`` on the current stream (chunked workspace);
+        ``handle``: the cuBLAS handle (default the thread's first), or a graph capture's
+        :class:`_CaptureBlas`."""
         cp = cupy_module()
-        (_, _), (handle, _) = self._resources()
+        if handle is None:
+            (_, _), (handle, _) = self._resources()
         stream = cp.cuda.get_current_stream()
         M = x.shape[0]
         step = max(1, min(M, max_chunk))
@@ -941,6 +1293,15 @@ class FFNPlan:
         GEMM and sparse kernels. A deferred call does not wait at all: a later
         call, or :meth:`check`, collects its count (:meth:`_settle_checks`).
         """
+        self._ensure_check(counters)
+        if self._check.full:  # the host ran _CHECK_RING deferred calls ahead of the GPU
+            self._settle_checks(self._check.collect(wait="oldest"))
+        tag = _CheckTag(self._calls, x.shape[0] if x is not None else int(rows), deferred)
+        self._check.queue(x, stream, tag)
+        return tag
+
+    def _ensure_check(self, counters):
+        """Make :attr:`_check` (once) and bind it to ``counters[3]``."""
         if self._check is None:
             import cupyx
 
@@ -953,11 +1314,7 @@ class FFNPlan:
         elif self._check_counters is not counters:  # the workspaces grew
             self._check.rebind(counters[3:])
             self._check_counters = counters
-        if self._check.full:  # the host ran _CHECK_RING deferred calls ahead of the GPU
-            self._settle_checks(self._check.collect(wait="oldest"))
-        tag = _CheckTag(self._calls, x.shape[0] if x is not None else int(rows), deferred)
-        self._check.queue(x, stream, tag)
-        return tag
+        return self._check
 
     def _settle_checks(self, landed, streams=()):
         """Raise for the deferred calls among ``landed`` (``(tag, count)`` pairs from
@@ -1036,10 +1393,9 @@ class FFNPlan:
             }
         return ws
 
-    def _forward_decode(self, x, y, h_full, info, stream, check_x, deferred):
-        """The FFN of a few rows in two kernels (see ``decode_rows``); x is C-contiguous
-        and 16-byte aligned. The gate kernel also writes the NaN/Inf count of x (no
-        count kernel, no memset) and the activity counts that :meth:`activity` reads."""
+    def _launch_decode_gate(self, x, h_full, check_x):
+        """Queue the decode gate kernel of the rows ``x`` (C-contiguous, 16-byte aligned) on
+        the current stream; returns what :meth:`_launch_decode_down` takes."""
         M = x.shape[0]
         k_gate, k_down = self._decode_kernels(M)
         groups = -(-M // _DECODE_MR[-1])
@@ -1062,12 +1418,25 @@ class FFNPlan:
                (x, np.int64(x.strides[0] // isz), self.gate_w, self.w_up, ws["h"], h_ptr, ldh, ws["flags"],
                 ws["blk"], counters, np.int32(1 if check_x else 0), m32) + self._dims,
                shared_mem=smem)
+        return k_down, ws, grids, counters, m32
+
+    def _launch_decode_down(self, y, launch):
+        """Queue the decode down kernel into ``y`` after :meth:`_launch_decode_gate` (``launch``)."""
+        k_down, ws, grids, counters, m32 = launch
+        k_down(grids[1], (_DECODE_THREADS,),
+               (ws["h"], ws["flags"], self.w_downT, y, np.int64(y.strides[0] // self.dtype.itemsize), ws["blk"],
+                grids[2], counters, m32) + self._dims)
+
+    def _forward_decode(self, x, y, h_full, info, stream, check_x, deferred):
+        """The FFN of a few rows in two kernels (see ``decode_rows``); x is C-contiguous
+        and 16-byte aligned. The gate kernel also writes the NaN/Inf count of x (no
+        count kernel, no memset) and the activity counts that :meth:`activity` reads."""
+        M = x.shape[0]
+        launch = self._launch_decode_gate(x, h_full, check_x)
         # the gate kernel wrote the count into counters[3]: queue only its copy, before the
         # down kernel, so that a call that waits for it does not wait for the whole FFN
-        tag = self._queue_check(None, counters, stream, deferred, rows=M) if check_x else None
-        k_down(grids[1], (_DECODE_THREADS,),
-               (ws["h"], ws["flags"], self.w_downT, y, np.int64(y.strides[0] // isz), ws["blk"], grids[2],
-                counters, m32) + self._dims)
+        tag = self._queue_check(None, launch[3], stream, deferred, rows=M) if check_x else None
+        self._launch_decode_down(y, launch)
         info["mode"], info["kernel"] = "sparse", "decode"
         self._call_done(stream)
         self._last_rows = M
@@ -1120,12 +1489,20 @@ class FFNPlan:
             self._settle_checks(self._check.collect() if self._check is not None else [])
         # the first call waits: a one-off GatedFFN(...)(x) then raises itself
         deferred = check_x == "auto" and M <= self.defer_check_rows and self._calls > 1
+        graph_note = None
+        if self._graphs_on:
+            out = self._graph_call(x, M, mode, return_activations, chunk_rows, check_x, deferred)
+            if type(out) is tuple:
+                return out
+            graph_note = out  # why this call runs the ordinary path
         y = cp.empty((M, self.D), self.dtype)
         decode = self._decode_fits(M, mode)
         # the decode gate kernel writes every entry of h; the other paths only the active ones
         h_full = (cp.empty if decode else cp.zeros)((M, self.H), self.dtype) if return_activations else None
         info = {"mode": "dense", "mean_active": None, "heavy_rows": 0,
                 "finite_check": "deferred" if deferred else ("waited" if check_x else "off")}
+        if graph_note is not None:
+            info["graph"] = graph_note
         if M == 0:
             return y, h_full, info
         x = _contiguous_aligned(x)
@@ -1318,6 +1695,217 @@ class FFNPlan:
                 h_full[rows] = hr
             self._call_done(cur)  # the dense sub-FFN used the workspaces too
         return y, h_full, info
+
+
+    # ---- CUDA graphs of decode-size calls -------------------------------------
+    @property
+    def graphs(self):
+        """Run calls of at most ``GRAPH_MAX_ROWS`` rows whose launches are fixed as CUDA
+        graphs (see the module docstring and :func:`graph_route`). Off by default;
+        ``TWELLPY_FFN_GRAPHS=1`` turns it on for new plans. Turning it off drops the graphs."""
+        return self._graphs_on
+
+    @graphs.setter
+    def graphs(self, on):
+        if not isinstance(on, (bool, np.bool_)):
+            raise TypeError(f"graphs must be True or False, got {on!r}")
+        if not on and len(self._graphs):
+            if self._done is not None:
+                self._done.synchronize()  # their last replay must end before their buffers go
+            self._graphs.clear()
+        self._graphs_on = bool(on)
+
+    def _graph_key(self, M, mode, return_activations, chunk_rows, check_x, stream_ptr):
+        """``(signature, kind)`` of a call that can run as a graph, ``kind`` one of "decode",
+        "sparse" and "dense"; ``(None, reason)`` when it cannot. The signature holds every
+        setting the call's launches depend on, so a tuning changed later (decode_rows,
+        kb_variant, long_launches, ...) gets a graph of its own, and the caller's stream and
+        thread: a graph is only replayed on the stream it was made for, by the thread that
+        made it (its GEMMs use that thread's cuBLAS workspace for that stream, and the
+        per-thread default stream has one pointer for a different stream in each thread)."""
+        kind, reason = graph_route(M, mode, return_activations=return_activations, heavy_limit=self.heavy_limit,
+                                   chunk=(chunk_rows or self.chunk_rows) or None, sparse_ok=self.sparse_ok,
+                                   auto_min_rows=self.AUTO_MIN_ROWS)
+        if kind is None:
+            return None, reason
+        if kind == "sparse" and self._decode_fits(M, mode):
+            kind = "decode"
+        return (M, self.dtype, kind, bool(check_x), stream_ptr, threading.get_ident(), self.config, self.kb_variant,
+                self.l2_hint, self.min_blocks, self.long_rows, self.long_launches, self.split_down), kind
+
+    def _graph_call(self, x, M, mode, return_activations, chunk_rows, check_x, deferred):
+        """This call as a CUDA graph when it can be one: ``(y, None, info)``; otherwise a note
+        (``last_info["graph"]``) and the ordinary path runs it. A signature's first call
+        runs the ordinary path (it loads the kernels and sizes the workspaces), its
+        second captures, later ones replay."""
+        cur = cupy_module().cuda.get_current_stream()
+        if x.dtype != self.dtype or x.ndim != 2 or x.shape[1] != self.D:
+            return "fallback: x is not (M, D) of the weights' dtype"
+        key, kind = self._graph_key(M, mode, return_activations, chunk_rows, check_x, cur.ptr)
+        if key is None:
+            return "fallback: " + kind
+        entry = self._graphs.get(key)
+        if type(entry) is _GraphEntry:
+            self._graph_input(entry.x, x, cur)
+            entry.graph.launch(cur)
+            how = "replay"
+        elif entry is _WARM:
+            entry = self._graph_capture(key, kind, x, M, bool(check_x), cur)
+            if type(entry) is _GraphNote:
+                return entry.note
+            how = "capture"
+        elif entry is None:
+            self._graph_store(key, _WARM)
+            return _WARM.note
+        else:
+            return entry.note
+        cp = cupy_module()
+        rt = cp.cuda.runtime
+        # the graph wrote the NaN/Inf count into counters[3]: its copy to the host, as on the
+        # decode path (a call that waits, waits for the whole graph: it ran as one launch)
+        tag = self._queue_check(None, entry.counters, cur, deferred, rows=M) if check_x else None
+        # the caller gets a fresh array: the next replay overwrites the graph's output buffer
+        y = cp.empty((M, self.D), self.dtype)
+        rt.memcpyAsync(y.data.ptr, entry.y_ptr, entry.nbytes, rt.memcpyDeviceToDevice, cur.ptr)
+        self._call_done(cur)  # after the copy: the next call's graph may overwrite entry.y
+        info = {"mode": "dense" if entry.kind == "dense" else "sparse", "mean_active": None, "heavy_rows": 0,
+                "finite_check": "deferred" if deferred else ("waited" if check_x else "off"), "graph": how}
+        if entry.kind == "decode":
+            info["kernel"] = "decode"
+        if entry.kind != "dense":  # as the ordinary path, whose dense branch leaves these alone
+            self._last_rows = M
+            self._last_sparse_rows = M
+        if check_x and not deferred and self._read_check(tag, (cur,)):
+            cur.synchronize()  # let the queued work finish with x before the caller reuses it
+            raise_nonfinite(x, "x")
+        return y, None, info
+
+    def _graph_store(self, key, entry):
+        dropped = self._graphs.put(key, entry)
+        if self._done is not None and any(map(_is_graph, dropped)):
+            self._done.synchronize()  # their last replay must end before their buffers go back to the pool
+
+    def _graph_input(self, x_static, x, cur):
+        """Copy ``x`` into a graph's input buffer on ``cur``, after the previous call (whose
+        kernels may still read the workspaces, on another stream)."""
+        if self._done is not None:
+            cur.wait_event(self._done)
+        if x.flags.c_contiguous:
+            rt = cupy_module().cuda.runtime
+            rt.memcpyAsync(x_static.data.ptr, x.data.ptr, x_static.nbytes, rt.memcpyDeviceToDevice, cur.ptr)
+        else:
+            x_static[...] = x  # a strided copy on the current stream (cur)
+
+    def _graph_unsupported(self, kind, M):
+        """Why calls of ``kind`` and ``M`` rows cannot be captured on this setup, or None."""
+        if kind != "decode":
+            lib = _capture_blas_lib()
+            if isinstance(lib, str):
+                return lib
+        if kind == "sparse" and (self.split_down is True or self.split_down == "auto" and M >= _split_min_rows()):
+            return "the split sparse step (TWELLPY_FFN_SPLIT; not captured)"
+        return None
+
+    def _graph_capture(self, key, kind, x, M, check, cur):
+        """Capture the call of signature ``key`` and launch it on ``cur``; returns the stored
+        :class:`_GraphEntry`, or the stored :class:`_GraphNote` saying why there is none
+        (the ordinary path then runs this call and the later ones of the signature)."""
+        try:
+            capturing = cur.is_capturing()
+        except Exception:  # noqa: BLE001 - a query refused while some capture runs: do not add one
+            capturing = True
+        if capturing:  # not stored: a later call of the signature may capture
+            return _GraphNote("fallback: the caller's stream is capturing a graph itself")
+        why = self._graph_unsupported(kind, M)
+        entry = None
+        if why is None:
+            try:
+                entry = self._capture(kind, x, M, check, cur)
+            except Exception as exc:  # noqa: BLE001 - the ordinary path is exact: fall back, say so once
+                why = f"capture failed ({type(exc).__name__}: {exc})"
+                if not self._graph_warned:
+                    import warnings
+
+                    self._graph_warned = True
+                    warnings.warn(f"twellpy: the CUDA graph of a {M}-row FFN call could not be captured; such "
+                                  f"calls run without one: {why}", RuntimeWarning, stacklevel=6)
+        if entry is None:
+            entry = _GraphNote("fallback: " + why)
+        self._graph_store(key, entry)
+        return entry
+
+    def _capture(self, kind, x, M, check, cur):
+        cp = cupy_module()
+        res = _thread_cuda(self.device_id)
+        # every buffer the launches touch exists before the capture (the warm-up call sized
+        # the workspaces; these calls allocate nothing then)
+        if kind == "decode":
+            self._decode_workspace(-(-M // _DECODE_MR[-1]))
+            counters = self._workspace(1)["counters"]
+        else:
+            counters = self._workspace(M)["counters"]
+            if kind == "sparse":
+                self._heavy_flags(M)
+            elif self.gated:
+                self._u_buffer(M)
+        if check:
+            self._ensure_check(counters)
+        x_s = cp.empty((M, self.D), self.dtype)
+        y_s = cp.empty((M, self.D), self.dtype)
+        blas = None if kind == "decode" else res.capture_blas(_capture_blas_lib(), cur.ptr)
+        cap = res.capture_stream()
+        # this call's input, and one run of the launches on the caller's stream outside the
+        # capture: the capture handle's first GEMMs load what they need here
+        self._graph_input(x_s, x, cur)
+        self._graph_body(kind, x_s, y_s, check, blas, cur)
+        # thread-local mode: an unsafe call of this thread (cudaMalloc) fails the capture, other
+        # threads are not affected; a CuPy allocation fails it too (_refuse_allocation)
+        with cp.cuda.using_allocator(_refuse_allocation), cap:
+            cap.begin_capture(cp.cuda.runtime.streamCaptureModeThreadLocal)
+            try:
+                self._graph_body(kind, x_s, y_s, check, blas, cap)
+            except BaseException:
+                try:
+                    cap.end_capture()
+                except Exception:  # noqa: BLE001 - an invalidated capture ends with an error: the first one matters
+                    pass
+                raise
+            graph = cap.end_capture()
+        entry = _GraphEntry(graph, x_s, y_s, kind, counters, None if blas is None else blas.workspace)
+        entry.graph.launch(cur)
+        return entry
+
+    def _graph_body(self, kind, x, y, check, blas, stream):
+        """The device work of one call of ``kind`` on ``x`` into ``y`` (``stream`` current),
+        without what a graph cannot hold: no events, no host reads, no allocation, the
+        NaN/Inf count only into ``counters[3]``. Launch for launch the ordinary path of that
+        kind (``_forward_decode``; the one-chunk branch of ``_forward`` without a probe;
+        its dense branch), so the same bits: tests/test_gpu_ffn_infer.py compares them."""
+        if kind == "decode":
+            self._launch_decode_down(y, self._launch_decode_gate(x, None, check))
+            return
+        M = x.shape[0]
+        counters = self._ws["counters"]
+        rt = cupy_module().cuda.runtime
+        if kind == "dense":
+            if check:
+                rt.memsetAsync(counters.data.ptr + 3 * counters.itemsize, 0, counters.itemsize, stream.ptr)
+                self._check.launch(x, stream, counters[3:])
+            self.dense_rows(x, y, None, handle=blas)
+            return
+        rt.memsetAsync(counters.data.ptr, 0, counters.nbytes, stream.ptr)
+        if check:
+            self._check.launch(x, stream, counters[3:])
+        g = self._ws["g"][0][:M]
+        gemm_nt(x, self.gate_w, g, blas, stream, on_current=True)
+        self._launch_rowpack(g, 0, stream, on_current=True)
+        self._launch_sparse(x, g, y, None, self._heavy_flags(M), counters, stream, buf=0, on_current=True)
+
+
+def _split_min_rows():
+    from .cuda import RESIDENT_MIN_ROWS
+
+    return RESIDENT_MIN_ROWS
 
 
 def prepare(w_gate, w_up, w_down):
