@@ -1049,10 +1049,14 @@ twellpy_train_transpose_dense(const U* __restrict__ in, U* __restrict__ out, lon
 //   counts (M,)      int32  in: non-zeros per row
 //   maps   (M + R,)  int32  out: [row_map (M,) | backup_rows (R,)]
 //                           row_map[r] = k when row r is the k-th row with
-//                           counts[r] > W (rows in order), -1 otherwise;
-//                           backup_rows[k] = that row. R = rows with counts > W,
-//                           known to the caller from the same counts; a k >= R
-//                           (a caller breaking that) is mapped to -1, never
+//                           counts[r] > W (rows in order) and k < R, -1
+//                           otherwise; backup_rows[k] = that row, and -1 for
+//                           k at or past the number of wide rows. R is the
+//                           number of wide rows when the caller has read the
+//                           counts, or a capacity chosen before (the
+//                           speculative training forward): a wide row with
+//                           k >= R is mapped to -1 (the caller sees that
+//                           overflow in its copy of the counts), never
 //                           written past the buffer.
 // One block of TW_MAP_THREADS threads; each round covers TW_MAP_ROWS
 // consecutive rows per thread: per-thread flags, a warp scan, a scan of the
@@ -1112,4 +1116,7 @@ twellpy_train_row_maps(const int* __restrict__ counts, int* __restrict__ maps, l
         carry += round_total;
         __syncthreads();  // warp_below and round_total are rewritten next round
     }
+    // room no wide row took (a capacity larger than needed): -1, never left unset;
+    // carry is now the number of wide rows in every thread
+    for (long long k = carry + threadIdx.x; k < R; k += blockDim.x) maps[M + k] = -1;
 }

@@ -103,16 +103,21 @@ def make_problem(M, D, H, nnz, *, sigma=0.0, hot=None, empty=(), seed=0, gated=T
     return x, w_act, w_down, dy
 
 
-def step_outputs(x, wg, wu, wd, dy, width, gated):
-    """Every output of one training step as host arrays (for bit comparisons)."""
+def step_outputs(x, wg, wu, wd, dy, width, gated, ctx_out=None, **kw):
+    """Every output of one training step as host arrays (for bit comparisons).
+
+    ``kw`` goes to the forward (e.g. ``speculate``); the context is appended
+    to ``ctx_out`` when given."""
     from twellpy import _ffn_train as T
 
     if gated:
-        y, ctx = T.gated_forward_train(x, wg, wu, wd, l1=0.05, width=width)
+        y, ctx = T.gated_forward_train(x, wg, wu, wd, l1=0.05, width=width, **kw)
         grads = T.gated_backward(ctx, dy)
     else:
-        y, ctx = T.relu_forward_train(x, wu, wd, l1=0.05, width=width)
+        y, ctx = T.relu_forward_train(x, wu, wd, l1=0.05, width=width, **kw)
         grads = T.relu_backward(ctx, dy)
+    if ctx_out is not None:
+        ctx_out.append(ctx)
     out = {"y": y, "idx": ctx.idx, "ell_nnz": ctx.ell_nnz, "gvals": ctx.gvals,
            "backup_rows": ctx.backup_rows, "token_counts": ctx.stats["token_counts"],
            "neuron_counts": ctx.stats["neuron_counts"]}

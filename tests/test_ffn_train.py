@@ -323,3 +323,223 @@ def test_quantile_width_means_the_same_in_training_and_hybrid():
             assert T.choose_width(counts, f"quantile:{p}") == max(want, 1)
     counts = np.array([0] * 8 + [5, 9])  # ceil(0.9 * 10) = 9 rows kept: W = 5, not 9
     assert T.choose_width(counts, "quantile:0.9") == 5
+
+
+# ---------------------------------------------------------------------------
+# speculative layout (issue 5): the width and backup capacity of the previous
+# step of the same layer, the counts read after the ELL kernel is queued. The
+# CPU backend runs the same logic (it has no wait to save), so these tests
+# check the bookkeeping and the bits in CI; tests/test_gpu_train.py repeats
+# them on the device.
+@pytest.fixture
+def fresh_layouts(monkeypatch):
+    """Every test starts with no remembered layer (and leaves none behind)."""
+    monkeypatch.setattr(T, "_LAYOUTS", type(T._LAYOUTS)())
+    return T._LAYOUTS
+
+
+def test_backup_capacity_policy():
+    cap = T._backup_capacity
+    assert cap(0, 10**6) == 16                 # room for a few wide rows even when none was seen
+    assert cap(10, 10**6) == 32                # 10 + 16 extra, rounded up to 16
+    assert cap(100, 10**6) == 128              # 100 + 25% = 125 -> 128
+    assert cap(1638, 10**6) == 2048            # 1638 + 410 = 2048
+    assert cap(100, 10**6, slack=1.0) == 208   # 200 -> 208
+    assert cap(10, 20) == 20 and cap(0, 1) == 1 and cap(0, 0) == 0   # never more than M
+    with pytest.raises(ValueError, match="n_wide, n_rows, slack >= 0"):
+        cap(-1, 10)
+    with pytest.raises(ValueError, match="n_wide, n_rows, slack >= 0"):
+        cap(1, 10, slack=float("nan"))
+    counts = np.array([3] * 90 + [40] * 10)
+    sizes = dict(n_cols=64, slot_bytes=8, row_bytes=256)
+    lay = T._next_layout(counts, "auto", **sizes)
+    assert lay.width == T.choose_width(counts, "auto", **sizes)
+    assert lay.capacity == T._backup_capacity(int((counts > lay.width).sum()), 100)
+    assert lay.slack == T._SPEC_SLACK
+    lay = T._next_layout(counts, 3, **sizes)
+    assert (lay.width, lay.capacity, lay.slack) == (3, 32, T._SPEC_SLACK)   # 10 wide rows
+    # an overflow doubles the slack, up to the maximum; a later step keeps it
+    slacks = [T._SPEC_SLACK]
+    for _ in range(6):
+        slacks.append(T._next_layout(counts, 3, slack=slacks[-1], overflowed=True, **sizes).slack)
+    assert slacks == [0.25, 0.5, 1.0, 2.0, 2.0, 2.0, 2.0]
+    assert T._next_layout(counts, 3, slack=1.0, **sizes).slack == 1.0
+
+
+def _spec_problem(case, dtype, gated, seed=31):
+    prob = _cast(make_problem(**CASES[case], seed=seed, gated=gated), dtype)
+    return prob if gated else (prob[0], None, *prob[1:])
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
+@pytest.mark.parametrize("width", ["auto", 3])
+def test_speculative_step_gives_the_exact_bits(fresh_layouts, case, dtype, gated, width):
+    """The second call of a layer uses the first call's layout, and every output
+    (y, the saved pattern and values, counts, gradients, statistics) is the exact
+    path's with that width, bit for bit; M = 1 and empty rows included."""
+    x, wg, wu, wd, dy = _spec_problem(case, dtype, gated)
+    ctxs = []
+    first, _, _ = step_outputs(x, wg, wu, wd, dy, width, gated, ctxs, speculate=True)
+    spec, l1_spec, w_spec = step_outputs(x, wg, wu, wd, dy, width, gated, ctxs, speculate=True)
+    assert [c.speculation for c in ctxs] == ["exact", "hit"]
+    exact, l1_exact, w_exact = step_outputs(x, wg, wu, wd, dy, w_spec, gated, ctxs, speculate=False)
+    assert ctxs[-1].speculation == "off"
+    assert w_spec == w_exact and l1_spec == l1_exact
+    assert spec.keys() == exact.keys()
+    for k in spec:
+        assert spec[k].shape == exact[k].shape and spec[k].dtype == exact[k].dtype, k
+        assert spec[k].tobytes() == exact[k].tobytes(), k
+        assert first[k].tobytes() == exact[k].tobytes(), k   # same data: the first call chose the same W
+    s, e = ctxs[1].stats, ctxs[2].stats
+    for k in ("l0", "n_backup_rows", "width"):
+        assert s[k] == e[k], k
+    assert ctxs[1].nnz_total == ctxs[2].nnz_total == int(exact["token_counts"].sum())
+    assert ctxs[1].gvals.size == ctxs[1].M * ctxs[1].width + ctxs[1].R * ctxs[1].H   # the unused room is cut off
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
+def test_speculative_overflow_runs_the_step_again_exactly(fresh_layouts, gated):
+    """A step with more wide rows than the remembered capacity: the exact path runs
+    again (same bits as speculate=False), the capacity grows with a doubled slack,
+    and the next step of the same layer fits."""
+    spec = dict(M=300, D=24, H=256, nnz=12, sigma=0.6)
+    x, wg, wu, wd, dy = make_problem(**spec, seed=41, gated=gated) if gated else \
+        (lambda p: (p[0], None, *p[1:]))(make_problem(**spec, seed=41, gated=False))
+    narrow = x.copy()
+    narrow[6:, 1:] = 0.0          # rows 6.. fire nothing: at most 6 wide rows, capacity 32
+    ctxs = []
+    step_outputs(narrow, wg, wu, wd, dy, 2, gated, ctxs, speculate=True)
+    (lay,) = fresh_layouts.values()
+    assert lay.capacity == 32
+    got, _, _ = step_outputs(x, wg, wu, wd, dy, 2, gated, ctxs, speculate=True)
+    assert ctxs[-1].speculation == "rerun"
+    assert ctxs[-1].R > 32, "the test needs more wide rows than the capacity"
+    want, _, _ = step_outputs(x, wg, wu, wd, dy, 2, gated, ctxs, speculate=False)
+    for k in want:
+        assert got[k].tobytes() == want[k].tobytes(), k
+    (lay,) = fresh_layouts.values()
+    assert lay.slack == 2 * T._SPEC_SLACK
+    assert lay.capacity == T._backup_capacity(ctxs[-1].R, 300, 2 * T._SPEC_SLACK) > ctxs[-1].R
+    again, _, _ = step_outputs(x, wg, wu, wd, dy, 2, gated, ctxs, speculate=True)
+    assert ctxs[-1].speculation == "hit"
+    for k in want:
+        assert again[k].tobytes() == want[k].tobytes(), k
+    # the reference of every one: the float64 dense step
+    ref = dense_gated(x, wg, wu, wd, dy, 0.05) if gated else dense_relu(x, wu, wd, dy, 0.05)
+    assert rel(got["y"], ref["y"]) < 1e-10
+
+
+def test_speculation_option_and_layers(fresh_layouts, monkeypatch):
+    x, wg, wu, wd, dy = make_problem(**CASES["uneven"], seed=43)
+    with pytest.raises(TypeError, match="speculate must be True, False or None, got str"):
+        T.gated_forward_train(x, wg, wu, wd, speculate="1")
+    with pytest.raises(ValueError, match="TWELLPY_TRAIN_SPECULATE must be 0 or 1, got 'yes'"):
+        T._speculate_setting("yes")
+    assert T._speculate_setting("1") is True and T._speculate_setting("0") is False
+    # None follows the module default (the environment variable)
+    monkeypatch.setattr(T, "SPECULATE", False)
+    assert T.gated_forward_train(x, wg, wu, wd)[1].speculation == "off"
+    assert not fresh_layouts
+    monkeypatch.setattr(T, "SPECULATE", True)
+    assert [T.gated_forward_train(x, wg, wu, wd)[1].speculation for _ in range(2)] == ["exact", "hit"]
+    # another layer (other weights), another width or another batch size: its own entry
+    wg2 = wg.copy()
+    assert T.gated_forward_train(x, wg2, wu, wd)[1].speculation == "exact"
+    assert T.gated_forward_train(x, wg, wu, wd, width=3)[1].speculation == "exact"
+    assert T.gated_forward_train(x[:50], wg, wu, wd)[1].speculation == "exact"
+    assert len(fresh_layouts) == 4
+    monkeypatch.setattr(T, "_SPEC_MAX_LAYERS", 2)
+    T.gated_forward_train(x, wg, wu, wd)
+    assert len(fresh_layouts) == 2             # the least recently used layers are forgotten
+    # batches beyond one gate chunk (256 rows at least) go through the CSR path: always exact
+    monkeypatch.setattr(T, "GATE_CHUNK_BYTES", 1)
+    xl, wgl, wul, wdl, _ = make_problem(**dict(CASES["uneven"], M=600), seed=45)
+    assert [T.gated_forward_train(xl, wgl, wul, wdl)[1].speculation for _ in range(2)] == ["exact", "exact"]
+    # an empty batch has nothing to speculate on
+    _, ctx = T.gated_forward_train(x[:0], wg, wu, wd, speculate=True)
+    assert ctx.speculation == "off" and ctx.M == 0
+
+
+def test_speculative_step_still_checks_its_inputs(fresh_layouts):
+    x, wg, wu, wd, dy = make_problem(**CASES["uniform"], seed=44)
+    T.gated_forward_train(x, wg, wu, wd, speculate=True)
+    bad = x.copy()
+    bad[3, 4] = np.inf
+    with pytest.raises(ValueError, match="x contains 0 NaN and 1 Inf"):
+        T.gated_forward_train(bad, wg, wu, wd, speculate=True)
+    y, ctx = T.gated_forward_train(x, wg, wu, wd, speculate=True)
+    assert ctx.speculation == "hit"
+    assert rel(y, dense_gated(x, wg, wu, wd, dy, 0.0)["y"]) < 1e-10
+
+
+def test_row_maps_cpu_twin_with_a_capacity():
+    from twellpy.backends import cpu_train
+
+    counts = np.array([5, 1, 9, 0, 4], np.int32)
+    # room for more: the unused backup slots are -1
+    np.testing.assert_array_equal(cpu_train.row_maps(counts, 3, 5, capacity=True),
+                                  [0, -1, 1, -1, 2, 0, 2, 4, -1, -1])
+    # room for fewer: the wide rows past it map to -1 (the caller sees the overflow in the counts)
+    np.testing.assert_array_equal(cpu_train.row_maps(counts, 3, 2, capacity=True), [0, -1, 1, -1, -1, 0, 2])
+    np.testing.assert_array_equal(cpu_train.row_maps(counts, 3, 0, capacity=True), [-1] * 5)
+    np.testing.assert_array_equal(cpu_train.row_maps(counts, 3, 3, capacity=True), cpu_train.row_maps(counts, 3, 3))
+
+
+def test_relu_to_hybrid_cpu_twin_with_room_to_spare():
+    """A capacity larger than the routed rows: the extra rows are zero and count no neuron."""
+    from twellpy.backends import cpu_train
+
+    z = np.random.default_rng(3).standard_normal((20, 50)).astype(np.float32)
+    counts = cpu_train.relu_count(z)
+    W = int(np.sort(counts)[10])
+    R = int((counts > W).sum())
+    exact = cpu_train.relu_to_hybrid(z, cpu_train.row_maps(counts, W, R)[:20], W, R)
+    roomy = cpu_train.relu_to_hybrid(z, cpu_train.row_maps(counts, W, R + 4, capacity=True)[:20], W, R + 4)
+    n = 20 * W + R * 50
+    assert roomy[0][:n].tobytes() == exact[0].tobytes()
+    assert not roomy[0][n:].any()
+    for a, b in zip(roomy[1:], exact[1:]):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
+def test_speculative_steps_on_changing_data(fresh_layouts, gated):
+    """A run of steps whose batches change (row scales drift up, then down): every
+    step, whichever path it took (hit or re-run), equals the exact path with the
+    width it used, bit for bit."""
+    prob = make_problem(M=200, D=24, H=256, nnz=12, sigma=0.4, seed=46, gated=gated)
+    x0, dy = prob[0], prob[-1]
+    weights = prob[1:-1] if gated else (None, *prob[1:-1])
+    seen = []
+    for scale in (1.0, 1.0, 1.6, 2.4, 2.4, 0.7, 1.0):
+        x = x0.copy()
+        x[:, 1:] *= scale   # larger rows fire more neurons: more rows are wide
+        ctxs = []
+        got, _, w = step_outputs(x, *weights, dy, "auto", gated, ctxs, speculate=True)
+        want, _, _ = step_outputs(x, *weights, dy, w, gated, ctxs, speculate=False)
+        for k in want:
+            assert got[k].tobytes() == want[k].tobytes(), (scale, k)
+        seen.append(ctxs[0].speculation)
+    assert seen[0] == "exact" and "hit" in seen, seen
+
+
+def test_speculative_steps_from_several_threads(fresh_layouts):
+    """Threads training the same layer share its remembered layout: each step is still exact."""
+    import concurrent.futures as cf
+
+    x, wg, wu, wd, dy = make_problem(**CASES["uneven"], seed=47)
+    want = [a.tobytes() for a in (T.gated_forward_train(x, wg, wu, wd, speculate=False)[0],)]
+
+    def step(i):
+        xi = x if i % 2 else x * 1.5
+        y, ctx = T.gated_forward_train(xi, wg, wu, wd, speculate=True)
+        y_exact, _ = T.gated_forward_train(xi, wg, wu, wd, width=ctx.width, speculate=False)
+        return y.tobytes() == y_exact.tobytes(), ctx.speculation
+
+    with cf.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(step, range(16)))
+    assert all(ok for ok, _ in results), results
+    assert {how for _, how in results} <= {"exact", "hit", "rerun"}
+    assert T.gated_forward_train(x, wg, wu, wd, speculate=False)[0].tobytes() == want[0]

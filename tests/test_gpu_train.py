@@ -661,3 +661,214 @@ def test_row_maps_kernel_matches_cpu(M, W):
         k((1,), (cuda_train.MAP_THREADS,), (cp.asarray(counts), guard, np.int64(M), np.int32(W), np.int64(R)))
         np.testing.assert_array_equal(cp.asnumpy(guard[:M + R]), want)
         assert bool((guard[M + R:] == -0x3C3C3C3C).all())
+
+
+# ---------------------------------------------------------------------------
+# speculative layout (issue 5): W and the backup capacity from the layer's
+# previous step, the token counts read only after the ELL kernel is queued
+@pytest.fixture
+def fresh_layouts(monkeypatch):
+    """Every test starts with no remembered layer (and leaves none behind)."""
+    monkeypatch.setattr(T, "_LAYOUTS", type(T._LAYOUTS)())
+    return T._LAYOUTS
+
+
+def _gpu_problem(case, dtype, gated, seed):
+    prob = [to_gpu(a.astype(dtype)) for a in make_problem(**CASES[case], seed=seed, gated=gated)]
+    return prob if gated else (prob[0], None, *prob[1:])
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
+def test_speculative_step_gives_the_exact_bits_gpu(fresh_layouts, case, dtype, gated):
+    """Second call of a layer on the previous call's layout (backup GEMMs over the
+    R wide rows, as the exact path, the unused capacity never read): every output
+    equals the exact path's with the same width, bit for bit, with pools poisoned
+    (uniform, sigma 0.3 and 1.0, a token firing 2000 neurons, empty rows, M = 1,
+    odd shapes, D = 4096 with H = 11008)."""
+    x, wg, wu, wd, dy = _gpu_problem(case, dtype, gated, seed=51)
+    for width in ("auto", 2):
+        ctxs = []
+        poison()
+        step_outputs(x, wg, wu, wd, dy, width, gated, ctxs, speculate=True)
+        poison()
+        spec, l1_spec, w_spec = step_outputs(x, wg, wu, wd, dy, width, gated, ctxs, speculate=True)
+        poison()
+        exact, l1_exact, w_exact = step_outputs(x, wg, wu, wd, dy, w_spec, gated, ctxs, speculate=False)
+        assert [c.speculation for c in ctxs] == ["exact", "hit", "off"], width
+        assert w_spec == w_exact and l1_spec == l1_exact, width
+        for k in exact:
+            assert spec[k].shape == exact[k].shape, (width, k)
+            assert spec[k].tobytes() == exact[k].tobytes(), (width, k)
+        assert ctxs[1].stats["n_backup_rows"] == ctxs[2].stats["n_backup_rows"]
+        assert ctxs[1].stats["l0"] == ctxs[2].stats["l0"] and ctxs[1].nnz_total == ctxs[2].nnz_total
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
+def test_speculative_overflow_runs_the_step_again_gpu(fresh_layouts, dtype, gated):
+    """A step with more wide rows than the remembered capacity is run again on the
+    exact path: the same bits as speculate=False, the float64 reference's values,
+    a larger capacity for the next step, which then fits."""
+    *inputs, dy = [a.astype(dtype) for a in make_problem(M=1024, D=256, H=1024, nnz=30, sigma=0.3, seed=52,
+                                                           gated=gated)]
+    narrow = inputs[0].copy()
+    narrow[8:, 1:] = 0   # at most 8 rows can be wide: capacity 16 or 32
+    dev = [to_gpu(a) for a in inputs]
+    x, wg, wu, wd = dev if gated else (dev[0], None, *dev[1:])
+    dyg = to_gpu(dy)
+    ctxs = []
+    step_outputs(to_gpu(narrow), wg, wu, wd, dyg, 24, gated, ctxs, speculate=True)
+    (lay,) = fresh_layouts.values()
+    assert lay.capacity <= 32
+    poison()
+    got, _, _ = step_outputs(x, wg, wu, wd, dyg, 24, gated, ctxs, speculate=True)
+    assert ctxs[-1].speculation == "rerun" and ctxs[-1].R > 32, ctxs[-1].R
+    poison()
+    want, _, _ = step_outputs(x, wg, wu, wd, dyg, 24, gated, ctxs, speculate=False)
+    for k in want:
+        assert got[k].tobytes() == want[k].tobytes(), k
+    (lay,) = fresh_layouts.values()
+    assert lay.capacity > ctxs[-1].R and lay.slack == 2 * T._SPEC_SLACK
+    poison()
+    again, _, _ = step_outputs(x, wg, wu, wd, dyg, 24, gated, ctxs, speculate=True)
+    assert ctxs[-1].speculation == "hit"
+    for k in want:
+        assert again[k].tobytes() == want[k].tobytes(), k
+    ref = dense_gated(*inputs, dy, 0.05) if gated else dense_relu(*inputs, dy, 0.05)
+    assert rel(got["y"], ref["y"]) <= TOL[dtype]
+    names = ("dx", "dw_gate", "dw_up", "dw_down") if gated else ("dx", "dw_up", "dw_down")
+    for i, name in enumerate(names):
+        assert rel(got[f"grad{i}"], ref[name]) <= TOL[dtype], name
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
+def test_speculative_forward_queues_the_ell_kernel_before_reading_counts(fresh_layouts, monkeypatch, gated):
+    """What the speculation is for: with the stream held before the call, the
+    speculative forward reaches the ELL kernel while the hold is still on (it has
+    not waited for the counts); the exact path waits for them first. A NaN in x
+    is still reported, and the results are the exact ones."""
+    import threading
+
+    import cupy as cp
+    from _stream_hold import StreamHold
+
+    *inputs, dy = [a.astype(np.float32) for a in make_problem(M=700, D=64, H=512, nnz=12, sigma=0.5,
+                                                                hot=(3, 300), seed=53, gated=gated)]
+    dev = [to_gpu(a) for a in inputs]
+    fwd = T.gated_forward_train if gated else T.relu_forward_train
+    want_y, want_ctx = fwd(*inputs, l1=0.05, width=16)                     # CPU backend
+    _, seed_ctx = fwd(*dev, l1=0.05, width=16, speculate=True)   # seeds the layout; compiles every kernel
+    cp.cuda.Device().synchronize()
+    hold = StreamHold()
+    be = seed_ctx._be
+    forward_ell = be.ffn_forward_ell
+    seen = {}
+
+    def watched_forward_ell(*a, **k):
+        seen["stream_still_held"] = int(hold._flag[0]) == 0
+        return forward_ell(*a, **k)
+
+    monkeypatch.setattr(be, "ffn_forward_ell", watched_forward_ell)
+    for speculate, ahead in ((True, True), (False, False)):
+        hold.rearm()
+        hold.enqueue()
+        release = threading.Timer(0.5, hold.release)
+        release.start()
+        y, ctx = fwd(*dev, l1=0.05, width=16, speculate=speculate)
+        release.join()
+        cp.cuda.Device().synchronize()
+        assert seen["stream_still_held"] is ahead, speculate
+        assert ctx.speculation == ("hit" if speculate else "off")
+        assert ctx.R == want_ctx.R > 0 and ctx.width == 16
+        assert rel(y, want_y) <= 2e-5
+    # a NaN is found when the counts arrive (after the ELL kernel is queued) and still raises
+    bad = dev[0].copy()
+    bad[5, 7] = cp.nan
+    with pytest.raises(ValueError, match="x contains 1 NaN and 0 Inf"):
+        fwd(bad, *dev[1:], l1=0.05, width=16, speculate=True)
+    y, ctx = fwd(*dev, l1=0.05, width=16, speculate=True)
+    assert ctx.speculation == "hit" and rel(y, want_y) <= 2e-5
+
+
+def test_speculative_torch_autograd_cross_check(fresh_layouts):
+    """Torch tensors in and out through DLPack, the second step on the first one's
+    layout: within tolerance of torch's dense autograd and bit-equal to the exact path."""
+    torch = pytest.importorskip("torch")
+    host = make_problem(M=4096, D=512, H=1408, nnz=30, sigma=0.3, seed=54)
+    l1 = 2e-3
+    tt = [torch.tensor(a, device="cuda", dtype=torch.bfloat16) for a in host]
+    x, wg, wu, wd = (t.clone().requires_grad_(True) for t in tt[:4])
+    dy = tt[4]
+    h = torch.relu(x @ wg.T) * (x @ wu.T)
+    y_t = h @ wd.T
+    pen = l1 * h.abs().sum() / x.shape[0]
+    torch.autograd.backward([y_t, pen], [dy, torch.ones_like(pen)])
+    outs = []
+    for speculate in (True, True, False):
+        y, ctx = T.gated_forward_train(*tt[:4], l1=l1, speculate=speculate)
+        outs.append((y,) + T.gated_backward(ctx, dy))
+        if speculate:
+            width = ctx.width
+    assert ctx.width == width
+    ref = dense_gated(*(t.float().cpu().numpy() for t in tt), l1)
+    for name, ours, exact, theirs in zip(("y", "dx", "dw_gate", "dw_up", "dw_down"), outs[1], outs[2],
+                                         (y_t, x.grad, wg.grad, wu.grad, wd.grad)):
+        assert isinstance(ours, torch.Tensor)
+        assert torch.equal(ours.view(torch.int16), exact.view(torch.int16)), name
+        a = ours.float().cpu().numpy()
+        assert rel(a, ref[name]) <= 1e-2, (name, rel(a, ref[name]))
+        assert rel(a, theirs.detach().float().cpu().numpy()) <= 2e-2, name
+
+
+@pytest.mark.parametrize("M,W", [(1, 3), (1023, 30), (8193, 30), (70000, 31), (4096, 0)])
+@pytest.mark.parametrize("room", ["more", "fewer"])
+def test_row_maps_kernel_with_a_capacity_matches_cpu(M, W, room):
+    """Row maps for a capacity chosen before the counts (the speculative forward):
+    unused backup slots -1, wide rows past a short capacity -1, nothing written
+    past M + capacity; the same as the numpy twin."""
+    import cupy as cp
+
+    from twellpy.backends import _registry, cpu_train, cuda_train
+
+    rng = np.random.default_rng(M + W + 1)
+    counts = rng.poisson(30, M).astype(np.int32)
+    counts[rng.random(M) < 0.01] = 700
+    wide = int(np.count_nonzero(counts > W))
+    cap = wide + 2000 if room == "more" else wide // 2
+    want = cpu_train.row_maps(counts, W, cap, capacity=True)
+    got = cuda_train.row_maps(cp.asarray(counts), W, cap, capacity=True)
+    np.testing.assert_array_equal(cp.asnumpy(got), want)
+    guard = cp.full(M + cap + 64, -0x3C3C3C3C, dtype=cp.int32)
+    k = _registry.get_kernel(cuda_train.SOURCE, "twellpy_train_row_maps")
+    k((1,), (cuda_train.MAP_THREADS,), (cp.asarray(counts), guard, np.int64(M), np.int32(W), np.int64(cap)))
+    np.testing.assert_array_equal(cp.asnumpy(guard[:M + cap]), want)
+    assert bool((guard[M + cap:] == -0x3C3C3C3C).all())
+
+
+def test_queue_to_host_waits_for_its_copy_only():
+    """The counts' copy lands while later work on the stream is still held."""
+    import threading
+
+    import cupy as cp
+    from _stream_hold import StreamHold
+
+    from twellpy.backends import cuda_train
+
+    a = cp.arange(70001, dtype=cp.int32)
+    hold = StreamHold()
+    pending = cuda_train.queue_to_host(a)
+    hold.enqueue()
+    release = threading.Timer(3.0, hold.release)
+    release.start()
+    got = pending.read()
+    still_held = int(hold._flag[0]) == 0
+    release.join()
+    cp.cuda.Device().synchronize()
+    assert still_held
+    np.testing.assert_array_equal(got, np.arange(70001, dtype=np.int32))
+    empty = cuda_train.queue_to_host(cp.zeros(0, cp.int32)).read()
+    assert empty.shape == (0,) and empty.dtype == np.int32
+    with pytest.raises(ValueError, match="C-contiguous"):
+        cuda_train.queue_to_host(cp.zeros((4, 4), cp.int32).T)

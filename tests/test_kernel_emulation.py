@@ -11,7 +11,8 @@ Kernels covered: ``spmm_resident.cu`` (row totals, TwELL compaction, the
 resident-slice SpMM), with the launch plan of
 :func:`twellpy.backends.cuda.resident_layout`; the fused FFN's split mode and
 row pack; the training kernels around the backup rows, the tiled transpose,
-the split forward and backward and the row maps; the row-block SpMM behind
+the split forward and backward, the row maps and the relu(z) -> Hybrid pack
+(also with the speculative forward's backup capacity); the row-block SpMM behind
 ``TwELL @ W`` (``twellpy_twell_spmm_rows``); the NaN/Inf count of every checked
 call (``check.cu``); the counting-sort transpose (``transpose.cu``); and
 every loop variant of the
@@ -1261,24 +1262,32 @@ def test_dense_to_twell_flags_nonfinite_in_every_variant(construct_lib, bad):
 @pytest.mark.parametrize("M,W,kind", [(1, 3, "random"), (95, 30, "random"), (96, 30, "random"), (97, 30, "random"),
                                       (500, 30, "random"), (2000, 30, "random"), (300, 1000, "none wide"),
                                       (200, 0, "all wide")])
-def test_row_maps_kernel_matches_numpy_twin(train_lib, threads, M, W, kind):
+@pytest.mark.parametrize("room", ["exact", "more", "fewer"])
+def test_row_maps_kernel_matches_numpy_twin(train_lib, threads, M, W, kind, room):
     """Rounds of blockDim rows with a carry: counts straddling rounds, a
-    partial last round, no wide row and every row wide."""
+    partial last round, no wide row and every row wide. With room for more
+    backup rows than are wide (the speculative forward's capacity) the unused
+    slots are -1 (one of them past a round's 32 x 96 rows: the tail loop
+    strides); with room for fewer, the wide rows past it map to -1."""
     from twellpy.backends import cpu_train
 
     rng = np.random.default_rng(M + W + threads)
     counts = rng.poisson(30, M).astype(np.int32)
     counts[rng.random(M) < 0.05] = 500                      # heavy tokens
-    R = int(np.count_nonzero(counts > W))
-    want = cpu_train.row_maps(counts, W, R)
+    wide = int(np.count_nonzero(counts > W))
+    R = {"exact": wide, "more": wide + 3 * threads + 5, "fewer": wide // 2}[room]
+    want = cpu_train.row_maps(counts, W, R, capacity=room != "exact")
     maps = np.full(M + R + 3, -0x3C3C3C3C, np.int32)        # poisoned; 3 guard words past the end
     train_lib.row_maps(_ptr(counts), _ptr(maps), M, W, R, threads)
     np.testing.assert_array_equal(maps[:M + R], want)
     assert (maps[M + R:] == -0x3C3C3C3C).all()
+    assert (maps[M + min(R, wide):M + R] == -1).all()
+    if room == "fewer":
+        assert int((maps[:M] >= 0).sum()) == R
     if kind == "none wide":
-        assert R == 0
+        assert wide == 0
     if kind == "all wide":
-        assert R == M
+        assert wide == M
 
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
@@ -1312,6 +1321,57 @@ def test_relu_to_hybrid_matches_numpy_twin(train_lib, dtype, M, H, W):
     for got, w, name in zip((vals, ell_idx, ell_nnz, neuron_counts), want, ("vals", "ell_idx", "ell_nnz", "neuron_counts")):
         np.testing.assert_array_equal(_bits(got) if got.dtype.kind == "f" or got.dtype == bfloat16 else got,
                                       _bits(w) if w.dtype.kind == "f" or w.dtype == bfloat16 else w, err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
+@pytest.mark.parametrize("room", ["more", "fewer"])
+def test_relu_to_hybrid_with_a_speculative_capacity(train_lib, dtype, room):
+    """The speculative forward sizes the backup part before it has the counts.
+    Room for more rows than are wide: the routed rows are the exact layout's
+    bits and the rest of the capacity is not written. Room for fewer: the wide
+    rows past it (row_map -1) keep their first W entries in the ELL part, in
+    bounds (the forward then sees the overflow in the counts and runs again)."""
+    from twellpy.backends import cpu_train
+
+    M, H, W = 40, 512, 4
+    rng = np.random.default_rng(7 if room == "more" else 8)
+    z = (rng.standard_normal((M, H)) - 2.2).astype(np.float32)    # about 1% positive: 5 a row
+    z[::3] = np.abs(z[::3]) - 1.0                                  # every third row about 16% positive
+    z = z.astype(dtype)
+    counts = cpu_train.relu_count(z)
+    wide = int(np.count_nonzero(counts > W))
+    cap = wide + 5 if room == "more" else wide // 2
+    row_map = cpu_train.row_maps(counts, W, cap, capacity=True)[:M]
+    want = cpu_train.relu_to_hybrid(z, row_map, W, cap)
+    guard = 64
+    vals = np.full(M * W + cap * H + guard, np.nan, np.float32).astype(dtype)   # poisoned, guard words past the end
+    ell_idx = np.full(M * W + guard, -0x5A5A5A5A, np.int32)
+    ell_nnz = np.full(M + guard, -9, np.int32)
+    neuron_counts = np.zeros(H, np.int32)
+    ell_val, backup = cpu_train.split_combined(vals, M, W, cap, H)
+    vec = int(H % (16 // z.dtype.itemsize) == 0)
+    getattr(train_lib, f"relu_to_hybrid_{_suffix(dtype)}")(
+        _ptr(z), M, H, vec, 0, _ptr(row_map), W, _ptr(ell_val), _ptr(ell_idx), _ptr(ell_nnz),
+        _ptr(backup), _ptr(neuron_counts))
+    routed = min(wide, cap)
+    n = M * W + routed * H
+    np.testing.assert_array_equal(_bits(vals[:n]), _bits(want[0][:n]))
+    assert np.isnan(vals[n:].astype(np.float32)).all(), "nothing past the routed rows is written"
+    np.testing.assert_array_equal(ell_idx[:M * W].reshape(M, W), want[1])
+    np.testing.assert_array_equal(ell_nnz[:M], want[2])
+    assert (ell_idx[M * W:] == -0x5A5A5A5A).all() and (ell_nnz[M:] == -9).all()
+    # the kernel counts every active entry as it reads z (the CPU twin counts what it
+    # stored: the same numbers unless a row overflowed, whose result is discarded)
+    zf = z.astype(np.float32)
+    np.testing.assert_array_equal(neuron_counts, ((zf > 0) | np.isnan(zf)).sum(axis=0))
+    if room == "more":
+        np.testing.assert_array_equal(neuron_counts, want[3])
+    if room == "fewer":
+        over = np.flatnonzero((counts > W) & (row_map < 0))
+        assert over.size == wide - cap > 0
+        for r in over:   # the first W active columns, in order
+            np.testing.assert_array_equal(ell_idx[r * W:(r + 1) * W], np.flatnonzero(z[r].astype(np.float32) > 0)[:W])
+        assert (ell_nnz[over] == W).all()
 
 
 # ---------------------------------------------------------------------------

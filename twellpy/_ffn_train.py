@@ -19,7 +19,10 @@ W active neurons, so nothing is ever dropped. When the whole gate output fits
 (the step's one host synchronisation) and the values are packed straight into
 the Hybrid (the gate output, at most ``GATE_CHUNK_BYTES``, is held until that
 pack); larger batches are consumed in row chunks through a CSR of the
-pattern, so the M x H gate output never exists whole.
+pattern, so the M x H gate output never exists whole. With ``speculate``, W
+and room for the backup rows come from the layer's previous step, and the
+host reads the counts only after the ELL kernel is queued (a step that needs
+more backup rows runs again on the exact path).
 Every other M x H product runs on the pattern only. The context keeps g and u
 on the pattern (ELL values + backup rows), the pattern's indices, x and the
 weights -- never an M x H dense array.
@@ -30,7 +33,12 @@ same inputs always give the same bits.
 """
 from __future__ import annotations
 
+import math
+import os
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import numpy as np
 
@@ -200,6 +208,12 @@ class TrainContext:
         ``"neuron_counts"`` (H,) int32 tokens firing each neuron (0 = dead in
         this batch); ``"deterministic"`` (always True: no kernel uses fp32
         atomics).
+    speculation : str
+        Which layout the forward used: ``"off"`` (speculation not asked),
+        ``"exact"`` (asked, but no previous step of this layer, or a chunked
+        batch: the counts were read first), ``"hit"`` (the previous step's
+        width and backup capacity were enough) or ``"rerun"`` (they were
+        not: the step ran again on the exact path).
 
     Notes
     -----
@@ -283,10 +297,11 @@ def _queue_finite_checks(cp, named, n_tokens):
     small copy at the host synchronisation the forward makes anyway (one
     synchronisation per input would stall the queue four times).
 
-    Returns ``(token_counts, read)``: ``token_counts`` is the int32 view the
-    caller fills; ``read()`` copies the block, raises the ValueError of
-    ``check_finite`` for the first array, in argument order, that has any
-    NaN/Inf, and returns the token counts on the host.
+    Returns ``(block, token_counts)``: ``token_counts`` is the int32 view of
+    ``block`` the caller fills; once ``block`` is on the host,
+    :func:`_counts_from_block` raises the ValueError of ``check_finite`` for
+    the first array, in argument order, that has any NaN/Inf, and returns the
+    token counts.
     """
     from .backends.cuda import launch_count_nonfinite
 
@@ -297,18 +312,153 @@ def _queue_finite_checks(cp, named, n_tokens):
     bad = block[:head].view(np.uint64)
     for i, (_, a) in enumerate(named):
         launch_count_nonfinite(a, bad[i:i + 1], stream)
-
-    def read():
-        host = block.get(stream=stream)
-        for (nm, a), n_bad in zip(named, host[:head].view(np.uint64)):
-            if n_bad:
-                raise_nonfinite(a, nm)
-        return host[head:].view(np.int32)
-
-    return block[head:].view(np.int32), read
+    return block, block[head:].view(np.int32)
 
 
-def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, gated):
+def _counts_from_block(host, named):
+    """Token counts from the host copy of the block of :func:`_queue_finite_checks`
+    (``named`` empty: the block is the int32 counts alone); raises for NaN/Inf."""
+    head = 8 * len(named)
+    for (nm, a), n_bad in zip(named, host[:head].view(np.uint64)):
+        if n_bad:
+            raise_nonfinite(a, nm)
+    return host[head:].view(np.int32) if head else host
+
+
+# ---------------------------------------------------------------------------
+# Speculative layout: the Hybrid's width W and its backup-row capacity come
+# from the previous step of the same layer, so the forward queues its kernels
+# without reading the token counts first; the counts come back while the ELL
+# kernel runs, and a step whose wide rows exceed the capacity is run again on
+# the exact path (nothing is dropped, and the capacity grows).
+def _speculate_setting(value):
+    if value not in ("0", "1"):
+        raise ValueError(f"TWELLPY_TRAIN_SPECULATE must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+#: Default of ``speculate`` (TWELLPY_TRAIN_SPECULATE=0|1). Off until it is timed
+#: on a GPU (issue 5: the host waited 0.55 ms of a 3.47 ms W1-16k step at the
+#: forward's count read, H200, 2026-12-05).
+SPECULATE = _speculate_setting(os.environ.get("TWELLPY_TRAIN_SPECULATE", "0"))
+
+#: Extra backup rows of a speculative layout, as a fraction of the wide rows of
+#: the step it comes from; doubled (up to ``_SPEC_MAX_SLACK``) after an overflow.
+_SPEC_SLACK = 0.25
+_SPEC_MAX_SLACK = 2.0
+#: at least this many extra rows (a few wide rows fluctuate by more than 25%),
+#: and capacities in multiples of ``_SPEC_ALIGN`` rows
+_SPEC_MIN_EXTRA = 16
+_SPEC_ALIGN = 16
+#: layers remembered (least recently used dropped first)
+_SPEC_MAX_LAYERS = 256
+
+
+def _backup_capacity(n_wide, n_rows, slack=_SPEC_SLACK):
+    """Backup rows to make room for before a step's counts are known.
+
+    Parameters
+    ----------
+    n_wide : int
+        Rows wider than the width in the step the layout comes from.
+    n_rows : int
+        M, the rows of the step (no capacity beyond M is ever needed).
+    slack : float
+        Extra rows as a fraction of ``n_wide``.
+
+    Returns
+    -------
+    int
+        ``n_wide + max(_SPEC_MIN_EXTRA, ceil(slack * n_wide))`` rounded up to a
+        multiple of ``_SPEC_ALIGN``, at most ``n_rows``.
+    """
+    n_wide, n_rows = int(n_wide), int(n_rows)
+    if n_wide < 0 or n_rows < 0 or not slack >= 0:
+        raise ValueError(f"backup capacity needs n_wide, n_rows, slack >= 0, got {n_wide}, {n_rows}, {slack}")
+    extra = max(_SPEC_MIN_EXTRA, math.ceil(slack * n_wide))
+    cap = -(-(n_wide + extra) // _SPEC_ALIGN) * _SPEC_ALIGN
+    return min(cap, n_rows)
+
+
+def _next_layout(token_counts, width, *, n_cols, slot_bytes, row_bytes, slack=_SPEC_SLACK, overflowed=False):
+    """The speculative layout of a layer's next step from this step's counts.
+
+    Parameters
+    ----------
+    token_counts : numpy.ndarray of int
+        This step's active neurons per token (host).
+    width : int or str
+        The caller's width strategy (see :func:`choose_width`).
+    n_cols, slot_bytes, row_bytes : int
+        As for :func:`choose_width`.
+    slack : float
+        The layer's current slack.
+    overflowed : bool
+        This step's speculative capacity was too small: the slack doubles.
+
+    Returns
+    -------
+    _Layout
+        ``width``: what the exact path picks from these counts; ``capacity``:
+        :func:`_backup_capacity` of the rows wider than it; ``slack``.
+    """
+    if overflowed:
+        slack = min(max(2.0 * slack, _SPEC_SLACK), _SPEC_MAX_SLACK)
+    counts = np.asarray(token_counts)
+    W = choose_width(counts, width, slot_bytes=slot_bytes, row_bytes=row_bytes, n_cols=n_cols)
+    n_wide = int(np.count_nonzero(counts > W))
+    return _Layout(W, _backup_capacity(n_wide, counts.size, slack), slack)
+
+
+class _Layout(NamedTuple):
+    """What one step of a layer leaves for its next: ELL width, backup capacity, slack."""
+
+    width: int
+    capacity: int
+    slack: float
+
+
+_LAYOUTS: OrderedDict = OrderedDict()
+_LAYOUTS_LOCK = threading.Lock()
+
+
+def _data_ptr(a):
+    return a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr
+
+
+def _layout_key(x, w_act, gated, width):
+    """A layer is told apart by where its activation weight lives (the same buffer
+    step after step when an optimiser updates it in place) and by the shapes and
+    options; a reused buffer or a stale entry can only cost a re-run."""
+    return (device_of(x), _data_ptr(w_act), tuple(w_act.shape), tuple(x.shape), str(x.dtype), bool(gated),
+            repr(width))
+
+
+def _layout_get(key):
+    with _LAYOUTS_LOCK:
+        lay = _LAYOUTS.get(key)
+        if lay is not None:
+            _LAYOUTS.move_to_end(key)
+        return lay
+
+
+def _layout_put(key, lay):
+    with _LAYOUTS_LOCK:
+        _LAYOUTS[key] = lay
+        _LAYOUTS.move_to_end(key)
+        while len(_LAYOUTS) > _SPEC_MAX_LAYERS:
+            _LAYOUTS.popitem(last=False)
+
+
+def _speculate_option(speculate):
+    if speculate is None:
+        return SPECULATE
+    if isinstance(speculate, (bool, np.bool_)):
+        return bool(speculate)
+    raise TypeError(f"speculate must be True, False or None, got {type(speculate).__name__}")
+
+
+def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, gated, speculate=None):
     names = ("x", "w_gate", "w_up", "w_down") if gated else ("x", "w_up", "w_down")
     raw = (x, w_gate, w_up, w_down) if gated else (x, w_up, w_down)
     arrs, kinds = [], []
@@ -340,26 +490,68 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
     l1 = _check_l1(l1)
     # the inference validator; "sync" is True here (the forward always waits for its counts)
     check_finite = bool(_check_finite_mode(check_finite))
+    spec_on = _speculate_option(speculate)
     be = backends.get(x, "train")
     xp = xp_of(x)
-    read_checked = None  # reads the NaN/Inf counts and the token counts in one copy
+    n_vals = 2 if gated else 1
+    sizes = dict(n_cols=H, slot_bytes=n_vals * dt.itemsize + 4, row_bytes=n_vals * dt.itemsize * H)
+    key = _layout_key(x, w_gate if gated else w_up, gated, width) if spec_on and M else None
+    lay = _layout_get(key) if key is not None else None
+
+    def run(layout, check_inputs):
+        return _forward_pass(be, xp, list(zip(names, arrs)), x, w_gate, w_up, w_down, l1, width, gated,
+                             check_inputs, layout, sizes)
+
+    y, ctx, counts_host, speculated = run(lay, check_finite)
+    how = "off" if key is None else "hit" if speculated else "exact"
+    if ctx is None:
+        # more wide rows than the capacity: this step again on the exact path (its
+        # inputs are checked already); the speculative results are dropped unread
+        y, ctx, counts_host, _ = run(None, False)
+        how = "rerun"
+    if key is not None:
+        _layout_put(key, _next_layout(counts_host, width, slack=lay.slack if lay else _SPEC_SLACK,
+                                      overflowed=how == "rerun", **sizes))
+    ctx.__dict__.update(kind=kind, check_finite=check_finite, deterministic=bool(deterministic), speculation=how)
+    return to_caller(y, kind), ctx
+
+
+def _forward_pass(be, xp, named, x, w_gate, w_up, w_down, l1, width, gated, check_inputs, layout, sizes):
+    """One forward on raw arrays of one backend.
+
+    ``layout`` None: the exact path (the counts are read before the width is
+    chosen). A :class:`_Layout`: its width and backup capacity are used
+    without reading the counts first (one-chunk forwards only; others take the
+    exact path); the counts are read once the ELL kernel is queued.
+
+    Returns ``(y, ctx, counts, speculated)``: ``counts`` the token counts on
+    the host, ``speculated`` whether ``layout`` was used. When more rows are
+    wide than its capacity holds, ``y`` and ``ctx`` are None (nothing of that
+    pass may be used).
+    """
+    M, D = x.shape
+    H = w_up.shape[0]
+    dt = x.dtype
+    block = None  # what comes back to the host: NaN/Inf counters (GPU checks) and the token counts
     counts_out = None
-    if check_finite:
+    checked = []
+    if check_inputs:
         if xp is np:
-            for nm, a in zip(names, arrs):
+            for nm, a in named:
                 _check_finite(a, nm)
-        else:  # counted on the device now, read at the forward's one host synchronisation
-            counts_out, read_checked = _queue_finite_checks(xp, list(zip(names, arrs)), M)
+        else:  # counted on the device now, read with the token counts
+            checked = named
+            block, counts_out = _queue_finite_checks(xp, named, M)
 
     # 1) pattern: dense GEMM of the activation that is ReLU'd. When the whole
     # gate output fits the chunk budget, relu(z) is counted now and packed
-    # straight into the Hybrid once the width is chosen (one host
-    # synchronisation, no CSR); otherwise row chunks go through a CSR, so the
-    # M x H gate output never exists whole.
+    # straight into the Hybrid once the width is known (no CSR); otherwise
+    # row chunks go through a CSR, so the M x H gate output never exists whole.
     _mark("start", xp)
     w_act = w_gate if gated else w_up
     chunk = max(256, GATE_CHUNK_BYTES // max(1, H * dt.itemsize))
     one_chunk = _DIRECT_PACK and 0 < M <= chunk
+    spec = layout if one_chunk else None
     if one_chunk:
         z = be.gemm(x, w_act.T, dt)
         token_counts = be.relu_count(z, out=counts_out)
@@ -387,6 +579,9 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
         indptr = xp.zeros(M + 1, dtype=np.int64)
         if M:
             xp.cumsum(token_counts, dtype=np.int64, out=indptr[1:])
+    # the counts (and NaN/Inf counters) start for the host now; the exact path
+    # waits for them below, the speculative one only after the ELL kernel
+    pending = be.queue_to_host(token_counts if block is None else block)
 
     _mark("gate GEMM + pattern", xp)
     # work that does not need the width is queued before the host reads the
@@ -396,36 +591,48 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
     w_downT = be.transpose_copy(w_down)
     _mark("neuron counts + w_down^T", xp)
 
-    # 2) Hybrid layout: width from the counts, backup rows for wider rows
-    if read_checked is not None:
-        counts_host = read_checked()
+    # 2) Hybrid layout: width from the counts (exact) or from the previous step
+    # (speculative, with room for `cap` backup rows); backup rows for wider rows
+    if spec is None:
+        counts_host = _counts_from_block(pending.read(), checked)
+        _mark("counts to host (sync)", xp)
+        W = choose_width(counts_host, width, **sizes)
+        R = cap = int(np.count_nonzero(counts_host > W))
     else:
-        counts_host = token_counts.get() if hasattr(token_counts, "get") else token_counts
-    _mark("counts to host (sync)", xp)
-    n_vals = 2 if gated else 1
-    W = choose_width(counts_host, width, slot_bytes=n_vals * dt.itemsize + 4,
-                     row_bytes=n_vals * dt.itemsize * H, n_cols=H)
-    R = int(np.count_nonzero(counts_host > W))
-    # [row_map (M,) | backup_rows (R,)], built where the counts are (on the GPU:
+        W, cap = spec.width, spec.capacity
+    # [row_map (M,) | backup_rows (cap,)], built where the counts are (on the GPU:
     # one launch, no host work or upload while the device waits)
-    maps = be.row_maps(token_counts, W, R)
-    row_map, backup_rows = maps[:M], maps[M:]
+    maps = be.row_maps(token_counts, W, cap, capacity=spec is not None)
+    row_map = maps[:M]
     _mark("width + row maps", xp)
     if one_chunk:
-        gvals, idx, ell_nnz, neuron_counts = be.relu_to_hybrid(z, row_map, W, R)
+        gvals, idx, ell_nnz, neuron_counts = be.relu_to_hybrid(z, row_map, W, cap)
         del z
     else:
-        gvals, idx, ell_nnz = be.csr_to_hybrid(indptr, col, val, row_map, W, H, R)
+        gvals, idx, ell_nnz = be.csr_to_hybrid(indptr, col, val, row_map, W, H, cap)
         del col, val, indptr
-    g_ell, g_bk = be.split_combined(gvals, M, W, R, H)
+    g_ell, _ = be.split_combined(gvals, M, W, cap, H)
 
     # 3) forward on the pattern: ELL rows in one fused kernel (which also sums
     # |h| per row for the L1 statistic), backup rows dense
     uvals = xp.empty_like(gvals) if gated else None
-    u_ell, u_bk = be.split_combined(uvals, M, W, R, H) if gated else (None, None)
+    u_ell = be.split_combined(uvals, M, W, cap, H)[0] if gated else None
     _mark("pattern -> hybrid", xp)
     y, h_abs_rows = be.ffn_forward_ell(x, w_up, w_downT, idx, ell_nnz, g_ell, u_ell, gated)
     _mark("fused fwd kernel", xp)
+    if spec is not None:
+        # the host waits here, with the ELL kernel queued behind the counts' copy
+        counts_host = _counts_from_block(pending.read(), checked)
+        R = int(np.count_nonzero(counts_host > W))
+        _mark("counts to host (wait)", xp)
+        if R > cap:
+            return None, None, counts_host, True
+        # from here on, the exact path's sizes: the unused capacity is never read
+        gvals = gvals[:M * W + R * H]
+        uvals = uvals[:M * W + R * H] if gated else None
+    backup_rows = maps[M:M + R]
+    g_bk = be.split_combined(gvals, M, W, R, H)[1]
+    u_bk = be.split_combined(uvals, M, W, R, H)[1] if gated else None
     if R:
         # two GEMMs over the R rows; one pass each side does the element-wise
         # work (u on the pattern, h, the rows' |h| sums into h_abs_rows)
@@ -442,8 +649,9 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
     _mark("backup rows fwd", xp)
     # 4) statistics (the L1 value stays on the device until read)
     h_abs = h_abs_rows.sum() if M else 0.0
+    nnz_total = int(counts_host.sum())
     stats = _Stats({
-        "l0": float(counts_host.sum()) / M if M else 0.0,
+        "l0": float(nnz_total) / M if M else 0.0,
         "l1": (lambda: l1 * float(h_abs) / M) if M else 0.0,
         "l1_coef": l1,
         "n_backup_rows": R,
@@ -453,12 +661,11 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
         "deterministic": True,
     })
     _mark("stats", xp)
-    ctx = TrainContext(gated=gated, nnz_total=int(counts_host.sum()), kind=kind, xp=xp, _be=be, device=device_of(x),
+    ctx = TrainContext(gated=gated, nnz_total=nnz_total, xp=xp, _be=be, device=device_of(x),
                        dtype=dt, M=M, D=D, H=H, width=W, R=R, x=x, w_gate=w_gate, w_up=w_up,
                        w_down=w_down, w_downT=w_downT, idx=idx, ell_nnz=ell_nnz, row_map=row_map,
-                       backup_rows=backup_rows, gvals=gvals, uvals=uvals, l1_coef=l1,
-                       check_finite=check_finite, deterministic=bool(deterministic), stats=stats)
-    return to_caller(y, kind), ctx
+                       backup_rows=backup_rows, gvals=gvals, uvals=uvals, l1_coef=l1, stats=stats)
+    return y, ctx, counts_host, spec is not None
 
 
 def _backward(ctx, dy, gated):
@@ -539,7 +746,7 @@ def _backward(ctx, dy, gated):
 # ---------------------------------------------------------------------------
 @_array.quiet_underflow
 def gated_forward_train(x, w_gate, w_up, w_down, l1=0.0, width="auto", deterministic=False,
-                        check_finite=True):
+                        check_finite=True, speculate=None):
     """Forward pass of the gated ReLU FFN that keeps a sparse context for backward.
 
     Parameters
@@ -562,6 +769,20 @@ def gated_forward_train(x, w_gate, w_up, w_down, l1=0.0, width="auto", determini
         Raise ``ValueError`` on NaN/Inf in the inputs (and in dy later).
         ``"sync"`` is accepted as True (the forward always waits for the
         count); any other value raises ``ValueError``/``TypeError``.
+    speculate : bool, optional
+        Size the saved Hybrid from this layer's previous step instead of
+        waiting for this step's counts (default: ``TWELLPY_TRAIN_SPECULATE``,
+        0 = off). The exact path reads the active neurons per token back to
+        the host before choosing W, which stalls the GPU queue; speculation
+        takes W and room for backup rows from the previous call with the
+        same activation weight, shapes and ``width``, queues the ELL kernel,
+        and only then reads the counts. If more rows are wide than it made
+        room for, the step runs again on the exact path (the capacity grows
+        for the next step), so nothing is ever dropped. The result is the
+        exact path's with ``width=ctx.width``, bit for bit; the first call of
+        a layer, and batches whose gate output exceeds ``GATE_CHUNK_BYTES``,
+        take the exact path. ``ctx.speculation`` says which path ran. On the
+        CPU (no host/device split) it runs the same logic and gains nothing.
 
     Returns
     -------
@@ -580,7 +801,8 @@ def gated_forward_train(x, w_gate, w_up, w_down, l1=0.0, width="auto", determini
     ValueError
         Mismatched shapes, different devices, NaN/Inf, negative ``l1``.
     """
-    return _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, gated=True)
+    return _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, gated=True,
+                    speculate=speculate)
 
 
 @_array.quiet_underflow
@@ -606,7 +828,8 @@ def gated_backward(ctx, dy):
 
 
 @_array.quiet_underflow
-def relu_forward_train(x, w_up, w_down, l1=0.0, width="auto", deterministic=False, check_finite=True):
+def relu_forward_train(x, w_up, w_down, l1=0.0, width="auto", deterministic=False, check_finite=True,
+                       speculate=None):
     """Forward pass of the ReLU FFN ``relu(x @ w_up.T) @ w_down.T`` keeping a sparse context.
 
     Parameters are as in :func:`gated_forward_train` without ``w_gate``; the
@@ -617,7 +840,8 @@ def relu_forward_train(x, w_up, w_down, l1=0.0, width="auto", deterministic=Fals
     y : array, shape (M, D)
     ctx : TrainContext
     """
-    return _forward(x, None, w_up, w_down, l1, width, deterministic, check_finite, gated=False)
+    return _forward(x, None, w_up, w_down, l1, width, deterministic, check_finite, gated=False,
+                    speculate=speculate)
 
 
 @_array.quiet_underflow

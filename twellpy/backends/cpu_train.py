@@ -118,30 +118,44 @@ def _relu_to_hybrid(z, row_map, ell_val, ell_idx, ell_nnz, backup):
         ell_nnz[r] = kept
 
 
-def row_maps(counts, width, n_backup):
+def row_maps(counts, width, n_backup, capacity=False):
     """``[row_map (M,) | backup_rows (R,)]`` (int32) of a Hybrid of ELL width
     ``width``: ``row_map[r]`` is row r's position among the rows with more than
     ``width`` non-zeros (rows in order), or -1; ``backup_rows[k]`` is the k-th
-    such row. ``n_backup`` must be their number; see the CUDA twin."""
+    such row. ``n_backup`` must be their number; see the CUDA twin.
+
+    With ``capacity=True``, ``n_backup`` is only room for that many backup rows
+    (the speculative training forward sizes it before it has the counts): wide
+    rows past it map to -1 (the caller finds the overflow from the counts), and
+    ``backup_rows`` entries past the last wide row are -1, as the kernel writes.
+    """
     counts = np.asarray(counts)
     M = counts.shape[0]
     rows = np.flatnonzero(counts > width).astype(np.int32)
-    if rows.size != n_backup:
+    if capacity:
+        rows = rows[:n_backup]
+    elif rows.size != n_backup:
         raise ValueError(f"n_backup is {n_backup}, but {rows.size} rows have more than {width} non-zeros")
-    maps = np.full(M + rows.size, -1, dtype=np.int32)
+    maps = np.full(M + n_backup, -1, dtype=np.int32)
     maps[rows] = np.arange(rows.size, dtype=np.int32)
-    maps[M:] = rows
+    maps[M:M + rows.size] = rows
     return maps
 
 
 def relu_to_hybrid(z, row_map, width, n_backup):
     """relu(z) packed straight into a Hybrid (no CSR); see the CUDA twin.
 
+    ``n_backup`` may exceed the rows ``row_map`` routes there (a capacity); the
+    rows past them are zero here and unspecified on the GPU.
+
     Returns ``vals, ell_idx (M, W), ell_nnz (M,), neuron_counts (H,)``.
     """
     zc = _up(z)
     M, H = zc.shape
     vals = np.empty(M * width + n_backup * H, dtype=zc.dtype)
+    # backup rows no row is routed to (a speculative capacity) stay zero here, so the
+    # neuron counts below see only routed rows (the CUDA kernel leaves them unwritten)
+    vals[M * width:] = 0
     ell_val, backup = split_combined(vals, M, width, n_backup, H)
     ell_idx = np.empty((M, width), dtype=np.int32)
     ell_nnz = np.empty(M, dtype=np.int32)
@@ -200,6 +214,25 @@ def csr_to_hybrid(indptr, col, val, row_map, width, n_cols, n_backup):
 def split_combined(vals, M, W, R, N):
     """Views ``(ell (M, W), backup (R, N))`` of a combined value buffer."""
     return vals[:M * W].reshape(M, W), vals[M * W:M * W + R * N].reshape(R, N)
+
+
+class _OnHost:
+    """What :func:`queue_to_host` returns on the CPU: the data is already there."""
+
+    __slots__ = ("_arr",)
+
+    def __init__(self, arr):
+        self._arr = arr
+
+    def read(self):
+        """The array itself (nothing to wait for)."""
+        return self._arr
+
+
+def queue_to_host(arr):
+    """Twin of the CUDA launcher that starts a copy to the host: here ``read()``
+    returns ``arr`` at once (the CPU backend has no host/device split)."""
+    return _OnHost(np.asarray(arr))
 
 
 # ---------------------------------------------------------------------------

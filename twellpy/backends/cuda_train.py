@@ -140,7 +140,7 @@ def relu_count(z, out=None):
     return row_nnz
 
 
-def row_maps(counts, width, n_backup):
+def row_maps(counts, width, n_backup, capacity=False):
     """Where each row of a Hybrid of ELL width ``width`` goes, on the device.
 
     Parameters
@@ -151,7 +151,14 @@ def row_maps(counts, width, n_backup):
         ELL width W; rows with more non-zeros become backup rows.
     n_backup : int
         R, the number of rows with ``counts > width`` (the caller has it from
-        the host copy of the counts it chose ``width`` from).
+        the host copy of the counts it chose ``width`` from); with
+        ``capacity=True``, only the room for backup rows.
+    capacity : bool
+        Whether ``n_backup`` is a capacity chosen before the counts were read
+        (the speculative training forward). The kernel treats it so either way
+        (wide rows past it map to -1, ``backup_rows`` past the last wide row
+        is -1); the flag only says that the caller checks the counts itself
+        (the CPU twin raises on a mismatch without it).
 
     Returns
     -------
@@ -160,6 +167,7 @@ def row_maps(counts, width, n_backup):
         the backup rows (rows in order) or -1; ``backup_rows[k]`` is the k-th
         backup row. Same values as :func:`twellpy.backends.cpu_train.row_maps`.
     """
+    del capacity  # one kernel for both: see above
     cp = _cp()
     counts = cp.ascontiguousarray(counts, dtype=cp.int32)
     M = int(counts.shape[0])
@@ -167,7 +175,62 @@ def row_maps(counts, width, n_backup):
     if M:
         _registry.get_kernel(SOURCE, "twellpy_train_row_maps")(
             (1,), (MAP_THREADS,), (counts, maps, _i64(M), _i32(width), _i64(n_backup)))
+    elif n_backup:
+        maps.fill(-1)  # no row, so no launch: the capacity is all unused
     return maps
+
+
+class PendingHost:
+    """A contiguous device array on its way to pinned host memory.
+
+    The constructor queues the copy on ``stream`` and records an event after
+    it; :meth:`read` waits for that event only, so kernels queued after the
+    copy keep the device busy while the host waits (the speculative training
+    forward queues its ELL kernels first, then reads the counts).
+    """
+
+    __slots__ = ("_host", "_event", "_done")
+
+    def __init__(self, arr, stream):
+        import cupyx
+
+        cp = _cp()
+        self._done = True  # until the event exists: nothing for __del__ to wait for
+        if not arr.nbytes:  # nothing to copy (an empty batch): no pinned memory, no event
+            self._host = np.empty(arr.shape, arr.dtype)
+            return
+        self._host = cupyx.empty_pinned(arr.shape, arr.dtype)
+        self._event = cp.cuda.Event(block=False, disable_timing=True)
+        self._done = False  # an event never recorded is waited for at once
+        cp.cuda.runtime.memcpyAsync(self._host.ctypes.data, arr.data.ptr, arr.nbytes,
+                                    cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+        self._event.record(stream)
+
+    def read(self):
+        """The host copy (a pinned numpy array); waits for the copy, not for later work."""
+        if not self._done:
+            self._event.synchronize()
+            self._done = True
+        return self._host
+
+    def __del__(self):
+        # the copy must land before its pinned buffer goes back to the pool
+        if getattr(self, "_done", True) is False:
+            try:
+                self._event.synchronize()
+            except Exception:  # noqa: BLE001 - interpreter shutdown or a lost device
+                pass
+
+
+def queue_to_host(arr):
+    """Start copying ``arr`` (contiguous cupy array) to the host on the current stream.
+
+    Returns a :class:`PendingHost`; its ``read()`` gives the numpy copy.
+    """
+    cp = _cp()
+    if not arr.flags.c_contiguous:
+        raise ValueError("queue_to_host needs a C-contiguous array")
+    return PendingHost(arr, cp.cuda.get_current_stream())
 
 
 def relu_to_hybrid(z, row_map, width, n_backup):
@@ -175,7 +238,11 @@ def relu_to_hybrid(z, row_map, width, n_backup):
 
     ``z`` (M, H) is the whole gate output; ``row_map`` (M,) int32 sends each row
     to the ELL part (-1) or to its backup row, and must route every row with
-    more than ``width`` active entries (``relu_count``) to a backup row.
+    more than ``width`` active entries (``relu_count``) to a backup row (a
+    speculative caller that cannot, its capacity being too small, discards the
+    result: such a row keeps only its first ``width`` entries, written in
+    bounds). ``n_backup`` may exceed the rows routed there (a capacity); the
+    rows past them are left unwritten.
     Returns ``vals, ell_idx (M, W), ell_nnz (M,), neuron_counts (H,)`` with
     ``vals`` the combined value buffer (ELL values, then the R backup rows).
     """
