@@ -706,6 +706,20 @@ def test_graph_key_holds_what_the_launches_depend_on(monkeypatch):
     assert plan._graph_key(16, "dense", False, None, False, 0)[1] == "dense"
 
 
+def test_graph_key_follows_the_default_chunk(monkeypatch):
+    """A call the ordinary path splits into pipeline chunks by default (rows past
+    FFNPlan.MAX_CHUNK, default_chunk) is no graph either."""
+    from twellpy.backends import cuda_ffn
+
+    plan, env = _graph_plan(monkeypatch)
+    assert plan._graph_key(100, "sparse", False, None, False, 0)[1] == "sparse"
+    monkeypatch.setattr(cuda_ffn.FFNPlan, "MAX_CHUNK", 64)
+    assert plan._graph_key(100, "sparse", False, None, False, 0) == (None, "chunks of 64 rows (the two-stream pipeline)")
+    assert plan._graph_key(64, "sparse", False, None, False, 0)[1] == "sparse"
+    assert plan._graph_key(100, "sparse", False, 128, False, 0)[1] == "sparse"   # the call's own chunk wins
+    assert plan._graph_key(100, "dense", False, None, False, 0)[1] == "dense"    # dense ignores chunks
+
+
 def test_graph_call_warms_up_captures_then_replays(monkeypatch):
     """The plan's graph bookkeeping without a device: a signature's first call runs the
     ordinary path, its second captures and launches, later ones copy x in, launch, copy

@@ -1723,9 +1723,10 @@ class FFNPlan:
         thread: a graph is only replayed on the stream it was made for, by the thread that
         made it (its GEMMs use that thread's cuBLAS workspace for that stream, and the
         per-thread default stream has one pointer for a different stream in each thread)."""
+        # the chunk the ordinary path takes: the call's, the plan's, else default_chunk (MAX_CHUNK)
+        chunk = (chunk_rows or self.chunk_rows) or self.default_chunk(M)
         kind, reason = graph_route(M, mode, return_activations=return_activations, heavy_limit=self.heavy_limit,
-                                   chunk=(chunk_rows or self.chunk_rows) or None, sparse_ok=self.sparse_ok,
-                                   auto_min_rows=self.AUTO_MIN_ROWS)
+                                   chunk=chunk, sparse_ok=self.sparse_ok, auto_min_rows=self.AUTO_MIN_ROWS)
         if kind is None:
             return None, reason
         if kind == "sparse" and self._decode_fits(M, mode):
