@@ -632,6 +632,9 @@ def _graph_plan(monkeypatch, **over):
         def is_capturing(self):
             return self.capturing
 
+        def synchronize(self):
+            log.append(("sync", self.ptr))
+
     class Array:
         def __init__(self, shape, dtype, ptr, contiguous=True):
             self.shape, self.dtype, self.ndim = tuple(shape), np.dtype(dtype), len(shape)
@@ -718,6 +721,32 @@ def test_graph_key_follows_the_default_chunk(monkeypatch):
     assert plan._graph_key(64, "sparse", False, None, False, 0)[1] == "sparse"
     assert plan._graph_key(100, "sparse", False, 128, False, 0)[1] == "sparse"   # the call's own chunk wins
     assert plan._graph_key(100, "dense", False, None, False, 0)[1] == "dense"    # dense ignores chunks
+
+
+def test_graph_call_raising_for_its_own_x_leaves_what_the_ordinary_path_leaves(monkeypatch):
+    """A waited call whose x holds NaN/Inf raises after its graph ran, as the ordinary path
+    does, and a graph of the general sparse path also drops the density copy in flight (the
+    ordinary sparse branch does: NaN rows fire every neuron); decode and dense leave it."""
+    from twellpy.backends import cuda_ffn
+
+    plan, env = _graph_plan(monkeypatch)
+    monkeypatch.setattr(plan, "_queue_check", lambda x, counters, stream, deferred, rows=None: "tag")
+    monkeypatch.setattr(plan, "_read_check", lambda tag, streams: 1)
+
+    def raising(x, name):
+        raise ValueError(f"{name} contains 1 NaN")
+
+    monkeypatch.setattr(cuda_ffn, "raise_nonfinite", raising)
+    for M, mode, drops in ((16, "auto", True), (2, "auto", False), (2, "dense", False)):
+        x = env.Array((M, 256), bfloat16, 4096)
+        assert plan._graph_call(x, M, mode, False, None, True, False) == "warm-up"
+        plan._density_copy = "in flight"
+        del env.log[:]
+        with pytest.raises(ValueError, match="x contains 1 NaN"):
+            plan._graph_call(x, M, mode, False, None, True, False)   # captured, launched, its count read
+        assert env.captured[-1][:2] == ({16: "sparse"}.get(M, "decode" if mode == "auto" else "dense"), M)
+        assert (plan._density_copy is None) == drops, (M, mode)
+        assert env.log[-2:] == [("record", "done", 0), ("sync", 0)]  # the call's end recorded, then waited
 
 
 def test_graph_call_warms_up_captures_then_replays(monkeypatch):

@@ -1778,6 +1778,8 @@ class FFNPlan:
             self._last_sparse_rows = M
         if check_x and not deferred and self._read_check(tag, (cur,)):
             cur.synchronize()  # let the queued work finish with x before the caller reuses it
+            if entry.kind == "sparse":  # as the ordinary path's sparse branch (raise_if_nonfinite)
+                self._density_copy = None
             raise_nonfinite(x, "x")
         return y, None, info
 
