@@ -1862,18 +1862,28 @@ class FFNPlan:
         self._graph_input(x_s, x, cur)
         self._graph_body(kind, x_s, y_s, check, blas, cur)
         # thread-local mode: an unsafe call of this thread (cudaMalloc) fails the capture, other
-        # threads are not affected; a CuPy allocation fails it too (_refuse_allocation)
-        with cp.cuda.using_allocator(_refuse_allocation), cap:
-            cap.begin_capture(cp.cuda.runtime.streamCaptureModeThreadLocal)
-            try:
-                self._graph_body(kind, x_s, y_s, check, blas, cap)
-            except BaseException:
+        # threads are not affected; a CuPy allocation fails it too (_refuse_allocation). No
+        # cyclic garbage collection inside it: a finalizer run there on this thread (a CuPy
+        # array freed without the pool, as under compute-sanitizer: cudaFree) would fail it too.
+        import gc
+
+        gc_was_on = gc.isenabled()
+        gc.disable()
+        try:
+            with cp.cuda.using_allocator(_refuse_allocation), cap:
+                cap.begin_capture(cp.cuda.runtime.streamCaptureModeThreadLocal)
                 try:
-                    cap.end_capture()
-                except Exception:  # noqa: BLE001 - an invalidated capture ends with an error: the first one matters
-                    pass
-                raise
-            graph = cap.end_capture()
+                    self._graph_body(kind, x_s, y_s, check, blas, cap)
+                except BaseException:
+                    try:
+                        cap.end_capture()
+                    except Exception:  # noqa: BLE001 - an invalidated capture ends with an error: the first one matters
+                        pass
+                    raise
+                graph = cap.end_capture()
+        finally:
+            if gc_was_on:
+                gc.enable()
         entry = _GraphEntry(graph, x_s, y_s, kind, counters, None if blas is None else blas.workspace)
         entry.graph.launch(cur)
         return entry
