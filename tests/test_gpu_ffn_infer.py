@@ -1294,11 +1294,13 @@ def test_graphs_allocate_only_the_output_and_go_with_the_object():
         y = ffn(w["x"][:M])
     assert ffn.last_info["graph"] == "capture"
     pool = cp.get_default_memory_pool()
+    del y  # before counting: rebinding y would free the old one inside the count and hide an extra allocation
+    gc.collect()
     cp.cuda.Device().synchronize()
     before = pool.used_bytes()
     y = ffn(w["x"])
     cp.cuda.Device().synchronize()
-    assert ffn.last_info["graph"] == "replay" and pool.used_bytes() - before <= y.nbytes + 4096
+    assert ffn.last_info["graph"] == "replay" and pool.used_bytes() - before <= y.nbytes
     del y
     entries = [v for v in ffn._plan._graphs._items.values() if type(v) is cuda_ffn._GraphEntry]
     assert len(entries) == 2
@@ -1328,8 +1330,10 @@ def test_graphs_per_stream_and_across_streams():
     streams = [cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True), cp.cuda.Stream.null]
     outs = []
     for k in range(12):
-        x = _inputs(16, 256, bfloat16, k)
         with streams[k % 3]:
+            # made on the stream that reads it: the non-blocking streams do not wait for the
+            # legacy stream, so an x made there could still be in the making
+            x = _inputs(16, 256, bfloat16, k)
             y = ffn(x)
             outs.append((k, ffn.last_info["graph"], y, x))
     for s_ in streams:
