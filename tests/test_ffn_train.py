@@ -504,6 +504,47 @@ def test_relu_to_hybrid_cpu_twin_with_room_to_spare():
         np.testing.assert_array_equal(a, b)
 
 
+def _boundary_width(counts, avoid):
+    """A width with rows at exactly W and at least two rows wider, not ``avoid``."""
+    for W in np.unique(counts)[::-1]:
+        W = int(W)
+        if W >= 1 and W != avoid and (counts == W).any() and int((counts > W).sum()) >= 2:
+            return W
+    raise AssertionError("the problem has no width with rows at W and rows wider")
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
+def test_speculative_capacity_boundary(fresh_layouts, gated):
+    """Room for exactly the wide rows is a hit, one row less is a re-run; rows
+    with exactly W active neurons stay ELL rows; the remembered W differs from
+    the one ``width="auto"`` picks now, and the step is still the exact path's
+    with that W, bit for bit (and not the exact path's with auto's W)."""
+    x, wg, wu, wd, dy = _spec_problem("uneven", np.dtype(np.float32), gated)
+    ctxs = []
+    auto, _, w_auto = step_outputs(x, wg, wu, wd, dy, "auto", gated, ctxs, speculate=True)   # seeds the entry
+    (key,) = fresh_layouts
+    counts = f64(auto["token_counts"]).astype(np.int64)
+    W = _boundary_width(counts, w_auto)
+    R = int((counts > W).sum())
+    want, _, _ = step_outputs(x, wg, wu, wd, dy, W, gated, ctxs, speculate=False)
+    for cap, how in ((R, "hit"), (R - 1, "rerun")):
+        fresh_layouts[key] = T._Layout(W, cap, T._SPEC_SLACK)
+        got, _, w_got = step_outputs(x, wg, wu, wd, dy, "auto", gated, ctxs, speculate=True)
+        ctx = ctxs[-1]
+        assert ctx.speculation == how, (cap, R)
+        if how == "hit":
+            assert w_got == W != w_auto and ctx.R == R
+            assert not np.isin(np.flatnonzero(counts == W), f64(got["backup_rows"])).any()
+            for k in want:
+                assert got[k].tobytes() == want[k].tobytes(), k
+            assert got["gvals"].size != auto["gvals"].size or got["idx"].shape != auto["idx"].shape
+        else:   # the re-run is the exact path: auto's width for these counts
+            assert w_got == w_auto
+            for k in auto:
+                assert got[k].tobytes() == auto[k].tobytes(), k
+            assert fresh_layouts[key].slack == 2 * T._SPEC_SLACK
+
+
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
 def test_speculative_steps_on_changing_data(fresh_layouts, gated):
     """A run of steps whose batches change (row scales drift up, then down): every

@@ -744,11 +744,44 @@ def test_speculative_overflow_runs_the_step_again_gpu(fresh_layouts, dtype, gate
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
-def test_speculative_forward_queues_the_ell_kernel_before_reading_counts(fresh_layouts, monkeypatch, gated):
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
+def test_speculative_capacity_boundary_gpu(fresh_layouts, dtype, gated):
+    """Room for exactly the wide rows is a hit, one row less a re-run; rows with
+    exactly W active neurons stay ELL rows; the remembered W is not the one
+    width="auto" picks now, and the hit is the exact path's with that W, bit for
+    bit, pools poisoned (the CPU twin: test_ffn_train.py)."""
+    x, wg, wu, wd, dy = _gpu_problem("uneven03", dtype, gated, seed=55)
+    ctxs = []
+    poison()
+    auto, _, w_auto = step_outputs(x, wg, wu, wd, dy, "auto", gated, ctxs, speculate=True)   # seeds the entry
+    (key,) = fresh_layouts
+    counts = f64(auto["token_counts"]).astype(np.int64)
+    W = next(int(w) for w in np.unique(counts)[::-1]
+             if w >= 1 and w != w_auto and (counts == w).any() and (counts > w).sum() >= 2)
+    R = int((counts > W).sum())
+    poison()
+    want, _, _ = step_outputs(x, wg, wu, wd, dy, W, gated, ctxs, speculate=False)
+    for cap, how in ((R, "hit"), (R - 1, "rerun")):
+        fresh_layouts[key] = T._Layout(W, cap, T._SPEC_SLACK)
+        poison()
+        got, _, w_got = step_outputs(x, wg, wu, wd, dy, "auto", gated, ctxs, speculate=True)
+        assert ctxs[-1].speculation == how, (cap, R)
+        ref = want if how == "hit" else auto   # a re-run is the exact path: auto's width
+        assert w_got == (W if how == "hit" else w_auto)
+        for k in ref:
+            assert got[k].tobytes() == ref[k].tobytes(), (how, k)
+    assert not np.isin(np.flatnonzero(counts == W), f64(want["backup_rows"])).any()
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
+def test_speculative_forward_queues_the_ell_kernel_before_reading_counts(fresh_layouts, monkeypatch, gated,
+                                                                         pooled_allocator):
     """What the speculation is for: with the stream held before the call, the
     speculative forward reaches the ELL kernel while the hold is still on (it has
     not waited for the counts); the exact path waits for them first. A NaN in x
-    is still reported, and the results are the exact ones."""
+    is still reported, and the results are the exact ones. ``pooled_allocator``:
+    under memcheck (no pool) the cudaFree of z before the ELL kernel would wait
+    for the held stream."""
     import threading
 
     import cupy as cp
@@ -760,6 +793,9 @@ def test_speculative_forward_queues_the_ell_kernel_before_reading_counts(fresh_l
     fwd = T.gated_forward_train if gated else T.relu_forward_train
     want_y, want_ctx = fwd(*inputs, l1=0.05, width=16)                     # CPU backend
     _, seed_ctx = fwd(*dev, l1=0.05, width=16, speculate=True)   # seeds the layout; compiles every kernel
+    # one hit outside the held window, so the pools already hold the hit's block sizes
+    # (the capacity's buffers differ from the seeding call's): no allocation in the window
+    assert fwd(*dev, l1=0.05, width=16, speculate=True)[1].speculation == "hit"
     cp.cuda.Device().synchronize()
     hold = StreamHold()
     be = seed_ctx._be
@@ -805,12 +841,16 @@ def test_speculative_torch_autograd_cross_check(fresh_layouts):
     y_t = h @ wd.T
     pen = l1 * h.abs().sum() / x.shape[0]
     torch.autograd.backward([y_t, pen], [dy, torch.ones_like(pen)])
-    outs = []
+    outs, paths = [], []
     for speculate in (True, True, False):
         y, ctx = T.gated_forward_train(*tt[:4], l1=l1, speculate=speculate)
         outs.append((y,) + T.gated_backward(ctx, dy))
+        paths.append(ctx.speculation)
         if speculate:
             width = ctx.width
+    # the second call must have used the first one's layout (DLPack views of the same
+    # torch storage give the same key), else the bit comparison below proves nothing
+    assert paths == ["exact", "hit", "off"], paths
     assert ctx.width == width
     ref = dense_gated(*(t.float().cpu().numpy() for t in tt), l1)
     for name, ours, exact, theirs in zip(("y", "dx", "dw_gate", "dw_up", "dw_down"), outs[1], outs[2],
@@ -847,8 +887,9 @@ def test_row_maps_kernel_with_a_capacity_matches_cpu(M, W, room):
     assert bool((guard[M + cap:] == -0x3C3C3C3C).all())
 
 
-def test_queue_to_host_waits_for_its_copy_only():
-    """The counts' copy lands while later work on the stream is still held."""
+def test_queue_to_host_waits_for_its_copy_only(pooled_allocator):
+    """The counts' copy lands while later work on the stream is still held
+    (``pooled_allocator``: without a pool, memcheck's cudaFree would wait for the hold)."""
     import threading
 
     import cupy as cp
