@@ -29,7 +29,12 @@ weights -- never an M x H dense array.
 
 Determinism: all kernels (CPU and GPU) are deterministic; no floating-point
 atomics are used anywhere, so ``deterministic=True`` costs nothing and the
-same inputs always give the same bits.
+same inputs always give the same bits. With ``speculate``, W may come from the
+layer's previous step instead of this step's counts: a step's bits are the
+exact path's with ``width=ctx.width``, so the same sequence of calls gives the
+same bits, but one call on its own also depends on the layer's history (another
+thread's step of the same layer, a weight buffer re-used by another layer, or
+an entry forgotten by the LRU can change W, never the values beyond rounding).
 """
 from __future__ import annotations
 
@@ -217,7 +222,10 @@ class TrainContext:
 
     Notes
     -----
-    Memory: ``g`` and ``u`` values on the pattern ((M, W) each plus (R, H) each),
+    Memory: ``g`` and ``u`` values on the pattern ((M, W) each plus (R, H) each;
+    after a speculative step the buffers are views of allocations with room for
+    the capacity's rows, so up to (capacity - R, H) each is held unused until the
+    context is freed),
     the (M, W) int32 pattern, (M,) counts, ``w_down`` transposed, and references
     to x and the weights. The M x H gate output is never kept.
     """
@@ -779,10 +787,13 @@ def gated_forward_train(x, w_gate, w_up, w_down, l1=0.0, width="auto", determini
         and only then reads the counts. If more rows are wide than it made
         room for, the step runs again on the exact path (the capacity grows
         for the next step), so nothing is ever dropped. The result is the
-        exact path's with ``width=ctx.width``, bit for bit; the first call of
-        a layer, and batches whose gate output exceeds ``GATE_CHUNK_BYTES``,
-        take the exact path. ``ctx.speculation`` says which path ran. On the
-        CPU (no host/device split) it runs the same logic and gains nothing.
+        exact path's with ``width=ctx.width``, bit for bit (not necessarily
+        the bits of ``width=width``: W is the previous step's choice); the
+        first call of a layer, and batches whose gate output exceeds
+        ``GATE_CHUNK_BYTES``, take the exact path. ``ctx.speculation`` says
+        which path ran. The saved g and u keep the capacity's allocation
+        (unused rows included) until the context is freed. On the CPU (no
+        host/device split) it runs the same logic and gains nothing.
 
     Returns
     -------
