@@ -372,52 +372,75 @@ class RepeatedNonfiniteCheck:
                     pass
 
 
-class PendingCount:
-    """A uint64 device counter on its way to the host, read without draining the stream.
+class PendingHost:
+    """A contiguous cupy array on its way to pinned host memory, read without
+    draining the stream.
 
-    The constructor queues a copy of ``count`` (a (1,) uint64 cupy array) to
-    pinned host memory on ``stream`` and records an event after it; :meth:`read`
-    waits for that event only, so work queued on the stream after the copy
-    (the caller's own kernels) keeps running. Pass ``host`` (a (1,) uint64
-    pinned numpy array) and ``event`` to reuse them (no allocation); they must
-    not be shared with another count still in flight.
+    The constructor queues a copy of ``arr`` to pinned host memory on ``stream``
+    and records an event after it; :meth:`read` waits for that event only, so
+    work queued on the stream after the copy (the caller's own kernels) keeps
+    running. Pass ``host`` (a pinned numpy array of ``arr``'s shape and dtype)
+    and ``event`` to reuse them (no allocation); they must not be shared with
+    another copy still in flight. ``arr`` is held until the copy has landed.
     """
 
-    __slots__ = ("_count", "_host", "_event", "_value")
+    __slots__ = ("_src", "_host", "_event", "_landed")
 
-    def __init__(self, count, stream, host=None, event=None):
+    def __init__(self, arr, stream, host=None, event=None):
+        self._landed = True  # until the copy is queued: nothing for __del__ to wait for
+        if not arr.nbytes:  # nothing to copy (an empty batch): no pinned memory, no event
+            self._src, self._host, self._event = None, np.empty(arr.shape, arr.dtype), None
+            return
         cp = _cp()
         if host is None:
             import cupyx
 
-            host = cupyx.empty_pinned((1,), np.uint64)
+            host = cupyx.empty_pinned(arr.shape, arr.dtype)
         if event is None:
             event = cp.cuda.Event(block=False, disable_timing=True)
-        cp.cuda.runtime.memcpyAsync(host.ctypes.data, count.data.ptr, 8, cp.cuda.runtime.memcpyDeviceToHost,
+        cp.cuda.runtime.memcpyAsync(host.ctypes.data, arr.data.ptr, arr.nbytes, cp.cuda.runtime.memcpyDeviceToHost,
                                     stream.ptr)
         event.record(stream)
-        self._count, self._host, self._event, self._value = count, host, event, None
+        self._src, self._host, self._event, self._landed = arr, host, event, False
 
     def arrived(self):
         """True once the copy has landed (a query, no wait)."""
-        return self._value is not None or self._event.done
+        return self._landed or self._event.done
 
     def read(self):
-        """The count (waits for the copy, not for work queued after it)."""
-        if self._value is None:
+        """The host copy (a pinned numpy array); waits for the copy, not for later work."""
+        if not self._landed:
             self._event.synchronize()
-            self._value = int(self._host[0])
-            self._count = None
-        return self._value
+            self._landed, self._src = True, None
+        return self._host
 
     def __del__(self):
         # a pending copy must land before its pinned buffer can be reused
         # (getattr: a constructor that failed never set the slots)
-        if getattr(self, "_value", 0) is None:
+        if getattr(self, "_landed", True) is False:
             try:
                 self._event.synchronize()
             except Exception:  # noqa: BLE001 - interpreter shutdown or a lost device
                 pass
+
+
+class PendingCount(PendingHost):
+    """A (1,) uint64 device counter on its way to the host (a :class:`PendingHost`
+    whose :meth:`read` gives the count as an int). Pass ``host`` (a (1,) uint64
+    pinned numpy array) and ``event`` to reuse them. The count is kept at the
+    first read: a later copy may reuse the same pinned word."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, count, stream, host=None, event=None):
+        self._value = None
+        super().__init__(count, stream, host, event)
+
+    def read(self):
+        """The count (waits for the copy, not for work queued after it)."""
+        if self._value is None:
+            self._value = int(super().read()[0])
+        return self._value
 
 
 # one (device counter, pinned host word, event, last PendingCount) per (thread, device),

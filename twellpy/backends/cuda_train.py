@@ -13,7 +13,7 @@ import numpy as np
 
 from .._array import FLOAT_DTYPES, bfloat16, cupy_module
 from . import _registry
-from .cuda import transpose_cursor
+from .cuda import PendingHost, transpose_cursor
 
 SOURCE = "train_ffn.cu"
 WARPS = 8            # keep in sync with TW_WARPS in train_ffn.cu
@@ -178,48 +178,6 @@ def row_maps(counts, width, n_backup, capacity=False):
     elif n_backup:
         maps.fill(-1)  # no row, so no launch: the capacity is all unused
     return maps
-
-
-class PendingHost:
-    """A contiguous device array on its way to pinned host memory.
-
-    The constructor queues the copy on ``stream`` and records an event after
-    it; :meth:`read` waits for that event only, so kernels queued after the
-    copy keep the device busy while the host waits (the speculative training
-    forward queues its ELL kernels first, then reads the counts).
-    """
-
-    __slots__ = ("_host", "_event", "_done")
-
-    def __init__(self, arr, stream):
-        import cupyx
-
-        cp = _cp()
-        self._done = True  # until the event exists: nothing for __del__ to wait for
-        if not arr.nbytes:  # nothing to copy (an empty batch): no pinned memory, no event
-            self._host = np.empty(arr.shape, arr.dtype)
-            return
-        self._host = cupyx.empty_pinned(arr.shape, arr.dtype)
-        self._event = cp.cuda.Event(block=False, disable_timing=True)
-        self._done = False  # an event never recorded is waited for at once
-        cp.cuda.runtime.memcpyAsync(self._host.ctypes.data, arr.data.ptr, arr.nbytes,
-                                    cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
-        self._event.record(stream)
-
-    def read(self):
-        """The host copy (a pinned numpy array); waits for the copy, not for later work."""
-        if not self._done:
-            self._event.synchronize()
-            self._done = True
-        return self._host
-
-    def __del__(self):
-        # the copy must land before its pinned buffer goes back to the pool
-        if getattr(self, "_done", True) is False:
-            try:
-                self._event.synchronize()
-            except Exception:  # noqa: BLE001 - interpreter shutdown or a lost device
-                pass
 
 
 def queue_to_host(arr):
