@@ -16,6 +16,8 @@ OOM = ('..F..========= Internal Sanitizer Error: The Sanitizer encountered an er
 INVALID = "========= Invalid __global__ write of size 4 bytes"
 PROBE = ('....========= Program hit CUDA_ERROR_INVALID_VALUE (error 1) due to "invalid argument" '
          "on CUDA API call to cuGetProcAddress_v2.")
+CONTEXT_PROBE = ('..========= Program hit CUDA_ERROR_INVALID_CONTEXT (error 201) due to "invalid device context" '
+                 "on CUDA API call to cuCtxGetDevice.")
 
 
 def make(tmp_path, log_lines, spans, passed):
@@ -44,6 +46,24 @@ def test_clean_log_keeps_every_pass(tmp_path):
     assert status == 0, verdict
     assert oks(ledger) == list(SPANS)
     assert "1 numba driver probes" in verdict
+
+
+def test_cuda_core_context_probe_is_counted_apart(tmp_path):
+    # cuda.core's Device() in a fresh process (dask-cuda's worker preload): a handled return code
+    lines = [(150.0, PROBE), (160.0, CONTEXT_PROBE), (300.0, "========= ERROR SUMMARY: 2 errors")]
+    log, times, ledger = make(tmp_path, lines, SPANS, list(SPANS))
+    status, verdict = mt.triage(log, times, ledger)
+    assert status == 0, verdict
+    assert oks(ledger) == list(SPANS)
+    assert "1 cuda.core context probes" in verdict
+
+
+def test_invalid_context_elsewhere_is_a_report(tmp_path):
+    launch = CONTEXT_PROBE.replace("cuCtxGetDevice", "cuLaunchKernel")
+    log, times, ledger = make(tmp_path, [(200.0, launch)], SPANS, list(SPANS))
+    status, verdict = mt.triage(log, times, ledger, slack=30.0)
+    assert status == 1, verdict
+    assert oks(ledger + ".rejected") == ["t::during", "t::just_before"]
 
 
 def test_a_report_after_progress_dots_rejects_the_tests_running_then(tmp_path):
