@@ -594,7 +594,7 @@ def test_graphs_environment_variable(monkeypatch):
     from twellpy.backends.cuda_ffn import graphs_default
 
     monkeypatch.delenv("TWELLPY_FFN_GRAPHS", raising=False)
-    assert graphs_default() is False
+    assert graphs_default() is True
     monkeypatch.setenv("TWELLPY_FFN_GRAPHS", "1")
     assert graphs_default() is True
     monkeypatch.setenv("TWELLPY_FFN_GRAPHS", "0")

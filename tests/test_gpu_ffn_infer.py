@@ -1389,6 +1389,10 @@ def test_graph_capture_that_allocates_falls_back(monkeypatch):
 
 def test_graphs_of_the_environment_default(monkeypatch):
     w = make_ffn(4, 128, 512, 12, dtype=np.float32, xp=cp, seed=68)
+    monkeypatch.delenv("TWELLPY_FFN_GRAPHS", raising=False)  # unset: on
+    assert GatedFFN(w["w_gate"], w["w_up"], w["w_down"]).graphs is True
+    monkeypatch.setenv("TWELLPY_FFN_GRAPHS", "0")
+    assert GatedFFN(w["w_gate"], w["w_up"], w["w_down"]).graphs is False
     monkeypatch.setenv("TWELLPY_FFN_GRAPHS", "1")
     ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"])
     assert ffn.graphs is True and "graphs=True" in repr(ffn)

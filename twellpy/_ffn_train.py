@@ -345,9 +345,9 @@ def _speculate_setting(value):
     return value == "1"
 
 
-#: Default of ``speculate`` (TWELLPY_TRAIN_SPECULATE=0|1). Off until it is timed
-#: on a GPU (issue 5: the host waited 0.55 ms of a 3.47 ms W1-16k step at the
-#: forward's count read, H200, 2026-12-05).
+#: Default of ``speculate`` (TWELLPY_TRAIN_SPECULATE=0|1). Off: a speculative step's W
+#: comes from the layer's previous step, so its bits depend on that history. It saved
+#: about 3% of a W1-16k step (3.77 against 3.91 ms, H100, 2026-12-06).
 SPECULATE = _speculate_setting(os.environ.get("TWELLPY_TRAIN_SPECULATE", "0"))
 
 #: Extra backup rows of a speculative layout, as a fraction of the wide rows of
