@@ -215,7 +215,7 @@ def bench_graphs(row, x, wg, wu, wd, reps, dense, log):
     import torch
 
     graphed = GatedFFN(wg, wu, wd, graphs=True)
-    plain = GatedFFN(wg, wu, wd)
+    plain = GatedFFN(wg, wu, wd, graphs=False)  # graphs are on by default since 2026-12-07
     for _ in range(3):  # warm-up, capture, replay
         y = graphed(x, check_finite=False)
     row["graph_note"] = graphed.last_info.get("graph")
@@ -235,7 +235,8 @@ def bench_graphs(row, x, wg, wu, wd, reps, dense, log):
     del graphed, plain
 
 
-def plot_crossover(rows, paths):
+def plot_crossover(rows, paths, device_name):
+    """The speedup-against-density plot (issue 4), titled with the GPU that measured it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -250,7 +251,7 @@ def plot_crossover(rows, paths):
     ax.set_xscale("log")
     ax.set_xlabel("mean active neurons per token (H = 5632)")
     ax.set_ylabel("speedup over dense cuBLAS FFN")
-    ax.set_title("Gated FFN, M=16384, D=2048, H=5632, bf16, H200")
+    ax.set_title(f"Gated FFN, M=16384, D=2048, H=5632, bf16, {device_name.replace('NVIDIA ', '')}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -271,7 +272,8 @@ def run_gpu(args):
         lines.append(msg)
 
     dev = cp.cuda.runtime.getDeviceProperties(0)
-    log(f"device {dev['name'].decode() if isinstance(dev['name'], bytes) else dev['name']}, "
+    device_name = dev["name"].decode() if isinstance(dev["name"], bytes) else dev["name"]
+    log(f"device {device_name}, "
         f"{time.strftime('%Y-%m-%d %H:%M:%S')}")
     names = ["W1-16k", "W4-1"] if args.quick else GPU_WORKLOADS
     rows = []
@@ -304,7 +306,7 @@ def run_gpu(args):
                 sweep.append(row)
         paths = [ROOT / "docs" / "ffn_crossover.png"] + ([Path(out) / "ffn_crossover.png"] if out else [])
         if sweep:
-            plot_crossover(sweep, paths)
+            plot_crossover(sweep, paths, device_name)
         cross = [r["nnz"] for r in sweep if r["speedup"] < 1.0] if sweep else []
         log(f"crossover (first swept nnz/token where sparse is slower than dense): {cross[0] if cross else '> 400'}"
             f"; the plan's auto_threshold: {sweep[0]['auto_threshold'] if sweep else float('nan'):.1f} nnz/token")

@@ -110,7 +110,7 @@ def rel(a, b):
     return float(torch.linalg.norm(a - b) / torch.linalg.norm(b))
 
 
-def bench(name, reps):
+def bench(name, reps, widths=()):
     import torch
 
     cp = _cp()
@@ -127,8 +127,9 @@ def bench(name, reps):
     res = {"workload": name, **spec}
 
     # ---------------- twellpy (the exact path unless speculate=True)
-    def tw_step(speculate=False):
-        y, ctx = T.gated_forward_train(x, wg, wu, wd, l1=L1, check_finite=False, speculate=speculate)
+    def tw_step(speculate=False, width="auto"):
+        y, ctx = T.gated_forward_train(x, wg, wu, wd, l1=L1, check_finite=False, speculate=speculate,
+                                       width=width)
         return (y,) + T.gated_backward(ctx, dy)
 
     def tw_fwd(speculate=False):
@@ -259,7 +260,26 @@ def bench(name, reps):
     names = ("y", "dx", "dw_gate", "dw_up", "dw_down")
     res["tw_rel_err"] = {n: rel(to_torch(o), r) for n, o, r in zip(names, tw_outs, ref)}
     res["torch_rel_err"] = {n: rel(o, r) for n, o, r in zip(names, t_outs, ref)}
-    del ref, t_outs, tw_outs
+    del t_outs, tw_outs
+    # other ELL widths (--widths), exact path: a small W sends most rows to the dense
+    # backup rows (cuBLAS GEMMs), which may beat the gathers at high density (W2)
+    res["widths"] = []
+    for width in widths:
+        cp.get_default_memory_pool().free_all_blocks()
+        _, ctx_w = T.gated_forward_train(x, wg, wu, wd, l1=L1, check_finite=False, width=width)
+        row = {"width_arg": width, "W": ctx_w.stats["width"], "R": ctx_w.stats["n_backup_rows"]}
+        del ctx_w
+        hook = PeakHook()
+        with hook:
+            base = hook.cur
+            outs = tw_step(width=width)
+            cp.cuda.Device().synchronize()
+        row["extra_peak_MB"] = (hook.peak - base - sum(o.nbytes for o in outs)) / 2**20
+        row["rel_err"] = max(rel(to_torch(o), r) for o, r in zip(outs, ref))
+        del outs
+        row["ms"] = time_ms(lambda: tw_step(width=width), reps)
+        res["widths"].append(row)
+    del ref
     torch.cuda.empty_cache()
     res["speedup"] = res["torch_ms"][0] / res["tw_ms"][0]
     res["speedup_spec"] = res["torch_ms"][0] / res["tw_spec_ms"][0]
@@ -315,6 +335,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", nargs="+", default=["W1-16k", "W2"])
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--widths", nargs="*", default=[],
+                    help="also time the exact step with these ELL widths (ints or strategies, e.g. 1 32 "
+                         "quantile:0.5); rows wider than W take the dense backup-row GEMMs")
     ap.add_argument("--cpu", action="store_true",
                     help="time the CPU (Numba) step of a small model (D=256, H=1024, M=4096) instead")
     args = ap.parse_args(argv)
@@ -329,7 +352,7 @@ def main(argv=None):
     dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     results = []
     for name in args.workloads:
-        r = bench(name, args.reps)
+        r = bench(name, args.reps, [int(w) if w.isdigit() else w for w in args.widths])
         print(json.dumps(r), flush=True)
         results.append(r)
         cp.get_default_memory_pool().free_all_blocks()
@@ -348,6 +371,13 @@ def main(argv=None):
               f"{r['tw_fwd_ms'][0]:6.2f}/{r['tw_bwd_ms'][0]:<6.2f} {r['speedup']:6.2f}x "
               f"{r['gate_gemm_ms'][0]:9.3f} {r['torch_extra_peak_MB']:12.0f} {r['tw_extra_peak_MB']:9.0f} "
               f"{r['mem_ratio']:5.2f} {e_tw:10.2e} / {e_d:9.2e}")
+    for r in results:
+        for row in r["widths"]:
+            print(f"{r['workload']} width {row['width_arg']!s:>13}: W {row['W']}, R {row['R']}, step "
+                  f"{row['ms'][0]:.3f} ms ({r['torch_ms'][0] / row['ms'][0]:.2f}x dense, default width "
+                  f"{r['tw_ms'][0]:.3f}), extra memory {row['extra_peak_MB']:.0f} MB "
+                  f"({row['extra_peak_MB'] / max(r['torch_extra_peak_MB'], 1e-9):.2f} of dense), "
+                  f"max rel err {row['rel_err']:.2e}")
     for r in results:
         print(f"{r['workload']} split step (TWELLPY_TRAIN_SPLIT): fwd {r['tw_fwd_split_ms'][0]:.3f} ms "
               f"(fused {r['tw_fwd_ms'][0]:.3f}), bwd {r['tw_bwd_split_ms'][0]:.3f} ms "
