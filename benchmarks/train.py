@@ -110,6 +110,12 @@ def rel(a, b):
     return float(torch.linalg.norm(a - b) / torch.linalg.norm(b))
 
 
+# (label, cuda_train.ROWS) of the row-loop table: the first is the reference for "same bits"
+ROW_VARIANTS = [("default", {}), ("off (vec 1)", None), ("slot batch 1", {"TW_SLOT_BATCH": 1}),
+                ("row in smem", {"TW_XSRC_SMEM": 1}), ("smem, batch 1", {"TW_XSRC_SMEM": 1, "TW_SLOT_BATCH": 1}),
+                ("smem, batch 4", {"TW_XSRC_SMEM": 1, "TW_SLOT_BATCH": 4})]
+
+
 def bench(name, reps, widths=()):
     import torch
 
@@ -145,6 +151,25 @@ def bench(name, reps, widths=()):
     res["tw_ms"] = time_ms(tw_step, reps)
     res["tw_fwd_ms"] = time_ms(tw_fwd, reps)
     res["tw_bwd_ms"] = time_ms(lambda: T.gated_backward(ctx, dy), reps)
+    # the ELL kernels' row loops (TWELLPY_TRAIN_ROWS): off (the x / dy row re-read for every
+    # slot), the default, and other define sets; the same bits as the default, required
+    res["rows"] = []
+    saved_rows = ct.ROWS
+    try:
+        base_outs = None
+        for label, setting in ROW_VARIANTS:
+            ct.ROWS = setting
+            y_v, ctx_v = tw_fwd()
+            outs_v = (y_v,) + T.gated_backward(ctx_v, dy)
+            if base_outs is None:
+                base_outs = outs_v
+            same = all(bool((a.view(cp.uint16) == b.view(cp.uint16)).all()) for a, b in zip(outs_v, base_outs))
+            res["rows"].append({"variant": label, "same_bits": same, "fwd_ms": time_ms(tw_fwd, reps),
+                                "bwd_ms": time_ms(lambda: T.gated_backward(ctx_v, dy), reps)})
+            del y_v, ctx_v, outs_v
+        del base_outs
+    finally:
+        ct.ROWS = saved_rows
     # the split step (TWELLPY_TRAIN_SPLIT: y from a shared-memory slice of w_down, dx
     # from slices of w_up and w_gate, twellpy_spmm_resident), against the fused
     # kernels: the backward on the same context, the forward's y
@@ -378,6 +403,10 @@ def main(argv=None):
                   f"{r['tw_ms'][0]:.3f}), extra memory {row['extra_peak_MB']:.0f} MB "
                   f"({row['extra_peak_MB'] / max(r['torch_extra_peak_MB'], 1e-9):.2f} of dense), "
                   f"max rel err {row['rel_err']:.2e}")
+    for r in results:
+        for row in r["rows"]:
+            print(f"{r['workload']} row loops (TWELLPY_TRAIN_ROWS) {row['variant']:>14}: fwd {row['fwd_ms'][0]:.3f} ms, "
+                  f"bwd {row['bwd_ms'][0]:.3f} ms, same bits as the default: {row['same_bits']}")
     for r in results:
         print(f"{r['workload']} split step (TWELLPY_TRAIN_SPLIT): fwd {r['tw_fwd_split_ms'][0]:.3f} ms "
               f"(fused {r['tw_fwd_ms'][0]:.3f}), bwd {r['tw_bwd_split_ms'][0]:.3f} ms "

@@ -23,12 +23,35 @@
 #ifndef TW_PACK_UNROLL
 #define TW_PACK_UNROLL 4  // 16-byte loads in flight per lane in relu_to_hybrid's ELL rows (as ffn_rowpack)
 #endif
+// vec = 2 in twellpy_train_fwd / _bwd: each lane keeps its TW_XREG 16-byte vectors of
+// the x (dy) row in registers (so D <= 32 * TW_XREG * 16 / sizeof(T)) instead of
+// re-reading the row for every slot's dot product, and the dot products of
+// TW_SLOT_BATCH slots gather their weight rows together.
+#ifndef TW_XREG
+#define TW_XREG 8
+#endif
+#ifndef TW_SLOT_BATCH
+#define TW_SLOT_BATCH 2
+#endif
+// Resident blocks per SM twellpy_train_fwd / _bwd are register-sized for (launch bound):
+// 1 leaves the compiler free (about 160 registers at bf16 with the defaults above), 2 caps
+// a thread at 128, 3 at 80.
+// Where vec = 2 keeps the row: 0 in registers, 1 in shared memory (TW_WARPS * TW_XREG *
+// 512 bytes a block), which leaves the registers to the weight gathers in flight.
+#ifndef TW_XSRC_SMEM
+#define TW_XSRC_SMEM 0
+#endif
+#ifndef TW_ROW_MIN_BLOCKS
+#define TW_ROW_MIN_BLOCKS 1
+#endif
 #ifndef TW_GATHER_THREADS
 #define TW_GATHER_THREADS 128  // threads per block of the gather (SpMM^T) kernels
 #endif
 
 static_assert(TW_WARPS >= 1 && TW_WARPS <= 32, "TW_WARPS must be in [1, 32]");
 static_assert(TW_PACK_UNROLL >= 1 && TW_PACK_UNROLL <= 8, "TW_PACK_UNROLL must be in [1, 8]");
+static_assert(TW_XREG >= 1 && TW_XREG <= 16, "TW_XREG must be in [1, 16]");
+static_assert(TW_SLOT_BATCH >= 1 && TW_SLOT_BATCH <= 8, "TW_SLOT_BATCH must be in [1, 8]");
 static_assert(TW_GATHER_THREADS % 32 == 0 && TW_GATHER_THREADS <= 1024,
               "TW_GATHER_THREADS must be a multiple of 32, at most 1024");
 
@@ -117,6 +140,157 @@ __device__ __forceinline__ A warp_dot(const T* __restrict__ a, const T* __restri
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
     return s;
+}
+
+// A warp's copy of one x (dy) row for vec = 2: lane l's vector j (j < TW_XREG) holds the
+// columns (32 j + l) * N .. + N - 1, the ones warp_dot's vector loop gives it (zeros past D).
+struct RowRegs {  // in the lane's registers
+    uint4 v[TW_XREG];
+    __device__ __forceinline__ uint4 get(int j, int) const { return v[j]; }
+    __device__ __forceinline__ void put(int j, int, uint4 x) { v[j] = x; }
+};
+struct RowSmem {  // in the warp's TW_XREG * 512 bytes of shared memory
+    uint4* p;
+    __device__ __forceinline__ uint4 get(int j, int lane) const { return p[j * 32 + lane]; }
+    __device__ __forceinline__ void put(int j, int lane, uint4 x) { p[j * 32 + lane] = x; }
+};
+
+template <typename T, typename Row>
+__device__ __forceinline__ void load_row(const T* __restrict__ row, int D, int lane, Row& xr) {
+    constexpr int N = VecN<T>::N;
+#pragma unroll
+    for (int j = 0; j < TW_XREG; ++j) {
+        const int c = (j * 32 + lane) * N;
+        xr.put(j, lane, (c < D) ? __ldg(reinterpret_cast<const uint4*>(row + c)) : make_uint4(0u, 0u, 0u, 0u));
+    }
+    __syncwarp();  // shared rows: every lane's vectors are written before any is read
+}
+
+// warp_dot (vector path) of a register-held row with the weight rows w[k[b]], b < live,
+// for KB slots at once: every weight load of the batch is issued before any product,
+// and the butterflies of the batch interleave. Per slot the products, their order and
+// the reduction are warp_dot's, so the results are the same bits. out[b] for b >= live
+// is meaningless.
+template <typename T, typename A, int KB, typename Row>
+__device__ __forceinline__ void warp_dots_row(const Row& xr, const T* __restrict__ w, const int (&k)[KB], int live,
+                                              int D, int lane, A (&out)[KB]) {
+    constexpr int N = VecN<T>::N;
+    uint4 wv[KB][TW_XREG];
+#pragma unroll
+    for (int b = 0; b < KB; ++b) {
+        const T* wr = w + (long long)(b < live ? k[b] : 0) * D;
+#pragma unroll
+        for (int j = 0; j < TW_XREG; ++j) {
+            const int c = (j * 32 + lane) * N;
+            if (c < D) wv[b][j] = __ldg(reinterpret_cast<const uint4*>(wr + c));
+            else wv[b][j] = make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+#pragma unroll
+    for (int b = 0; b < KB; ++b) {
+        A s = A(0);
+#pragma unroll
+        for (int j = 0; j < TW_XREG; ++j) {
+            if ((j * 32 + lane) * N < D) {
+                A xa[N], wa[N];
+                unpack16<T, A>(xr.get(j, lane), xa);
+                unpack16<T, A>(wv[b][j], wa);
+#pragma unroll
+                for (int i = 0; i < N; ++i) s += xa[i] * wa[i];
+            }
+        }
+        out[b] = s;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+#pragma unroll
+        for (int b = 0; b < KB; ++b) out[b] += __shfl_xor_sync(0xffffffffu, out[b], off);
+    }
+}
+
+// out_row = sum over the slots s < n, in slot order, of a_s * wa[k_s] (+ b_s * wb[k_s] when
+// DUAL), one fp32 (fp64) accumulator per column, 16-byte vectors (the vec = 1 loops' products
+// in their order, so the same bits). The coefficients come from the row's slot values p and q:
+// PROD (the forward's y): a_s = h_value<GATED>(p_s, q_s); otherwise (the backward's dx)
+// a_s = p_s, b_s = q_s. Each lane loads one slot's column and coefficients, 32 slots at a
+// time, and shuffles broadcast them, so no weight gather waits for a dependent load.
+template <typename T, typename A, bool DUAL, bool PROD, int GATED>
+__device__ __forceinline__ void warp_slot_axpys(int n, const int* __restrict__ idx_row, const T* __restrict__ p,
+                                                const T* __restrict__ q, const T* __restrict__ wa,
+                                                const T* __restrict__ wb, T* __restrict__ out_row, int D,
+                                                int lane) {
+    constexpr int N = VecN<T>::N;
+    const int chunks = (D + 32 * N - 1) / (32 * N);  // warp-uniform: every lane joins the shuffles
+    for (int j = 0; j < chunks; ++j) {
+        const int c = (j * 32 + lane) * N;
+        const bool col_ok = c < D;
+        A acc[N];
+#pragma unroll
+        for (int i = 0; i < N; ++i) acc[i] = A(0);
+        for (int g0 = 0; g0 < n; g0 += 32) {
+            int mk = 0;
+            A ma = A(0), mb = A(0);
+            const int s = g0 + lane;
+            if (s < n) {
+                mk = idx_row[s];
+                if (PROD) {
+                    ma = h_value<T, A, GATED>(p[s], q[s]);
+                } else {
+                    ma = to_acc<A, T>(p[s]);
+                    if (DUAL) mb = to_acc<A, T>(q[s]);
+                }
+            }
+            const int cnt = min(32, n - g0);
+#pragma unroll 4
+            for (int t = 0; t < cnt; ++t) {
+                const long long k = __shfl_sync(0xffffffffu, mk, t);
+                const A a = __shfl_sync(0xffffffffu, ma, t);
+                A wv[N];
+                if (col_ok) {
+                    load_vec<T, A>(wa + k * D + c, wv);
+#pragma unroll
+                    for (int i = 0; i < N; ++i) acc[i] = fma(a, wv[i], acc[i]);
+                }
+                if (DUAL) {
+                    const A b = __shfl_sync(0xffffffffu, mb, t);
+                    if (col_ok) {
+                        load_vec<T, A>(wb + k * D + c, wv);
+#pragma unroll
+                        for (int i = 0; i < N; ++i) acc[i] = fma(b, wv[i], acc[i]);
+                    }
+                }
+            }
+        }
+        if (col_ok) store_vec<T, A>(out_row + c, acc);
+    }
+}
+
+// The forward's slot epilogue: u rounded to T into uval[at] (lane 0), returns |h| of the slot.
+template <typename T, typename A>
+__device__ __forceinline__ A fwd_slot_u(T* __restrict__ uval, const T* __restrict__ gval, long long at, A u,
+                                        int lane) {
+    const T ut = from_acc<T, A>(u);
+    if (lane == 0) uval[at] = ut;
+    return abs_acc(h_value<T, A, 1>(gval[at], ut));
+}
+
+// The backward's slot epilogue: dh (+ the L1 term) into du, dg (GATED) or dh (lane 0).
+template <typename T, typename A, int GATED>
+__device__ __forceinline__ void bwd_slot_d(const T* __restrict__ gval, const T* __restrict__ uval,
+                                           T* __restrict__ da, T* __restrict__ db, long long at, A dh, double l1s,
+                                           int lane) {
+    const T g = gval[at];
+    const T u = GATED ? uval[at] : g;
+    // as the backup-row kernel and the numpy twin: no L1 term (not 0 * sign, NaN for a NaN h) when l1 = 0
+    if (l1s != 0.0) dh += A(l1s) * sign_of<A>(h_value<T, A, GATED>(g, u));
+    if (lane == 0) {
+        if (GATED) {
+            da[at] = from_acc<T, A>(dh * to_acc<A, T>(g));
+            db[at] = from_acc<T, A>(dh * to_acc<A, T>(u));
+        } else {
+            da[at] = from_acc<T, A>(dh);
+        }
+    }
 }
 
 }  // namespace twellpy_train
@@ -393,8 +567,11 @@ twellpy_train_csr_to_hybrid(const long long* __restrict__ indptr, const int* __r
 //                        with Y = 0: the split forward computes y with twellpy_spmm_resident)
 //   habs    (M,)   A     out: sum of |h| over the row's slots (the L1 statistic without
 //                        another pass over the values; 0 for backup rows), A = accum<T>
+//   vec     0: scalar loops; 1: 16-byte vectors (rows 16-byte aligned, D * sizeof(T) % 16 == 0);
+//           2: as 1, with the x row in registers (D <= 32 * TW_XREG * 16 / sizeof(T)) and the
+//           slot metadata of the y product broadcast by shuffles. 1 and 2 give the same bits.
 template <typename T, int GATED, int Y = 1>
-__global__ void __launch_bounds__(32 * TW_WARPS)
+__global__ void __launch_bounds__(32 * TW_WARPS, TW_ROW_MIN_BLOCKS)
 twellpy_train_fwd(const T* __restrict__ x, const T* __restrict__ w_up, const T* __restrict__ w_downT,
                   const int* __restrict__ idx, const int* __restrict__ nnz, const T* __restrict__ gval,
                   T* __restrict__ uval, T* __restrict__ y, typename accum<T>::type* __restrict__ habs,
@@ -408,12 +585,29 @@ twellpy_train_fwd(const T* __restrict__ x, const T* __restrict__ w_up, const T* 
     A hs = A(0);  // sum of |h| in slot order (every lane holds the same value)
     if (GATED) {
         const T* xr = x + r * (long long)D;
-        for (int s = 0; s < n; ++s) {
-            const int k = idx[base + s];
-            const A u = warp_dot<T, A>(xr, w_up + (long long)k * D, D, vec, lane);
-            const T ut = from_acc<T, A>(u);
-            if (lane == 0) uval[base + s] = ut;
-            hs += abs_acc(h_value<T, A, 1>(gval[base + s], ut));
+        if (vec == 2) {
+#if TW_XSRC_SMEM
+            __shared__ uint4 s_rows[TW_WARPS][TW_XREG * 32];
+            RowSmem xrow{s_rows[threadIdx.x >> 5]};
+#else
+            RowRegs xrow;
+#endif
+            load_row<T>(xr, D, lane, xrow);
+            for (int s0 = 0; s0 < n; s0 += TW_SLOT_BATCH) {
+                const int live = min(TW_SLOT_BATCH, n - s0);
+                int k[TW_SLOT_BATCH];
+                A u[TW_SLOT_BATCH];
+#pragma unroll
+                for (int b = 0; b < TW_SLOT_BATCH; ++b) k[b] = (b < live) ? idx[base + s0 + b] : 0;
+                warp_dots_row<T, A, TW_SLOT_BATCH>(xrow, w_up, k, live, D, lane, u);
+#pragma unroll
+                for (int b = 0; b < TW_SLOT_BATCH; ++b)
+                    if (b < live) hs += fwd_slot_u<T, A>(uval, gval, base + s0 + b, u[b], lane);
+            }
+        } else {
+            for (int s = 0; s < n; ++s)
+                hs += fwd_slot_u<T, A>(uval, gval, base + s,
+                                       warp_dot<T, A>(xr, w_up + (long long)idx[base + s] * D, D, vec, lane), lane);
         }
         for (int s = n + lane; s < W; s += 32) uval[base + s] = zero_value<T>();
         __syncwarp();
@@ -423,7 +617,10 @@ twellpy_train_fwd(const T* __restrict__ x, const T* __restrict__ w_up, const T* 
     if (lane == 0) habs[r] = hs;
     if (!Y) return;  // uniform over the warp
     T* yr = y + r * (long long)D;
-    if (vec) {
+    if (vec == 2) {
+        warp_slot_axpys<T, A, false, true, GATED>(n, idx + base, gval + base, (GATED ? uval : gval) + base,
+                                                  w_downT, w_downT, yr, D, lane);
+    } else if (vec) {
         constexpr int N = VecN<T>::N;
         for (int c = lane * N; c < D; c += 32 * N) {
             A acc[N];
@@ -463,8 +660,9 @@ twellpy_train_fwd(const T* __restrict__ x, const T* __restrict__ w_up, const T* 
 //   db      (M, W) T   out: dg (GATED), padding 0
 //   dx      (M, D) T   out: ELL rows; 0 for backup rows (not written with DX = 0: the split
 //                      backward computes dx with twellpy_spmm_resident, DUAL, from da and db)
+//   vec     as in twellpy_train_fwd (2: the dy row in registers); 1 and 2 give the same bits
 template <typename T, int GATED, int DX = 1>
-__global__ void __launch_bounds__(32 * TW_WARPS)
+__global__ void __launch_bounds__(32 * TW_WARPS, TW_ROW_MIN_BLOCKS)
 twellpy_train_bwd(const T* __restrict__ dy, const T* __restrict__ w_downT, const T* __restrict__ w_a,
                   const T* __restrict__ w_b, const int* __restrict__ idx, const int* __restrict__ nnz,
                   const T* __restrict__ gval, const T* __restrict__ uval, T* __restrict__ da,
@@ -476,21 +674,30 @@ twellpy_train_bwd(const T* __restrict__ dy, const T* __restrict__ w_downT, const
     const int n = min(nnz[r], W);
     const long long base = r * (long long)W;
     const T* dyr = dy + r * (long long)D;
-    for (int s = 0; s < n; ++s) {
-        const int k = idx[base + s];
-        A dh = warp_dot<T, A>(dyr, w_downT + (long long)k * D, D, vec, lane);
-        const T g = gval[base + s];
-        const T u = GATED ? uval[base + s] : g;
-        // as the backup-row kernel and the numpy twin: no L1 term (not 0 * sign, NaN for a NaN h) when l1 = 0
-        if (l1s != 0.0) dh += A(l1s) * sign_of<A>(h_value<T, A, GATED>(g, u));
-        if (lane == 0) {
-            if (GATED) {
-                da[base + s] = from_acc<T, A>(dh * to_acc<A, T>(g));
-                db[base + s] = from_acc<T, A>(dh * to_acc<A, T>(u));
-            } else {
-                da[base + s] = from_acc<T, A>(dh);
-            }
+    if (vec == 2) {
+#if TW_XSRC_SMEM
+        __shared__ uint4 s_rows[TW_WARPS][TW_XREG * 32];
+        RowSmem dyrow{s_rows[threadIdx.x >> 5]};
+#else
+        RowRegs dyrow;
+#endif
+        load_row<T>(dyr, D, lane, dyrow);
+        for (int s0 = 0; s0 < n; s0 += TW_SLOT_BATCH) {
+            const int live = min(TW_SLOT_BATCH, n - s0);
+            int k[TW_SLOT_BATCH];
+            A dh[TW_SLOT_BATCH];
+#pragma unroll
+            for (int b = 0; b < TW_SLOT_BATCH; ++b) k[b] = (b < live) ? idx[base + s0 + b] : 0;
+            warp_dots_row<T, A, TW_SLOT_BATCH>(dyrow, w_downT, k, live, D, lane, dh);
+#pragma unroll
+            for (int b = 0; b < TW_SLOT_BATCH; ++b)
+                if (b < live) bwd_slot_d<T, A, GATED>(gval, uval, da, db, base + s0 + b, dh[b], l1s, lane);
         }
+    } else {
+        for (int s = 0; s < n; ++s)
+            bwd_slot_d<T, A, GATED>(gval, uval, da, db, base + s,
+                                    warp_dot<T, A>(dyr, w_downT + (long long)idx[base + s] * D, D, vec, lane), l1s,
+                                    lane);
     }
     for (int s = n + lane; s < W; s += 32) {
         da[base + s] = zero_value<T>();
@@ -499,7 +706,10 @@ twellpy_train_bwd(const T* __restrict__ dy, const T* __restrict__ w_downT, const
     if (!DX) return;  // uniform over the warp
     __syncwarp();
     T* dxr = dx + r * (long long)D;
-    if (vec) {
+    if (vec == 2) {
+        warp_slot_axpys<T, A, GATED != 0, false, GATED>(n, idx + base, da + base, db + base, w_a, w_b, dxr, D,
+                                                        lane);
+    } else if (vec) {
         constexpr int N = VecN<T>::N;
         for (int c = lane * N; c < D; c += 32 * N) {
             A acc[N];

@@ -592,6 +592,46 @@ def test_split_training_step_gives_the_fused_bits(monkeypatch, case, dtype, gate
 
 
 
+ROW_CASES = dict(CASES, w1_shape=dict(M=512, D=2048, H=5632, nnz=30, sigma=0.3),
+                 fp64_edge=dict(M=64, D=512, H=700, nnz=40))
+
+
+# float64 runs the smaller cases only (the same loops with N = 2 elements a vector)
+ROW_CASE_DTYPES = ([(c, d) for c in ROW_CASES for d in (np.dtype(np.float32), bfloat16)]
+                   + [(c, np.dtype(np.float64)) for c in ("uniform", "odd", "fp64_edge", "M1")])
+
+
+@pytest.mark.parametrize("case, dtype", ROW_CASE_DTYPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("variant", [{}, {"TW_XSRC_SMEM": 1, "TW_SLOT_BATCH": 3}], ids=["default", "smem-b3"])
+def test_training_row_loops_give_the_vector_loop_bits(monkeypatch, case, dtype, gated, variant):
+    """The ELL kernels' row-keeping loops (vec = 2, cuda_train.ROWS) give the bits of the
+    loops that re-read the row per slot (vec = 1, ROWS = None) for y, u and every
+    gradient, on every case (a token firing 2000 neurons, empty rows, M = 1, odd D that
+    takes neither, D = 4096 past the registers' reach, which keeps vec = 1)."""
+    import cupy as cp
+
+    from twellpy.backends import cuda_train
+
+    *inputs, dy = [a.astype(dtype) for a in make_problem(**ROW_CASES[case], seed=17, gated=gated)]
+    dev = [to_gpu(a) for a in inputs]
+    dyg = to_gpu(dy)
+    fwd, bwd = (T.gated_forward_train, T.gated_backward) if gated else (T.relu_forward_train, T.relu_backward)
+    outs = {}
+    for label, rows in (("row", variant), ("vec1", None)):
+        monkeypatch.setattr(cuda_train, "ROWS", rows)
+        poison()
+        y, ctx = fwd(*dev, l1=0.05)
+        poison()
+        grads = bwd(ctx, dyg)
+        outs[label] = (y, ctx.uvals if gated else ctx.gvals) + tuple(grads)
+    u = {2: np.uint16, 4: np.uint32, 8: np.uint64}[np.dtype(dtype).itemsize]
+    for name, a, b in zip(("y", "u", "dx", "dw_a", "dw_b", "dw_c"), outs["row"], outs["vec1"]):
+        assert bool((cp.asarray(a).view(u) == cp.asarray(b).view(u)).all()), name
+    ref = (dense_gated if gated else dense_relu)(*inputs, dy, 0.05)
+    assert rel(outs["row"][0], ref["y"]) <= TOL[np.dtype(dtype)]
+
+
 @pytest.mark.parametrize("gated", [True, False])
 def test_split_training_step_refuses_an_empty_model_dimension(monkeypatch, gated):
     """D = 0 with the split forced on: refused before any kernel, like inference and the CPU

@@ -950,7 +950,7 @@ def bwd_lib(tmp_path_factory):
 
 @pytest.mark.parametrize("dtype", [bfloat16, np.dtype(np.float32)], ids=str)
 @pytest.mark.parametrize("gated", [True, False])
-@pytest.mark.parametrize("vec", [1, 0])
+@pytest.mark.parametrize("vec", [2, 1, 0])
 def test_split_training_backward_gives_the_fused_bits(bwd_lib, dtype, gated, vec):
     """The backward split (the fused kernel without its dx product, then
     twellpy_spmm_resident with the du and dg slices of w_up and w_gate) writes the
@@ -1105,7 +1105,7 @@ def fwd_lib(tmp_path_factory):
 
 @pytest.mark.parametrize("dtype", [bfloat16, np.dtype(np.float32)], ids=str)
 @pytest.mark.parametrize("gated", [True, False])
-@pytest.mark.parametrize("vec", [1, 0])
+@pytest.mark.parametrize("vec", [2, 1, 0])
 def test_split_training_forward_gives_the_fused_bits(fwd_lib, dtype, gated, vec):
     """The forward split (the fused kernel without its y product, then
     twellpy_spmm_resident forming h = g * u rounded to T while staging, PROD)
@@ -1151,6 +1151,86 @@ def test_split_training_forward_gives_the_fused_bits(fwd_lib, dtype, gated, vec)
     np.testing.assert_array_equal(split[2].view(bits), fused[2].view(bits), err_msg="y")
     y = split[2].astype(np.float64)
     assert not np.isnan(y).any() and not y[[0, 7, M - 1]].any()
+
+
+# The row-keeping loops of the ELL forward and backward (vec = 2: the x / dy row read once
+# into registers or shared memory, TW_SLOT_BATCH dot products gathered together, the y / dx
+# slot metadata broadcast by shuffles) against the vec = 1 loops: the same bits. Variants:
+# the defaults, and the row in shared memory with an odd slot batch (3, so batches end
+# part-full).
+ROW_VARIANTS = [{}, {"TW_XSRC_SMEM": 1, "TW_SLOT_BATCH": 3}]
+
+
+@pytest.fixture(scope="module", params=ROW_VARIANTS, ids=["default", "smem-b3"])
+def row_libs(request, tmp_path_factory):
+    res = _emulation_source("spmm_resident.cu").replace('#include "common.cuh"', "")
+    defines = {**_BWD_DEFINES, **request.param}
+    return (_build(tmp_path_factory, "train_ffn.cu", _FWD_HARNESS.replace('#include "resident_source.cuh"', res),
+                   defines),
+            _build(tmp_path_factory, "train_ffn.cu", _BWD_HARNESS.replace('#include "resident_source.cuh"', res),
+                   defines))
+
+
+@pytest.mark.parametrize("dtype, D", [(bfloat16, 2048), (bfloat16, 200), (bfloat16, 64), (np.dtype(np.float32), 1024),
+                                      (np.dtype(np.float32), 36)], ids=lambda v: str(v))
+@pytest.mark.parametrize("gated", [True, False])
+def test_training_row_loops_give_the_vector_loop_bits(row_libs, dtype, D, gated):
+    """vec = 2 and vec = 1 write the same u, |h| sums, y, du, dg and dx bits, on rows of
+    0 to W slots with W past 32 (the shuffled metadata comes 32 slots at a time), D from
+    one partial vector round (lanes without columns) to the whole TW_XREG vectors a lane."""
+    from twellpy.backends import cuda_train
+
+    fwd_lib, bwd_lib = row_libs
+    assert D <= 32 * (16 // np.dtype(dtype).itemsize) * cuda_train.ROW_XREG
+    rng = np.random.default_rng(D + 7 * gated)
+    M, W, H = 20, 40, 96
+    nnz = rng.integers(0, W + 1, M).astype(np.int32)
+    nnz[[0, M - 1]] = 0
+    nnz[[1, 5]] = W
+    nnz[2] = 33
+    idx = np.full((M, W), -1, np.int32)
+    gval = np.zeros((M, W), np.float32)
+    for r in range(M):
+        idx[r, :nnz[r]] = np.sort(rng.choice(H, nnz[r], replace=False))
+        gval[r, :nnz[r]] = rng.random(nnz[r]) + 0.1
+    gval = gval.astype(dtype)
+    x, dy = (rng.standard_normal((M, D)).astype(dtype) for _ in range(2))
+    w_up, w_downT, w_gate = ((rng.standard_normal((H, D)) / 8).astype(dtype) for _ in range(3))
+    sfx = "bf16" if dtype == bfloat16 else "f32"
+    bits = np.uint16 if dtype == bfloat16 else np.uint32
+
+    def run(vec):
+        uval = np.full((M, W), np.nan, np.float32).astype(dtype)
+        y = np.full((M, D), np.nan, np.float32).astype(dtype)
+        habs = np.full(M, np.nan, np.float32)
+        getattr(fwd_lib, f"fwd_{sfx}")(int(gated), 1, _ptr(x), _ptr(w_up), _ptr(w_downT), _ptr(idx), _ptr(nnz),
+                                      _ptr(gval), _ptr(uval), _ptr(y), _ptr(habs), ctypes.c_longlong(M), W, D, vec)
+        da, db = (np.full((M, W), np.nan, np.float32).astype(dtype) for _ in range(2))
+        dx = np.full((M, D), np.nan, np.float32).astype(dtype)
+        u_in = uval if gated else gval
+        getattr(bwd_lib, f"bwd_{sfx}")(int(gated), 1, _ptr(dy), _ptr(w_downT), _ptr(w_up), _ptr(w_gate), _ptr(idx),
+                                      _ptr(nnz), _ptr(gval), _ptr(u_in), _ptr(da), _ptr(db), _ptr(dx),
+                                      ctypes.c_longlong(M), W, D, ctypes.c_double(0.01), vec)
+        return {"u": uval, "|h|": habs, "y": y, "du": da, "dg": db, "dx": dx}
+
+    new, old = run(2), run(1)
+    for name in new:
+        if name in ("u", "dg") and not gated:
+            continue
+        view = np.uint32 if name == "|h|" else bits
+        np.testing.assert_array_equal(new[name].view(view), old[name].view(view), err_msg=name)
+    for name in ("y", "dx"):
+        assert not np.isnan(new[name].astype(np.float32)).any(), name
+        assert not new[name][[0, M - 1]].astype(np.float32).any(), name + ": backup rows stay 0"
+    # and y is the product it claims to be (h = g * u rounded to the storage type)
+    g64 = gval.astype(np.float64)
+    h = (g64 * new["u"].astype(np.float64)).astype(dtype).astype(np.float64) if gated else g64
+    want = np.zeros((M, D))
+    for r in range(M):
+        for s_ in range(nnz[r]):
+            want[r] += h[r, s_] * w_downT[idx[r, s_]].astype(np.float64)
+    tol = 1e-5 if dtype == np.float32 else 1e-2
+    assert np.linalg.norm(new["y"].astype(np.float64) - want) <= tol * np.linalg.norm(want)
 
 
 # ---------------------------------------------------------------------------

@@ -270,3 +270,29 @@ def test_get_kernel_is_thread_safe_and_memoized():
     counts = cp.zeros((1, 3), np.int32)
     got[0]((1,), (128,), (idx, counts, np.int64(2), np.int32(2), np.int32(3), np.int32(2)))
     assert cp.asnumpy(counts).tolist() == [[1, 2, 0]]
+
+
+def test_training_row_loop_constants_and_setting():
+    """The launcher's TW_XREG copy decides when vec = 2 may run (the row must fit the
+    lane's vectors), so it must equal the kernel's default; TWELLPY_TRAIN_ROWS parses to
+    off, the defaults, or a define set of the known tunables, and names the bad ones."""
+    from twellpy.backends import cuda_train as ct
+
+    assert ct.ROW_XREG == _define_default("train_ffn.cu", "TW_XREG")
+    for macro in ct._ROW_TUNABLES:
+        _define_default("train_ffn.cu", macro)  # each is a #ifndef tunable of the file
+    assert ct._rows_setting("0") is None
+    assert ct._rows_setting("1") == {}
+    assert ct._rows_setting("TW_SLOT_BATCH=1, TW_XSRC_SMEM=1") == {"TW_SLOT_BATCH": 1, "TW_XSRC_SMEM": 1}
+    for bad in ("2", "TW_XREG=4", "TW_SLOT_BATCH=x", ""):
+        with pytest.raises(ValueError, match="TWELLPY_TRAIN_ROWS"):
+            ct._rows_setting(bad)
+    saved = ct.ROWS
+    try:
+        ct.ROWS = {}
+        assert ct._row_vec(1, 2048, 2) == 2 and ct._row_vec(1, 2056, 2) == 1 and ct._row_vec(0, 64, 2) == 0
+        assert ct._row_vec(1, 1024, 4) == 2 and ct._row_vec(1, 1028, 4) == 1
+        ct.ROWS = None
+        assert ct._row_vec(1, 2048, 2) == 1
+    finally:
+        ct.ROWS = saved

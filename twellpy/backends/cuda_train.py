@@ -59,8 +59,42 @@ def _names():
 _registry.declare(SOURCE, _names())
 
 
-def _k(base, dtype, gated=None, whole=True):
-    return _registry.get_kernel(SOURCE, _name(base, dtype, gated, whole))
+def _k(base, dtype, gated=None, whole=True, **defines):
+    return _registry.get_kernel(SOURCE, _name(base, dtype, gated, whole), **defines)
+
+
+ROW_XREG = 8  # keep in sync with TW_XREG in train_ffn.cu
+_ROW_TUNABLES = ("TW_SLOT_BATCH", "TW_XSRC_SMEM", "TW_ROW_MIN_BLOCKS")
+
+
+def _rows_setting(value):
+    """``TWELLPY_TRAIN_ROWS``: "1" (default) the kernels' own defaults, "0" off, or a
+    comma-separated define set such as ``TW_SLOT_BATCH=1,TW_XSRC_SMEM=1``."""
+    if value == "1":
+        return {}
+    if value == "0":
+        return None
+    defines = {}
+    for item in value.split(","):
+        key, _, num = item.strip().partition("=")
+        if key not in _ROW_TUNABLES or not num.isdigit():
+            raise ValueError(f"TWELLPY_TRAIN_ROWS must be 0, 1 or NAME=INT,... with NAME in {_ROW_TUNABLES}, "
+                             f"got {value!r}")
+        defines[key] = int(num)
+    return defines
+
+
+#: vec = 2 of the ELL forward and backward kernels: the warp keeps its x (dy) row, read
+#: once, instead of re-reading it for every slot's dot product, and gathers the weight
+#: rows of TW_SLOT_BATCH slots together; the y and dx products broadcast each slot's
+#: column and coefficients by shuffles. Same bits as vec = 1. None (TWELLPY_TRAIN_ROWS=0):
+#: off; a dict: the defines the two kernels are compiled with ({}: the file's defaults).
+ROWS = _rows_setting(os.environ.get("TWELLPY_TRAIN_ROWS", "1"))
+
+
+def _row_vec(vec, D, itemsize):
+    """2 where the row-keeping loops serve (vector loads, D within TW_XREG vectors a lane)."""
+    return 2 if vec and ROWS is not None and D <= 32 * (16 // itemsize) * ROW_XREG else vec
 
 
 def _cp():
@@ -264,10 +298,10 @@ def ffn_forward_ell(x, w_up, w_downT, idx, nnz, gval, uval, gated):
     y = cp.empty((M, D), dtype=x.dtype)
     habs = cp.empty(M, dtype=np.float64 if x.dtype == np.float64 else np.float32)
     if M:
-        vec = _vec_ok(D, x, w_up if gated else None, w_downT, y)
+        vec = _row_vec(_vec_ok(D, x, w_up if gated else None, w_downT, y), D, x.dtype.itemsize)
         plan = _split_plan(W, (gval, uval if gated else gval), (w_downT,), y)
         g, b = _rows_grid(M)
-        _k("fwd", x.dtype, gated, whole=plan is None)(
+        _k("fwd", x.dtype, gated, whole=plan is None, **(ROWS or {}))(
             g, b, (x, w_up if gated else w_downT, w_downT, idx, nnz, gval, uval if gated else gval, y, habs,
                    _i64(M), _i32(W), _i32(D), _i32(vec)))
         if plan is not None:
@@ -319,10 +353,10 @@ def ffn_backward_ell(dy, w_downT, w_up, w_gate, idx, nnz, gval, uval, l1_scale, 
     W = idx.shape[1]
     dx = cp.empty((M, D), dtype=dy.dtype)
     if M:
-        vec = _vec_ok(D, dy, w_downT, w_up, w_gate if gated else None, dx)
+        vec = _row_vec(_vec_ok(D, dy, w_downT, w_up, w_gate if gated else None, dx), D, dy.dtype.itemsize)
         plan = _split_plan(W, (da, db) if gated else (da,), (w_up, w_gate) if gated else (w_up,), dx)
         g, b = _rows_grid(M)
-        _k("bwd", dy.dtype, gated, whole=plan is None)(
+        _k("bwd", dy.dtype, gated, whole=plan is None, **(ROWS or {}))(
             g, b, (dy, w_downT, w_up, w_gate if gated else w_up, idx, nnz, gval, uval if gated else gval, da,
                    db if gated else da, dx, _i64(M), _i32(W), _i32(D), np.float64(l1_scale), _i32(vec)))
         if plan is not None:
