@@ -110,10 +110,14 @@ def rel(a, b):
     return float(torch.linalg.norm(a - b) / torch.linalg.norm(b))
 
 
-# (label, cuda_train.ROWS) of the row-loop table: the first is the reference for "same bits"
-ROW_VARIANTS = [("default", {}), ("off (vec 1)", None), ("slot batch 1", {"TW_SLOT_BATCH": 1}),
-                ("row in smem", {"TW_XSRC_SMEM": 1}), ("smem, batch 1", {"TW_XSRC_SMEM": 1, "TW_SLOT_BATCH": 1}),
-                ("smem, batch 4", {"TW_XSRC_SMEM": 1, "TW_SLOT_BATCH": 4})]
+# (label, cuda_train.ROWS, cuda_train.TWO_PASS) of the row-loop table: the first is the
+# reference for "same bits"
+_SMEM1 = {"TW_XSRC_SMEM": 1, "TW_SLOT_BATCH": 1}
+ROW_VARIANTS = [("default", {}, False), ("off (vec 1)", None, False), ("slot batch 1", {"TW_SLOT_BATCH": 1}, False),
+                ("row in smem", {"TW_XSRC_SMEM": 1}, False), ("smem, batch 1", _SMEM1, False),
+                ("smem, batch 4", {"TW_XSRC_SMEM": 1, "TW_SLOT_BATCH": 4}, False),
+                ("two-pass, default", {}, True), ("two-pass, vec 1", None, True),
+                ("two-pass, smem b1", _SMEM1, True), ("two-pass, regs b1", {"TW_SLOT_BATCH": 1}, True)]
 
 
 def bench(name, reps, widths=()):
@@ -154,11 +158,11 @@ def bench(name, reps, widths=()):
     # the ELL kernels' row loops (TWELLPY_TRAIN_ROWS): off (the x / dy row re-read for every
     # slot), the default, and other define sets; the same bits as the default, required
     res["rows"] = []
-    saved_rows = ct.ROWS
+    saved_rows = ct.ROWS, ct.TWO_PASS
     try:
         base_outs = None
-        for label, setting in ROW_VARIANTS:
-            ct.ROWS = setting
+        for label, setting, two_pass in ROW_VARIANTS:
+            ct.ROWS, ct.TWO_PASS = setting, two_pass
             y_v, ctx_v = tw_fwd()
             outs_v = (y_v,) + T.gated_backward(ctx_v, dy)
             if base_outs is None:
@@ -169,7 +173,7 @@ def bench(name, reps, widths=()):
             del y_v, ctx_v, outs_v
         del base_outs
     finally:
-        ct.ROWS = saved_rows
+        ct.ROWS, ct.TWO_PASS = saved_rows
     # the split step (TWELLPY_TRAIN_SPLIT: y from a shared-memory slice of w_down, dx
     # from slices of w_up and w_gate, twellpy_spmm_resident), against the fused
     # kernels: the backward on the same context, the forward's y

@@ -555,6 +555,124 @@ twellpy_train_csr_to_hybrid(const long long* __restrict__ indptr, const int* __r
 }
 
 // ---------------------------------------------------------------------------
+// y of one ELL row: sum over its n slots of h * w_downT[k] (h = g * u rounded to T, or g).
+// vec 2: the slot metadata broadcast by shuffles; 1: 16-byte vectors; 0: scalars. 2 and 1
+// give the same bits.
+template <typename T, typename A, int GATED>
+__device__ __forceinline__ void ell_y_row(int n, long long base, const int* __restrict__ idx,
+                                          const T* __restrict__ gval, const T* __restrict__ uval,
+                                          const T* __restrict__ w_downT, T* __restrict__ yr, int D, int vec,
+                                          int lane) {
+    if (vec == 2) {
+        warp_slot_axpys<T, A, false, true, GATED>(n, idx + base, gval + base, (GATED ? uval : gval) + base,
+                                                  w_downT, w_downT, yr, D, lane);
+    } else if (vec) {
+        constexpr int N = VecN<T>::N;
+        for (int c = lane * N; c < D; c += 32 * N) {
+            A acc[N];
+#pragma unroll
+            for (int i = 0; i < N; ++i) acc[i] = A(0);
+#pragma unroll 4
+            for (int s = 0; s < n; ++s) {
+                const int k = idx[base + s];
+                const A h = h_value<T, A, GATED>(gval[base + s], GATED ? uval[base + s] : gval[base + s]);
+                A wv[N];
+                load_vec<T, A>(w_downT + (long long)k * D + c, wv);
+#pragma unroll
+                for (int i = 0; i < N; ++i) acc[i] = fma(h, wv[i], acc[i]);  // spelled: the split's bits
+            }
+            store_vec<T, A>(yr + c, acc);
+        }
+    } else {
+        for (int c = lane; c < D; c += 32) {
+            A acc = A(0);
+            for (int s = 0; s < n; ++s) {
+                const int k = idx[base + s];
+                const A h = h_value<T, A, GATED>(gval[base + s], GATED ? uval[base + s] : gval[base + s]);
+                acc = fma(h, to_acc<A, T>(w_downT[(long long)k * D + c]), acc);
+            }
+            yr[c] = from_acc<T, A>(acc);
+        }
+    }
+}
+
+// dx of one ELL row: sum over its n slots of da * w_a[k] (+ db * w_b[k] when GATED); vec as
+// in ell_y_row.
+template <typename T, typename A, int GATED>
+__device__ __forceinline__ void ell_dx_row(int n, long long base, const int* __restrict__ idx,
+                                           const T* __restrict__ da, const T* __restrict__ db,
+                                           const T* __restrict__ w_a, const T* __restrict__ w_b,
+                                           T* __restrict__ dxr, int D, int vec, int lane) {
+    if (vec == 2) {
+        warp_slot_axpys<T, A, GATED != 0, false, GATED>(n, idx + base, da + base, db + base, w_a, w_b, dxr, D,
+                                                        lane);
+    } else if (vec) {
+        constexpr int N = VecN<T>::N;
+        for (int c = lane * N; c < D; c += 32 * N) {
+            A acc[N];
+#pragma unroll
+            for (int i = 0; i < N; ++i) acc[i] = A(0);
+#pragma unroll 4
+            for (int s = 0; s < n; ++s) {
+                const long long k = idx[base + s];
+                const A a = to_acc<A, T>(da[base + s]);
+                A wv[N];
+                load_vec<T, A>(w_a + k * D + c, wv);
+#pragma unroll
+                for (int i = 0; i < N; ++i) acc[i] = fma(a, wv[i], acc[i]);  // spelled: the split's bits
+                if (GATED) {
+                    const A b = to_acc<A, T>(db[base + s]);
+                    load_vec<T, A>(w_b + k * D + c, wv);
+#pragma unroll
+                    for (int i = 0; i < N; ++i) acc[i] = fma(b, wv[i], acc[i]);
+                }
+            }
+            store_vec<T, A>(dxr + c, acc);
+        }
+    } else {
+        for (int c = lane; c < D; c += 32) {
+            A acc = A(0);
+            for (int s = 0; s < n; ++s) {
+                const long long k = idx[base + s];
+                acc = fma(to_acc<A, T>(da[base + s]), to_acc<A, T>(w_a[k * D + c]), acc);
+                if (GATED) acc = fma(to_acc<A, T>(db[base + s]), to_acc<A, T>(w_b[k * D + c]), acc);
+            }
+            dxr[c] = from_acc<T, A>(acc);
+        }
+    }
+}
+
+// twellpy_train_ell_y<T, GATED> / twellpy_train_ell_dx<T, GATED>: the second pass of the
+// two-pass ELL forward / backward (cuda_train.TWO_PASS), one warp per row: y from the u
+// values the forward's first pass (twellpy_train_fwd<T, GATED, 0>) wrote, dx from the du
+// and dg of the backward's first pass (twellpy_train_bwd<T, GATED, 0>). Each pass gathers
+// rows of fewer weight matrices (L2 holds about two of W1's), with the same bits as the
+// one-pass kernels. Backup rows (nnz 0) get 0.
+template <typename T, int GATED>
+__global__ void __launch_bounds__(32 * TW_WARPS)
+twellpy_train_ell_y(const T* __restrict__ w_downT, const int* __restrict__ idx, const int* __restrict__ nnz,
+                    const T* __restrict__ gval, const T* __restrict__ uval, T* __restrict__ y, long long M, int W,
+                    int D, int vec) {
+    typedef typename accum<T>::type A;
+    const long long r = (long long)blockIdx.x * TW_WARPS + (threadIdx.x >> 5);
+    if (r >= M) return;
+    ell_y_row<T, A, GATED>(min(nnz[r], W), r * (long long)W, idx, gval, uval, w_downT, y + r * (long long)D, D, vec,
+                           threadIdx.x & 31);
+}
+
+template <typename T, int GATED>
+__global__ void __launch_bounds__(32 * TW_WARPS)
+twellpy_train_ell_dx(const T* __restrict__ w_a, const T* __restrict__ w_b, const int* __restrict__ idx,
+                     const int* __restrict__ nnz, const T* __restrict__ da, const T* __restrict__ db,
+                     T* __restrict__ dx, long long M, int W, int D, int vec) {
+    typedef typename accum<T>::type A;
+    const long long r = (long long)blockIdx.x * TW_WARPS + (threadIdx.x >> 5);
+    if (r >= M) return;
+    ell_dx_row<T, A, GATED>(min(nnz[r], W), r * (long long)W, idx, da, db, w_a, w_b, dx + r * (long long)D, D, vec,
+                            threadIdx.x & 31);
+}
+
+// ---------------------------------------------------------------------------
 // twellpy_train_fwd<T, GATED>: ELL part of the FFN forward, one warp per row.
 //   x       (M, D) T     input rows
 //   w_up    (H, D) T     up projection (GATED only)
@@ -616,38 +734,7 @@ twellpy_train_fwd(const T* __restrict__ x, const T* __restrict__ w_up, const T* 
     }
     if (lane == 0) habs[r] = hs;
     if (!Y) return;  // uniform over the warp
-    T* yr = y + r * (long long)D;
-    if (vec == 2) {
-        warp_slot_axpys<T, A, false, true, GATED>(n, idx + base, gval + base, (GATED ? uval : gval) + base,
-                                                  w_downT, w_downT, yr, D, lane);
-    } else if (vec) {
-        constexpr int N = VecN<T>::N;
-        for (int c = lane * N; c < D; c += 32 * N) {
-            A acc[N];
-#pragma unroll
-            for (int i = 0; i < N; ++i) acc[i] = A(0);
-#pragma unroll 4
-            for (int s = 0; s < n; ++s) {
-                const int k = idx[base + s];
-                const A h = h_value<T, A, GATED>(gval[base + s], GATED ? uval[base + s] : gval[base + s]);
-                A wv[N];
-                load_vec<T, A>(w_downT + (long long)k * D + c, wv);
-#pragma unroll
-                for (int i = 0; i < N; ++i) acc[i] = fma(h, wv[i], acc[i]);  // spelled: the split's bits
-            }
-            store_vec<T, A>(yr + c, acc);
-        }
-    } else {
-        for (int c = lane; c < D; c += 32) {
-            A acc = A(0);
-            for (int s = 0; s < n; ++s) {
-                const int k = idx[base + s];
-                const A h = h_value<T, A, GATED>(gval[base + s], GATED ? uval[base + s] : gval[base + s]);
-                acc = fma(h, to_acc<A, T>(w_downT[(long long)k * D + c]), acc);
-            }
-            yr[c] = from_acc<T, A>(acc);
-        }
-    }
+    ell_y_row<T, A, GATED>(n, base, idx, gval, uval, w_downT, y + r * (long long)D, D, vec, lane);
 }
 
 // twellpy_train_bwd<T, GATED>: ELL part of the FFN backward, one warp per row.
@@ -705,44 +792,7 @@ twellpy_train_bwd(const T* __restrict__ dy, const T* __restrict__ w_downT, const
     }
     if (!DX) return;  // uniform over the warp
     __syncwarp();
-    T* dxr = dx + r * (long long)D;
-    if (vec == 2) {
-        warp_slot_axpys<T, A, GATED != 0, false, GATED>(n, idx + base, da + base, db + base, w_a, w_b, dxr, D,
-                                                        lane);
-    } else if (vec) {
-        constexpr int N = VecN<T>::N;
-        for (int c = lane * N; c < D; c += 32 * N) {
-            A acc[N];
-#pragma unroll
-            for (int i = 0; i < N; ++i) acc[i] = A(0);
-#pragma unroll 4
-            for (int s = 0; s < n; ++s) {
-                const long long k = idx[base + s];
-                const A a = to_acc<A, T>(da[base + s]);
-                A wv[N];
-                load_vec<T, A>(w_a + k * D + c, wv);
-#pragma unroll
-                for (int i = 0; i < N; ++i) acc[i] = fma(a, wv[i], acc[i]);  // spelled: the split's bits
-                if (GATED) {
-                    const A b = to_acc<A, T>(db[base + s]);
-                    load_vec<T, A>(w_b + k * D + c, wv);
-#pragma unroll
-                    for (int i = 0; i < N; ++i) acc[i] = fma(b, wv[i], acc[i]);
-                }
-            }
-            store_vec<T, A>(dxr + c, acc);
-        }
-    } else {
-        for (int c = lane; c < D; c += 32) {
-            A acc = A(0);
-            for (int s = 0; s < n; ++s) {
-                const long long k = idx[base + s];
-                acc = fma(to_acc<A, T>(da[base + s]), to_acc<A, T>(w_a[k * D + c]), acc);
-                if (GATED) acc = fma(to_acc<A, T>(db[base + s]), to_acc<A, T>(w_b[k * D + c]), acc);
-            }
-            dxr[c] = from_acc<T, A>(acc);
-        }
-    }
+    ell_dx_row<T, A, GATED>(n, base, idx, da, db, w_a, w_b, dx + r * (long long)D, D, vec, lane);
 }
 
 // ---------------------------------------------------------------------------

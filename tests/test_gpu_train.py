@@ -603,10 +603,12 @@ ROW_CASE_DTYPES = ([(c, d) for c in ROW_CASES for d in (np.dtype(np.float32), bf
 
 @pytest.mark.parametrize("case, dtype", ROW_CASE_DTYPES, ids=lambda v: str(v))
 @pytest.mark.parametrize("gated", [True, False])
-@pytest.mark.parametrize("variant", [{}, {"TW_XSRC_SMEM": 1, "TW_SLOT_BATCH": 3}], ids=["default", "smem-b3"])
-def test_training_row_loops_give_the_vector_loop_bits(monkeypatch, case, dtype, gated, variant):
-    """The ELL kernels' row-keeping loops (vec = 2, cuda_train.ROWS) give the bits of the
-    loops that re-read the row per slot (vec = 1, ROWS = None) for y, u and every
+@pytest.mark.parametrize("variant, two_pass", [({}, False), ({"TW_XSRC_SMEM": 1, "TW_SLOT_BATCH": 3}, False),
+                                               ({}, True)], ids=["default", "smem-b3", "two-pass"])
+def test_training_row_loops_give_the_vector_loop_bits(monkeypatch, case, dtype, gated, variant, two_pass):
+    """The ELL kernels' row-keeping loops (vec = 2, cuda_train.ROWS), in one pass or two
+    (cuda_train.TWO_PASS: y and dx by twellpy_train_ell_y / _ell_dx), give the bits of the
+    one-pass loops that re-read the row per slot (vec = 1, ROWS = None) for y, u and every
     gradient, on every case (a token firing 2000 neurons, empty rows, M = 1, odd D that
     takes neither, D = 4096 past the registers' reach, which keeps vec = 1)."""
     import cupy as cp
@@ -618,8 +620,9 @@ def test_training_row_loops_give_the_vector_loop_bits(monkeypatch, case, dtype, 
     dyg = to_gpu(dy)
     fwd, bwd = (T.gated_forward_train, T.gated_backward) if gated else (T.relu_forward_train, T.relu_backward)
     outs = {}
-    for label, rows in (("row", variant), ("vec1", None)):
+    for label, rows, two in (("row", variant, two_pass), ("vec1", None, False)):
         monkeypatch.setattr(cuda_train, "ROWS", rows)
+        monkeypatch.setattr(cuda_train, "TWO_PASS", two)
         poison()
         y, ctx = fwd(*dev, l1=0.05)
         poison()

@@ -919,6 +919,17 @@ void NAME(int gated, int with_dx, const T* dy, const T* w_downT, const T* w_a, c
 }
 BWD(bwd_f32, float)
 BWD(bwd_bf16, bf16)
+#define ELL_DX(NAME, T)                                                                                \
+void NAME(int gated, const T* w_a, const T* w_b, const int* idx, const int* nnz, const T* da, const T* db, T* dx, \
+          long long M, int W, int D, int vec) {                                                       \
+    dim3 grid((unsigned)((M + TW_WARPS - 1) / TW_WARPS)), block(32 * TW_WARPS);                         \
+    if (gated)                                                                                        \
+        emu::launch(twellpy_train_ell_dx<T, 1>, grid, block, 0, w_a, w_b, idx, nnz, da, db, dx, M, W, D, vec); \
+    else                                                                                              \
+        emu::launch(twellpy_train_ell_dx<T, 0>, grid, block, 0, w_a, w_b, idx, nnz, da, db, dx, M, W, D, vec); \
+}
+ELL_DX(ell_dx_f32, float)
+ELL_DX(ell_dx_bf16, bf16)
 #define RES_DX(NAME, T, LPR)                                                                           \
 void NAME(int dual, const int* nnz, int W, const int* idx, const T* da, const T* db, const T* w_a, const T* w_b, \
           T* dx, int M, int H, int D, int rows, int gx, int gy, long long smem) {                      \
@@ -1074,6 +1085,17 @@ void NAME(int gated, int with_y, const T* x, const T* w_up, const T* w_downT, co
 }
 FWD(fwd_f32, float)
 FWD(fwd_bf16, bf16)
+#define ELL_Y(NAME, T)                                                                                 \
+void NAME(int gated, const T* w_downT, const int* idx, const int* nnz, const T* gval, const T* uval, T* y, \
+          long long M, int W, int D, int vec) {                                                       \
+    dim3 grid((unsigned)((M + TW_WARPS - 1) / TW_WARPS)), block(32 * TW_WARPS);                         \
+    if (gated)                                                                                        \
+        emu::launch(twellpy_train_ell_y<T, 1>, grid, block, 0, w_downT, idx, nnz, gval, uval, y, M, W, D, vec); \
+    else                                                                                              \
+        emu::launch(twellpy_train_ell_y<T, 0>, grid, block, 0, w_downT, idx, nnz, gval, uval, y, M, W, D, vec); \
+}
+ELL_Y(ell_y_f32, float)
+ELL_Y(ell_y_bf16, bf16)
 #define RES_Y(NAME, T, LPR)                                                                            \
 void NAME(int gated, const int* nnz, int W, const int* idx, const T* gval, const T* uval, const T* w_downT, T* y, \
           int M, int H, int D, int rows, int gx, int gy, long long smem) {                             \
@@ -1175,7 +1197,8 @@ def row_libs(request, tmp_path_factory):
                                       (np.dtype(np.float32), 36)], ids=lambda v: str(v))
 @pytest.mark.parametrize("gated", [True, False])
 def test_training_row_loops_give_the_vector_loop_bits(row_libs, dtype, D, gated):
-    """vec = 2 and vec = 1 write the same u, |h| sums, y, du, dg and dx bits, on rows of
+    """vec = 2 and vec = 1, in one pass or two (the second by twellpy_train_ell_y / _ell_dx),
+    write the same u, |h| sums, y, du, dg and dx bits, on rows of
     0 to W slots with W past 32 (the shuffled metadata comes 32 slots at a time), D from
     one partial vector round (lanes without columns) to the whole TW_XREG vectors a lane."""
     from twellpy.backends import cuda_train
@@ -1199,26 +1222,36 @@ def test_training_row_loops_give_the_vector_loop_bits(row_libs, dtype, D, gated)
     sfx = "bf16" if dtype == bfloat16 else "f32"
     bits = np.uint16 if dtype == bfloat16 else np.uint32
 
-    def run(vec):
+    def run(vec, two_pass=False):
         uval = np.full((M, W), np.nan, np.float32).astype(dtype)
         y = np.full((M, D), np.nan, np.float32).astype(dtype)
         habs = np.full(M, np.nan, np.float32)
-        getattr(fwd_lib, f"fwd_{sfx}")(int(gated), 1, _ptr(x), _ptr(w_up), _ptr(w_downT), _ptr(idx), _ptr(nnz),
-                                      _ptr(gval), _ptr(uval), _ptr(y), _ptr(habs), ctypes.c_longlong(M), W, D, vec)
+        getattr(fwd_lib, f"fwd_{sfx}")(int(gated), int(not two_pass), _ptr(x), _ptr(w_up), _ptr(w_downT), _ptr(idx),
+                                      _ptr(nnz), _ptr(gval), _ptr(uval), _ptr(y), _ptr(habs), ctypes.c_longlong(M),
+                                      W, D, vec)
+        u_in = uval if gated else gval
+        if two_pass:
+            assert np.isnan(y.astype(np.float32)).all(), "the first pass leaves y alone"
+            getattr(fwd_lib, f"ell_y_{sfx}")(int(gated), _ptr(w_downT), _ptr(idx), _ptr(nnz), _ptr(gval), _ptr(u_in),
+                                            _ptr(y), ctypes.c_longlong(M), W, D, vec)
         da, db = (np.full((M, W), np.nan, np.float32).astype(dtype) for _ in range(2))
         dx = np.full((M, D), np.nan, np.float32).astype(dtype)
-        u_in = uval if gated else gval
-        getattr(bwd_lib, f"bwd_{sfx}")(int(gated), 1, _ptr(dy), _ptr(w_downT), _ptr(w_up), _ptr(w_gate), _ptr(idx),
-                                      _ptr(nnz), _ptr(gval), _ptr(u_in), _ptr(da), _ptr(db), _ptr(dx),
-                                      ctypes.c_longlong(M), W, D, ctypes.c_double(0.01), vec)
+        getattr(bwd_lib, f"bwd_{sfx}")(int(gated), int(not two_pass), _ptr(dy), _ptr(w_downT), _ptr(w_up),
+                                      _ptr(w_gate), _ptr(idx), _ptr(nnz), _ptr(gval), _ptr(u_in), _ptr(da), _ptr(db),
+                                      _ptr(dx), ctypes.c_longlong(M), W, D, ctypes.c_double(0.01), vec)
+        if two_pass:
+            assert np.isnan(dx.astype(np.float32)).all(), "the first pass leaves dx alone"
+            getattr(bwd_lib, f"ell_dx_{sfx}")(int(gated), _ptr(w_up), _ptr(w_gate), _ptr(idx), _ptr(nnz), _ptr(da),
+                                             _ptr(db), _ptr(dx), ctypes.c_longlong(M), W, D, vec)
         return {"u": uval, "|h|": habs, "y": y, "du": da, "dg": db, "dx": dx}
 
-    new, old = run(2), run(1)
-    for name in new:
-        if name in ("u", "dg") and not gated:
-            continue
-        view = np.uint32 if name == "|h|" else bits
-        np.testing.assert_array_equal(new[name].view(view), old[name].view(view), err_msg=name)
+    old = run(1)
+    for label, new in (("vec 2", run(2)), ("two-pass vec 2", run(2, True)), ("two-pass vec 1", run(1, True))):
+        for name in new:
+            if name in ("u", "dg") and not gated:
+                continue
+            view = np.uint32 if name == "|h|" else bits
+            np.testing.assert_array_equal(new[name].view(view), old[name].view(view), err_msg=f"{label}: {name}")
     for name in ("y", "dx"):
         assert not np.isnan(new[name].astype(np.float32)).any(), name
         assert not new[name][[0, M - 1]].astype(np.float32).any(), name + ": backup rows stay 0"

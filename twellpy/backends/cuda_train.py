@@ -44,7 +44,7 @@ def _names():
         for dt2 in FLOAT_DTYPES:
             if dt2 != dt and 2 in (dt.itemsize, dt2.itemsize):
                 names.append(f"twellpy_train_cast<{t},{_registry.ctype(dt2)}>")
-        for base in ("fwd", "bwd", "wgrad", "backup_fwd", "backup_bwd", "backup_exact"):
+        for base in ("fwd", "bwd", "wgrad", "backup_fwd", "backup_bwd", "backup_exact", "ell_y", "ell_dx"):
             for gated in (0, 1):
                 names.append(f"twellpy_train_{base}<{t},{gated}>")
         for base in ("fwd", "bwd"):  # the split kernels: y and dx by twellpy_spmm_resident
@@ -90,6 +90,14 @@ def _rows_setting(value):
 #: column and coefficients by shuffles. Same bits as vec = 1. None (TWELLPY_TRAIN_ROWS=0):
 #: off; a dict: the defines the two kernels are compiled with ({}: the file's defaults).
 ROWS = _rows_setting(os.environ.get("TWELLPY_TRAIN_ROWS", "1"))
+
+
+#: two-pass ELL forward and backward (TWELLPY_TRAIN_TWO_PASS=1): the first kernel computes u
+#: (forward) or du, dg (backward) only, and twellpy_train_ell_y / _ell_dx then compute y or dx
+#: from them, so each pass gathers rows of fewer weight matrices (the backward's one pass
+#: gathers w_down, w_up and w_gate, about 69 MB at W1 bf16, against H100's 50 MB L2).
+#: Same bits. The resident split (SPLIT), when it runs, takes precedence.
+TWO_PASS = os.environ.get("TWELLPY_TRAIN_TWO_PASS", "0") == "1"
 
 
 def _row_vec(vec, D, itemsize):
@@ -301,9 +309,13 @@ def ffn_forward_ell(x, w_up, w_downT, idx, nnz, gval, uval, gated):
         vec = _row_vec(_vec_ok(D, x, w_up if gated else None, w_downT, y), D, x.dtype.itemsize)
         plan = _split_plan(W, (gval, uval if gated else gval), (w_downT,), y)
         g, b = _rows_grid(M)
-        _k("fwd", x.dtype, gated, whole=plan is None, **(ROWS or {}))(
+        two = TWO_PASS and plan is None
+        _k("fwd", x.dtype, gated, whole=plan is None and not two, **(ROWS or {}))(
             g, b, (x, w_up if gated else w_downT, w_downT, idx, nnz, gval, uval if gated else gval, y, habs,
                    _i64(M), _i32(W), _i32(D), _i32(vec)))
+        if two:
+            _k("ell_y", x.dtype, gated)(
+                g, b, (w_downT, idx, nnz, gval, uval if gated else gval, y, _i64(M), _i32(W), _i32(D), _i32(vec)))
         if plan is not None:
             # backup rows have nnz 0: y 0, as the fused kernel writes (the backup path fills them later)
             cuda._resident_spmm(idx, gval, w_downT, y, plan, row_count=nnz, stride=W, row_cap=W,
@@ -356,9 +368,14 @@ def ffn_backward_ell(dy, w_downT, w_up, w_gate, idx, nnz, gval, uval, l1_scale, 
         vec = _row_vec(_vec_ok(D, dy, w_downT, w_up, w_gate if gated else None, dx), D, dy.dtype.itemsize)
         plan = _split_plan(W, (da, db) if gated else (da,), (w_up, w_gate) if gated else (w_up,), dx)
         g, b = _rows_grid(M)
-        _k("bwd", dy.dtype, gated, whole=plan is None, **(ROWS or {}))(
+        two = TWO_PASS and plan is None
+        _k("bwd", dy.dtype, gated, whole=plan is None and not two, **(ROWS or {}))(
             g, b, (dy, w_downT, w_up, w_gate if gated else w_up, idx, nnz, gval, uval if gated else gval, da,
                    db if gated else da, dx, _i64(M), _i32(W), _i32(D), np.float64(l1_scale), _i32(vec)))
+        if two:
+            _k("ell_dx", dy.dtype, gated)(
+                g, b, (w_up, w_gate if gated else w_up, idx, nnz, da, db if gated else da, dx, _i64(M), _i32(W),
+                       _i32(D), _i32(vec)))
         if plan is not None:
             # rows' entries are idx[r, :nnz[r]] (stride W); backup rows have nnz 0: dx 0, as fused
             cuda._resident_spmm(idx, da, w_up, dx, plan, row_count=nnz, stride=W, row_cap=W,
