@@ -265,6 +265,32 @@ __device__ __forceinline__ void warp_slot_axpys(int n, const int* __restrict__ i
     }
 }
 
+// vec = 2's dot products of a warp's row (x or dy, length D, read once into registers or
+// shared memory) with the weight rows w[idx_row[s]] of its n slots, TW_SLOT_BATCH slots at a
+// time; done(s, value) receives them in slot order.
+template <typename T, typename A, typename Done>
+__device__ __forceinline__ void row_slot_dots(const T* __restrict__ row, const T* __restrict__ w,
+                                              const int* __restrict__ idx_row, int n, int D, int lane, Done done) {
+#if TW_XSRC_SMEM
+    __shared__ uint4 s_rows[TW_WARPS][TW_XREG * 32];
+    RowSmem xrow{s_rows[threadIdx.x >> 5]};
+#else
+    RowRegs xrow;
+#endif
+    load_row<T>(row, D, lane, xrow);
+    for (int s0 = 0; s0 < n; s0 += TW_SLOT_BATCH) {
+        const int live = min(TW_SLOT_BATCH, n - s0);
+        int k[TW_SLOT_BATCH];
+        A v[TW_SLOT_BATCH];
+#pragma unroll
+        for (int b = 0; b < TW_SLOT_BATCH; ++b) k[b] = (b < live) ? idx_row[s0 + b] : 0;
+        warp_dots_row<T, A, TW_SLOT_BATCH>(xrow, w, k, live, D, lane, v);
+#pragma unroll
+        for (int b = 0; b < TW_SLOT_BATCH; ++b)
+            if (b < live) done(s0 + b, v[b]);
+    }
+}
+
 // The forward's slot epilogue: u rounded to T into uval[at] (lane 0), returns |h| of the slot.
 template <typename T, typename A>
 __device__ __forceinline__ A fwd_slot_u(T* __restrict__ uval, const T* __restrict__ gval, long long at, A u,
@@ -704,24 +730,8 @@ twellpy_train_fwd(const T* __restrict__ x, const T* __restrict__ w_up, const T* 
     if (GATED) {
         const T* xr = x + r * (long long)D;
         if (vec == 2) {
-#if TW_XSRC_SMEM
-            __shared__ uint4 s_rows[TW_WARPS][TW_XREG * 32];
-            RowSmem xrow{s_rows[threadIdx.x >> 5]};
-#else
-            RowRegs xrow;
-#endif
-            load_row<T>(xr, D, lane, xrow);
-            for (int s0 = 0; s0 < n; s0 += TW_SLOT_BATCH) {
-                const int live = min(TW_SLOT_BATCH, n - s0);
-                int k[TW_SLOT_BATCH];
-                A u[TW_SLOT_BATCH];
-#pragma unroll
-                for (int b = 0; b < TW_SLOT_BATCH; ++b) k[b] = (b < live) ? idx[base + s0 + b] : 0;
-                warp_dots_row<T, A, TW_SLOT_BATCH>(xrow, w_up, k, live, D, lane, u);
-#pragma unroll
-                for (int b = 0; b < TW_SLOT_BATCH; ++b)
-                    if (b < live) hs += fwd_slot_u<T, A>(uval, gval, base + s0 + b, u[b], lane);
-            }
+            row_slot_dots<T, A>(xr, w_up, idx + base, n, D, lane,
+                                [&](int s, A u) { hs += fwd_slot_u<T, A>(uval, gval, base + s, u, lane); });
         } else {
             for (int s = 0; s < n; ++s)
                 hs += fwd_slot_u<T, A>(uval, gval, base + s,
@@ -762,24 +772,9 @@ twellpy_train_bwd(const T* __restrict__ dy, const T* __restrict__ w_downT, const
     const long long base = r * (long long)W;
     const T* dyr = dy + r * (long long)D;
     if (vec == 2) {
-#if TW_XSRC_SMEM
-        __shared__ uint4 s_rows[TW_WARPS][TW_XREG * 32];
-        RowSmem dyrow{s_rows[threadIdx.x >> 5]};
-#else
-        RowRegs dyrow;
-#endif
-        load_row<T>(dyr, D, lane, dyrow);
-        for (int s0 = 0; s0 < n; s0 += TW_SLOT_BATCH) {
-            const int live = min(TW_SLOT_BATCH, n - s0);
-            int k[TW_SLOT_BATCH];
-            A dh[TW_SLOT_BATCH];
-#pragma unroll
-            for (int b = 0; b < TW_SLOT_BATCH; ++b) k[b] = (b < live) ? idx[base + s0 + b] : 0;
-            warp_dots_row<T, A, TW_SLOT_BATCH>(dyrow, w_downT, k, live, D, lane, dh);
-#pragma unroll
-            for (int b = 0; b < TW_SLOT_BATCH; ++b)
-                if (b < live) bwd_slot_d<T, A, GATED>(gval, uval, da, db, base + s0 + b, dh[b], l1s, lane);
-        }
+        row_slot_dots<T, A>(dyr, w_downT, idx + base, n, D, lane, [&](int s, A dh) {
+            bwd_slot_d<T, A, GATED>(gval, uval, da, db, base + s, dh, l1s, lane);
+        });
     } else {
         for (int s = 0; s < n; ++s)
             bwd_slot_d<T, A, GATED>(gval, uval, da, db, base + s,
