@@ -68,7 +68,7 @@ _ROW_TUNABLES = ("TW_SLOT_BATCH", "TW_XSRC_SMEM", "TW_ROW_MIN_BLOCKS")
 
 
 def _rows_setting(value):
-    """``TWELLPY_TRAIN_ROWS``: "1" (default) the kernels' own defaults, "0" off, or a
+    """``TWELLPY_TRAIN_ROWS``: "1" the kernels' own defaults, "0" (default) off, or a
     comma-separated define set such as ``TW_SLOT_BATCH=1,TW_XSRC_SMEM=1``."""
     if value == "1":
         return {}
@@ -89,7 +89,9 @@ def _rows_setting(value):
 #: rows of TW_SLOT_BATCH slots together; the y and dx products broadcast each slot's
 #: column and coefficients by shuffles. Same bits as vec = 1. None (TWELLPY_TRAIN_ROWS=0):
 #: off; a dict: the defines the two kernels are compiled with ({}: the file's defaults).
-ROWS = _rows_setting(os.environ.get("TWELLPY_TRAIN_ROWS", "1"))
+#: Off by default until a GPU run times it (no device was lent when it was written, on
+#: 2026-12-07; benchmarks/train.py's "row loops" lines compare every variant).
+ROWS = _rows_setting(os.environ.get("TWELLPY_TRAIN_ROWS", "0"))
 
 
 #: two-pass ELL forward and backward (TWELLPY_TRAIN_TWO_PASS=1): the first kernel computes u
