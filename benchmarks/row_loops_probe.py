@@ -1,0 +1,73 @@
+"""Time the training ELL kernels' row-loop variants alone (one device call, a few minutes).
+
+``benchmarks/train.py`` times the same variants inside its full run (torch baselines,
+speculation, split step); this probe times only the forward and backward of each
+variant of :data:`benchmarks.train.ROW_VARIANTS` at one workload, checks that every
+variant gives the first one's bits, and prints a table. Numbers go to
+``$OUT/row_loops.json`` when ``$OUT`` is set.
+
+Usage (device, repo root): ``PYTHONPATH=. python benchmarks/row_loops_probe.py [--workload W1-16k] [--reps 10]``
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.train import L1, ROW_VARIANTS, WORKLOADS, make_ffn, time_ms  # noqa: E402
+from twellpy import _ffn_train as T  # noqa: E402
+from twellpy._array import bfloat16  # noqa: E402
+
+
+def main(argv=None):
+    import cupy as cp
+
+    from twellpy.backends import cuda_train as ct
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", default="W1-16k", choices=sorted(WORKLOADS))
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args(argv)
+    w = make_ffn(**WORKLOADS[args.workload], dtype=np.float32, xp=cp, seed=0)
+    x, wg, wu, wd = (ct.from_acc(w[k], bfloat16) for k in ("x", "w_gate", "w_up", "w_down"))
+    del w
+    M, D = x.shape
+    dy = ct.from_acc(cp.random.default_rng(5).standard_normal((M, D), dtype=cp.float32) / np.float32(np.sqrt(M)),
+                     bfloat16)
+    fwd = lambda: T.gated_forward_train(x, wg, wu, wd, l1=L1, check_finite=False)  # noqa: E731
+    rows, base = [], None
+    saved = ct.ROWS, ct.TWO_PASS
+    try:
+        for label, setting, two_pass in ROW_VARIANTS:
+            ct.ROWS, ct.TWO_PASS = setting, two_pass
+            y, ctx = fwd()
+            outs = (y,) + T.gated_backward(ctx, dy)
+            base = outs if base is None else base
+            same = all(bool((a.view(cp.uint16) == b.view(cp.uint16)).all()) for a, b in zip(outs, base))
+            row = {"variant": label, "same_bits": same, "fwd_ms": time_ms(fwd, args.reps),
+                   "bwd_ms": time_ms(lambda: T.gated_backward(ctx, dy), args.reps)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del y, ctx, outs
+    finally:
+        ct.ROWS, ct.TWO_PASS = saved
+    dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "row_loops.json").write_text(json.dumps({"device": dev, "workload": args.workload,
+                                                                          "rows": rows}, indent=1))
+    ref = rows[0]
+    print(f"\nrow loops of the training ELL kernels, {args.workload}, bf16, {dev}")
+    print(f"{'variant':20} {'fwd ms':>8} {'bwd ms':>8} {'fwd+bwd':>8} {'vs ' + ref['variant']:>16} same bits")
+    for r in rows:
+        tot = r["fwd_ms"][0] + r["bwd_ms"][0]
+        print(f"{r['variant']:20} {r['fwd_ms'][0]:8.3f} {r['bwd_ms'][0]:8.3f} {tot:8.3f} "
+              f"{(ref['fwd_ms'][0] + ref['bwd_ms'][0]) / tot:15.3f}x {r['same_bits']}")
+
+
+if __name__ == "__main__":
+    main()
