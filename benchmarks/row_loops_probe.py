@@ -8,6 +8,7 @@ variant gives the first one's bits, and prints a table. Numbers go to
 
 Usage (device, repo root): ``PYTHONPATH=. python benchmarks/row_loops_probe.py [--workload W1-16k] [--reps 10]``
 """
+# twellpy-bench: suite gpu-only
 from __future__ import annotations
 
 import argparse
