@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.train import L1, ROW_VARIANTS, WORKLOADS, make_ffn, time_ms  # noqa: E402
+from benchmarks.train import L1, WORKLOADS, make_ffn, time_row_variants  # noqa: E402
 from twellpy import _ffn_train as T  # noqa: E402
 from twellpy._array import bfloat16  # noqa: E402
 
@@ -41,22 +41,7 @@ def main(argv=None):
     dy = ct.from_acc(cp.random.default_rng(5).standard_normal((M, D), dtype=cp.float32) / np.float32(np.sqrt(M)),
                      bfloat16)
     fwd = lambda: T.gated_forward_train(x, wg, wu, wd, l1=L1, check_finite=False)  # noqa: E731
-    rows, base = [], None
-    saved = ct.ROWS, ct.TWO_PASS
-    try:
-        for label, setting, two_pass in ROW_VARIANTS:
-            ct.ROWS, ct.TWO_PASS = setting, two_pass
-            y, ctx = fwd()
-            outs = (y,) + T.gated_backward(ctx, dy)
-            base = outs if base is None else base
-            same = all(bool((a.view(cp.uint16) == b.view(cp.uint16)).all()) for a, b in zip(outs, base))
-            row = {"variant": label, "same_bits": same, "fwd_ms": time_ms(fwd, args.reps),
-                   "bwd_ms": time_ms(lambda: T.gated_backward(ctx, dy), args.reps)}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            del y, ctx, outs
-    finally:
-        ct.ROWS, ct.TWO_PASS = saved
+    rows = time_row_variants(fwd, dy, args.reps, on_row=lambda row: print(json.dumps(row), flush=True))
     dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "row_loops.json").write_text(json.dumps({"device": dev, "workload": args.workload,

@@ -120,6 +120,31 @@ ROW_VARIANTS = [("off (vec 1)", None, False), ("regs, batch 2", {}, False), ("re
                 ("two-pass, regs b1", {"TW_SLOT_BATCH": 1}, True), ("two-pass, smem b1", _SMEM1, True)]
 
 
+def time_row_variants(fwd, dy, reps, on_row=None):
+    """Forward and backward times of every :data:`ROW_VARIANTS` entry, each with a check
+    that it gives the first variant's bits; ``on_row(row)`` sees each row as it is made."""
+    cp = _cp()
+    from twellpy.backends import cuda_train as ct
+
+    rows, base = [], None
+    saved = ct.ROWS, ct.TWO_PASS
+    try:
+        for label, setting, two_pass in ROW_VARIANTS:
+            ct.ROWS, ct.TWO_PASS = setting, two_pass
+            y, ctx = fwd()
+            outs = (y,) + T.gated_backward(ctx, dy)
+            base = outs if base is None else base
+            same = all(bool((a.view(cp.uint16) == b.view(cp.uint16)).all()) for a, b in zip(outs, base))
+            rows.append({"variant": label, "same_bits": same, "fwd_ms": time_ms(fwd, reps),
+                         "bwd_ms": time_ms(lambda: T.gated_backward(ctx, dy), reps)})
+            if on_row is not None:
+                on_row(rows[-1])
+            del y, ctx, outs
+    finally:
+        ct.ROWS, ct.TWO_PASS = saved
+    return rows
+
+
 def bench(name, reps, widths=()):
     import torch
 
@@ -157,23 +182,7 @@ def bench(name, reps, widths=()):
     res["tw_bwd_ms"] = time_ms(lambda: T.gated_backward(ctx, dy), reps)
     # the ELL kernels' row loops (TWELLPY_TRAIN_ROWS, TWELLPY_TRAIN_TWO_PASS): off (the x / dy
     # row re-read for every slot) and the define sets; each must give the first one's bits
-    res["rows"] = []
-    saved_rows = ct.ROWS, ct.TWO_PASS
-    try:
-        base_outs = None
-        for label, setting, two_pass in ROW_VARIANTS:
-            ct.ROWS, ct.TWO_PASS = setting, two_pass
-            y_v, ctx_v = tw_fwd()
-            outs_v = (y_v,) + T.gated_backward(ctx_v, dy)
-            if base_outs is None:
-                base_outs = outs_v
-            same = all(bool((a.view(cp.uint16) == b.view(cp.uint16)).all()) for a, b in zip(outs_v, base_outs))
-            res["rows"].append({"variant": label, "same_bits": same, "fwd_ms": time_ms(tw_fwd, reps),
-                                "bwd_ms": time_ms(lambda: T.gated_backward(ctx_v, dy), reps)})
-            del y_v, ctx_v, outs_v
-        del base_outs
-    finally:
-        ct.ROWS, ct.TWO_PASS = saved_rows
+    res["rows"] = time_row_variants(tw_fwd, dy, reps)
     # the split step (TWELLPY_TRAIN_SPLIT: y from a shared-memory slice of w_down, dx
     # from slices of w_up and w_gate, twellpy_spmm_resident), against the fused
     # kernels: the backward on the same context, the forward's y
