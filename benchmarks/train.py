@@ -110,6 +110,86 @@ def rel(a, b):
     return float(torch.linalg.norm(a - b) / torch.linalg.norm(b))
 
 
+def torch_dense_step(tt, dtype):
+    """Dense gated FFN forward + backward through torch autograd (the baseline):
+    ``tt`` = torch (x, w_gate, w_up, w_down, dy); returns (y, dx, dw_gate, dw_up, dw_down)."""
+    import torch
+
+    xs, wgs, wus, wds = (t.to(dtype).detach().requires_grad_(True) for t in tt[:4])
+    h = torch.relu(xs @ wgs.T) * (xs @ wus.T)
+    yy = h @ wds.T
+    pen = L1 * h.abs().sum() / xs.shape[0]
+    torch.autograd.backward([yy, pen], [tt[4].to(dtype), torch.ones_like(pen)])
+    return (yy.detach(), xs.grad, wgs.grad, wus.grad, wds.grad)
+
+
+def torch_extra_peak_mb(step):
+    """Extra peak device memory (MB) of one torch ``step()``: the peak during it minus
+    what was allocated before and minus the outputs it returns."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    outs = step()
+    torch.cuda.synchronize()
+    out_bytes = sum(o.numel() * o.element_size() for o in outs)
+    return (torch.cuda.max_memory_allocated() - base - out_bytes) / 2**20, outs
+
+
+def cupy_extra_peak_mb(step):
+    """Extra peak pool memory (MB) of one twellpy ``step()``, as :func:`torch_extra_peak_mb`."""
+    cp = _cp()
+    cp.cuda.Device().synchronize()
+    hook = PeakHook()
+    with hook:
+        base = hook.cur
+        outs = step()
+        cp.cuda.Device().synchronize()
+    return (hook.peak - base - sum(o.nbytes for o in outs)) / 2**20, outs
+
+
+def width_line(row, dense_ms, dense_mb):
+    """One printed line of a :func:`time_widths` row against the dense step."""
+    line = (f"W {row['W']}, R {row['R']}, step {row['ms'][0]:.3f} ms ({dense_ms / row['ms'][0]:.2f}x dense), "
+            f"extra memory {row['extra_peak_MB']:.0f} MB ({row['extra_peak_MB'] / max(dense_mb, 1e-9):.2f} "
+            f"of dense), max rel err {row['rel_err']:.2e}")
+    if "ms_wgrad_gather" in row:
+        line += f"; backup wgrad by GEMM (by gather: {row['ms_wgrad_gather'][0]:.3f} ms)"
+    return line
+
+
+def time_widths(fwd, step, widths, reps, ref):
+    """The exact step ``step(width)`` (forward ``fwd(width)``) at each ELL width: W, backup rows R, whether
+    their weight gradients took the GEMM route (``_ffn_train.BACKUP_WGRAD_GEMM_*``),
+    extra peak memory, max relative error against ``ref`` (torch tensors, the
+    order of the step's outputs) and time; where the GEMM route ran, the step
+    again with those rows' gradients gathered instead ("ms_wgrad_gather")."""
+    cp = _cp()
+    rows = []
+    for width in widths:
+        cp.get_default_memory_pool().free_all_blocks()
+        _, ctx = fwd(width)
+        R = ctx.stats["n_backup_rows"]
+        gemm_route = T._backup_wgrad_by_gemm(R, ctx.nnz_total - ctx.ell_entries)
+        row = {"width_arg": width, "W": ctx.stats["width"], "R": R, "wgrad_gemm": gemm_route}
+        del ctx
+        row["extra_peak_MB"], outs = cupy_extra_peak_mb(lambda: step(width))
+        row["rel_err"] = max(rel(to_torch(o), r) for o, r in zip(outs, ref))
+        del outs
+        row["ms"] = time_ms(lambda: step(width), reps)
+        if gemm_route:
+            saved = T.BACKUP_WGRAD_GEMM_MIN_ROWS
+            T.BACKUP_WGRAD_GEMM_MIN_ROWS = 1 << 62
+            try:
+                row["ms_wgrad_gather"] = time_ms(lambda: step(width), reps)
+            finally:
+                T.BACKUP_WGRAD_GEMM_MIN_ROWS = saved
+        rows.append(row)
+    return rows
+
+
 # (label, cuda_train.ROWS, cuda_train.TWO_PASS) of the row-loop table: the first is the
 # reference for "same bits"
 _SMEM1 = {"TW_XSRC_SMEM": 1, "TW_SLOT_BATCH": 1}
@@ -252,46 +332,21 @@ def bench(name, reps, widths=()):
 
     # memory: pool bytes in use during one step, minus the outputs it returns
     del outs
-    cp.cuda.Device().synchronize()
-    hook = PeakHook()
-    with hook:
-        base = hook.cur
-        outs = tw_step()
-        cp.cuda.Device().synchronize()
-    out_bytes = sum(o.nbytes for o in outs)
-    res["tw_extra_peak_MB"] = (hook.peak - base - out_bytes) / 2**20
-    tw_outs = outs
-    hook = PeakHook()
-    with hook:
-        base = hook.cur
-        outs = tw_step(True)
-        cp.cuda.Device().synchronize()
-    res["tw_spec_extra_peak_MB"] = (hook.peak - base - sum(o.nbytes for o in outs)) / 2**20
+    res["tw_extra_peak_MB"], tw_outs = cupy_extra_peak_mb(tw_step)
+    res["tw_spec_extra_peak_MB"], outs = cupy_extra_peak_mb(lambda: tw_step(True))
     del outs
 
     # ---------------- torch dense (bf16 autograd) and the fp32 reference
     tt = [to_torch(a) for a in (x, wg, wu, wd, dy)]
 
-    def torch_step(dtype=torch.bfloat16, keep=False):
-        xs, wgs, wus, wds = (t.to(dtype).detach().requires_grad_(True) for t in tt[:4])
-        h = torch.relu(xs @ wgs.T) * (xs @ wus.T)
-        yy = h @ wds.T
-        pen = L1 * h.abs().sum() / M
-        torch.autograd.backward([yy, pen], [tt[4].to(dtype), torch.ones_like(pen)])
-        return (yy.detach(), xs.grad, wgs.grad, wus.grad, wds.grad)
+    def torch_step(dtype=torch.bfloat16):
+        return torch_dense_step(tt, dtype)
 
     res["torch_ms"] = time_ms(torch_step, reps)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    t_outs = torch_step()
-    torch.cuda.synchronize()
     # requires_grad leaves are fresh copies of the inputs inside torch_step (.to
     # of a bf16 tensor is a no-op view, .detach() shares storage), so nothing
     # besides intermediates and outputs is allocated by torch here
-    out_bytes = sum(o.numel() * o.element_size() for o in t_outs)
-    res["torch_extra_peak_MB"] = (torch.cuda.max_memory_allocated() - base - out_bytes) / 2**20
+    res["torch_extra_peak_MB"], t_outs = torch_extra_peak_mb(torch_step)
 
     torch.backends.cuda.matmul.allow_tf32 = False
     ref = torch_step(torch.float32)
@@ -301,22 +356,9 @@ def bench(name, reps, widths=()):
     del t_outs, tw_outs
     # other ELL widths (--widths), exact path: a small W sends most rows to the dense
     # backup rows (cuBLAS GEMMs), which may beat the gathers at high density (W2)
-    res["widths"] = []
-    for width in widths:
-        cp.get_default_memory_pool().free_all_blocks()
-        _, ctx_w = T.gated_forward_train(x, wg, wu, wd, l1=L1, check_finite=False, width=width)
-        row = {"width_arg": width, "W": ctx_w.stats["width"], "R": ctx_w.stats["n_backup_rows"]}
-        del ctx_w
-        hook = PeakHook()
-        with hook:
-            base = hook.cur
-            outs = tw_step(width=width)
-            cp.cuda.Device().synchronize()
-        row["extra_peak_MB"] = (hook.peak - base - sum(o.nbytes for o in outs)) / 2**20
-        row["rel_err"] = max(rel(to_torch(o), r) for o, r in zip(outs, ref))
-        del outs
-        row["ms"] = time_ms(lambda: tw_step(width=width), reps)
-        res["widths"].append(row)
+    res["widths"] = time_widths(lambda width: T.gated_forward_train(x, wg, wu, wd, l1=L1, check_finite=False,
+                                                                    width=width),
+                                lambda width: tw_step(width=width), widths, reps, ref)
     del ref
     torch.cuda.empty_cache()
     res["speedup"] = res["torch_ms"][0] / res["tw_ms"][0]
@@ -411,11 +453,9 @@ def main(argv=None):
               f"{r['mem_ratio']:5.2f} {e_tw:10.2e} / {e_d:9.2e}")
     for r in results:
         for row in r["widths"]:
-            print(f"{r['workload']} width {row['width_arg']!s:>13}: W {row['W']}, R {row['R']}, step "
-                  f"{row['ms'][0]:.3f} ms ({r['torch_ms'][0] / row['ms'][0]:.2f}x dense, default width "
-                  f"{r['tw_ms'][0]:.3f}), extra memory {row['extra_peak_MB']:.0f} MB "
-                  f"({row['extra_peak_MB'] / max(r['torch_extra_peak_MB'], 1e-9):.2f} of dense), "
-                  f"max rel err {row['rel_err']:.2e}")
+            print(f"{r['workload']} width {row['width_arg']!s:>13}: " + width_line(row, r["torch_ms"][0],
+                                                                                 r["torch_extra_peak_MB"])
+                  + f" (default width {r['tw_ms'][0]:.3f} ms)")
     for r in results:
         for row in r["rows"]:
             print(f"{r['workload']} row loops (TWELLPY_TRAIN_ROWS) {row['variant']:>14}: fwd {row['fwd_ms'][0]:.3f} ms, "

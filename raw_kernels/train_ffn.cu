@@ -878,6 +878,8 @@ twellpy_train_tr_place(const int* __restrict__ idx, const int* __restrict__ row_
 //   dw_a     (H, D) T  out: dw_up   = da^T @ x
 //   dw_b     (H, D) T  out: dw_gate = db^T @ x   (GATED)
 //   dw_downT (H, D) T  out: (dy^T @ h)^T = h^T @ dy
+//   base_a, base_b, base_h (H, D) A or null: sums the entries are added to
+//            (the backup rows' GEMM products; rounded to T once, with the entries)
 // grid = (H, ceil(D / (TW_GATHER_THREADS * VecN))), block = TW_GATHER_THREADS
 template <typename T, int GATED>
 __global__ void __launch_bounds__(TW_GATHER_THREADS)
@@ -885,7 +887,9 @@ twellpy_train_wgrad(const int* __restrict__ indptr, const int* __restrict__ rows
                     const T* __restrict__ x, const T* __restrict__ dy, const T* __restrict__ da,
                     const T* __restrict__ db, const T* __restrict__ gval, const T* __restrict__ uval,
                     T* __restrict__ dw_a, T* __restrict__ dw_b, T* __restrict__ dw_downT, int H, int D,
-                    int vec) {
+                    int vec, const typename accum<T>::type* __restrict__ base_a,
+                    const typename accum<T>::type* __restrict__ base_b,
+                    const typename accum<T>::type* __restrict__ base_h) {
     typedef typename accum<T>::type A;
     constexpr int N = VecN<T>::N;
     const long long k = blockIdx.x;
@@ -896,6 +900,14 @@ twellpy_train_wgrad(const int* __restrict__ indptr, const int* __restrict__ rows
     if (vec) {
         const int c = (blockIdx.y * TW_GATHER_THREADS + threadIdx.x) * N;
         if (c >= D) return;
+        if (base_a != nullptr) {
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                acc_a[i] = base_a[k * D + c + i];
+                acc_h[i] = base_h[k * D + c + i];
+                if (GATED) acc_b[i] = base_b[k * D + c + i];
+            }
+        }
         int e = e0;
         // Four entries per step: their loads are all issued before the FMAs, so
         // four gathers are in flight (the loop is latency-bound otherwise). The
@@ -958,6 +970,17 @@ twellpy_train_wgrad(const int* __restrict__ indptr, const int* __restrict__ rows
         if (GATED) store_vec<T, A>(dw_b + k * D + c, acc_b);
     } else {
         const int c0 = blockIdx.y * TW_GATHER_THREADS * N + threadIdx.x;
+        if (base_a != nullptr) {
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                const int c = c0 + i * TW_GATHER_THREADS;
+                if (c < D) {
+                    acc_a[i] = base_a[k * D + c];
+                    acc_h[i] = base_h[k * D + c];
+                    if (GATED) acc_b[i] = base_b[k * D + c];
+                }
+            }
+        }
         for (int e = e0; e < e1; ++e) {
             const long long m = rows[e];
             const int p = pos[e];
@@ -1183,11 +1206,13 @@ twellpy_train_backup_fwd(const T* __restrict__ g, const typename accum<T>::type*
 //   l1s    double      l1 / M, added as l1s * sign(h) on the pattern when non-zero
 //   da     (R, H) T    out: du (gated) or dh (non-gated); 0 off the pattern
 //   db     (R, H) T    out (gated): dg; 0 off the pattern
+//   h      (R, H) T    out (gated) or null: h = g * u rounded to T, 0 off the pattern
+//                      (the backup rows' operand of the dw_down GEMM; the forward's h bits)
 template <typename T, int GATED>
 __global__ void __launch_bounds__(256)
 twellpy_train_backup_bwd(const typename accum<T>::type* __restrict__ dh_acc, const T* __restrict__ g,
                          const T* __restrict__ u, double l1s, T* __restrict__ da, T* __restrict__ db,
-                         long long n) {
+                         long long n, T* __restrict__ h) {
     typedef typename accum<T>::type A;
     const A l1 = (A)l1s;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
@@ -1196,10 +1221,12 @@ twellpy_train_backup_bwd(const typename accum<T>::type* __restrict__ dh_acc, con
         if (!nonzero(gv)) {
             da[i] = zero_value<T>();
             if (GATED) db[i] = zero_value<T>();
+            if (GATED && h != nullptr) h[i] = zero_value<T>();
             continue;
         }
         A d = dh_acc[i];
         const T uv = GATED ? u[i] : gv;
+        if (GATED && h != nullptr) h[i] = from_acc<T, A>(h_value<T, A, GATED>(gv, uv));
         if (l1s != 0.0) d += l1 * sign_of<A>(h_value<T, A, GATED>(gv, uv));
         if (GATED) {
             da[i] = from_acc<T, A>(d * to_acc<A, T>(gv));
@@ -1253,6 +1280,53 @@ twellpy_train_backup_exact(typename accum<T>::type* __restrict__ out, const T* _
             o[c] = s;
         }
     }
+}
+
+// twellpy_train_backup_wgrad_exact<T, GATED>: the backup rows' weight-gradient
+// GEMM sums, redone over the active entries only where the GEMM left them
+// non-finite (the twin of backup_exact for dw = a^T @ x).
+//   base_a, base_b, base_h (H, D) A   in: da^T @ x[rows], db^T @ x[rows] (GATED),
+//                                     h^T @ dy[rows]; out: non-finite elements redone
+//   g, u   (R, H) T    the backup rows' g and u (u GATED only; non-zero g = entry)
+//   da, db (R, H) T    du (or dh) and dg (GATED), 0 off the pattern
+//   x, dy  (M, D) T;   rows (R,) int   row number of each backup row
+// With unchecked inputs a NaN/Inf in x or dy of a backup row meets the zeros of
+// that row's inactive neurons in the GEMM, and 0 * NaN/Inf is NaN: it would
+// reach every neuron's gradient in that column. A finite element had no such
+// product and is already exact (one read); a non-finite one is summed again
+// over the rows where the neuron is active, rows in order.
+// grid = (H, ceil(D / 256)), block = 256: one thread per (neuron, column).
+template <typename T, int GATED>
+__global__ void __launch_bounds__(256)
+twellpy_train_backup_wgrad_exact(typename accum<T>::type* __restrict__ base_a,
+                                 typename accum<T>::type* __restrict__ base_b,
+                                 typename accum<T>::type* __restrict__ base_h, const T* __restrict__ g,
+                                 const T* __restrict__ u, const T* __restrict__ da, const T* __restrict__ db,
+                                 const T* __restrict__ x, const T* __restrict__ dy, const int* __restrict__ rows,
+                                 int R, int H, int D) {
+    typedef typename accum<T>::type A;
+    const long long k = blockIdx.x;
+    const int c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= D) return;
+    const long long o = k * D + c;
+    const bool redo_a = !finite_acc(base_a[o]);
+    const bool redo_b = GATED && !finite_acc(base_b[o]);
+    const bool redo_h = !finite_acc(base_h[o]);
+    if (!(redo_a || redo_b || redo_h)) return;
+    A sa = A(0), sb = A(0), sh = A(0);
+    for (int r = 0; r < R; ++r) {
+        const long long e = (long long)r * H + k;
+        const T gv = g[e];
+        if (!nonzero(gv)) continue;
+        const long long m = (long long)rows[r] * D + c;
+        const A xv = to_acc<A, T>(x[m]);
+        sa = fma(to_acc<A, T>(da[e]), xv, sa);
+        if (GATED) sb = fma(to_acc<A, T>(db[e]), xv, sb);
+        sh = fma(h_value<T, A, GATED>(gv, GATED ? u[e] : gv), to_acc<A, T>(dy[m]), sh);
+    }
+    if (redo_a) base_a[o] = sa;
+    if (redo_b) base_b[o] = sb;
+    if (redo_h) base_h[o] = sh;
 }
 
 // twellpy_train_scatter_rows<T>: dst[rows[r], :] = src[r, :] rounded once to T.

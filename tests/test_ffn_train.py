@@ -249,6 +249,140 @@ def test_direct_pack_matches_the_csr_path(monkeypatch, case, gated):
 
 
 # ---------------------------------------------------------------------------
+# backup rows in chunks, and their weight gradients through GEMMs
+def _spy_weight_grads(monkeypatch):
+    """Record, per backward, whether the weight gradients started from GEMM sums."""
+    from twellpy.backends import cpu_train as CPU
+
+    seen, real = [], CPU.ffn_weight_grads
+
+    def spy(*args, base=None, **kw):
+        seen.append(base is not None)
+        return real(*args, base=base, **kw)
+
+    monkeypatch.setattr(CPU, "ffn_weight_grads", spy)
+    return seen
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float64), bfloat16], ids=str)
+@pytest.mark.parametrize("case", ["uneven", "hot2000", "empty_rows", "M1"])
+@pytest.mark.parametrize("chunk_rows", [1, 3, None], ids=["chunk1", "chunk3", "onechunk"])
+def test_backup_rows_in_chunks_with_gemm_weight_grads_match_dense(monkeypatch, gated, dtype, case, chunk_rows):
+    x, wg, wu, wd, dy = _cast(make_problem(**CASES[case], seed=11), dtype)
+    H, D = wu.shape
+    acc = 8 if dtype == np.float64 else 4
+    if chunk_rows is not None:
+        monkeypatch.setattr(T, "BACKUP_CHUNK_BYTES", chunk_rows * max(H, D) * acc)
+    monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM_MIN_ROWS", 1)
+    monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM_MIN_MEAN", 0)
+    seen = _spy_weight_grads(monkeypatch)
+    width = 2  # nearly every row is a backup row
+    l1 = 0.05
+    if gated:
+        y, ctx = T.gated_forward_train(x, wg, wu, wd, l1=l1, width=width)
+        grads = T.gated_backward(ctx, dy)
+        ref = dense_gated(x, wg, wu, wd, dy, l1)
+        names = ("dx", "dw_gate", "dw_up", "dw_down")
+    else:
+        y, ctx = T.relu_forward_train(x, wu, wd, l1=l1, width=width)
+        grads = T.relu_backward(ctx, dy)
+        ref = dense_relu(x, wu, wd, dy, l1)
+        names = ("dx", "dw_up", "dw_down")
+    R = ctx.stats["n_backup_rows"]
+    assert seen == [R >= 1], "the weight gradients take the GEMM route exactly when there are backup rows"
+    if case != "empty_rows":
+        assert R >= 1
+    tol = TOL[dtype]
+    assert rel(y, ref["y"]) <= tol
+    for name, got in zip(names, grads):
+        assert got.dtype == dtype and got.shape == ref[name].shape, name
+        assert rel(got, ref[name]) <= tol, (name, rel(got, ref[name]))
+    assert ctx.stats["l1"] == pytest.approx(ref["l1"], rel=max(tol, 1e-9))
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
+def test_gemm_weight_grads_route_rules_and_bits(monkeypatch, gated):
+    """The GEMM route is deterministic, close to the gather route and taken
+    only past both thresholds."""
+    x, wg, wu, wd, dy = _cast(make_problem(**CASES["uneven"], seed=12), np.dtype(np.float32))
+    seen = _spy_weight_grads(monkeypatch)
+
+    def grads(**kw):
+        if gated:
+            _, ctx = T.gated_forward_train(x, wg, wu, wd, l1=0.05, width=2, **kw)
+            return ctx, T.gated_backward(ctx, dy)
+        _, ctx = T.relu_forward_train(x, wu, wd, l1=0.05, width=2, **kw)
+        return ctx, T.relu_backward(ctx, dy)
+
+    ctx, gather = grads()  # the defaults: a few dozen rows are far below the row threshold
+    R = ctx.stats["n_backup_rows"]
+    entries = ctx.nnz_total - ctx.ell_entries
+    assert 1 <= R < T.BACKUP_WGRAD_GEMM_MIN_ROWS and seen == [False]
+    assert entries == int(np.asarray(ctx.stats["token_counts"])[np.asarray(ctx.backup_rows)].sum())
+    monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM_MIN_ROWS", R)
+    monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM_MIN_MEAN", -(-entries // R) + 1)  # mean just short
+    grads()
+    monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM_MIN_MEAN", entries // R)
+    _, first = grads()
+    _, again = grads()
+    _, unchecked = grads(check_finite=False)
+    assert seen == [False, False, True, True, True]
+    for a, b, c, d in zip(first, again, gather, unchecked):
+        assert a.tobytes() == b.tobytes() == d.tobytes()   # deterministic; finite sums are not redone
+        np.testing.assert_allclose(a, c, rtol=2e-5, atol=2e-5 * float(np.abs(c).max()))
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
+@pytest.mark.parametrize("where", ["x", "dy", "both"])
+@pytest.mark.parametrize("chunk_rows", [2, None], ids=["chunk2", "onechunk"])
+def test_gemm_weight_grads_with_unchecked_nan_inputs_match_the_gather(monkeypatch, gated, where, chunk_rows):
+    """check_finite=False with NaN/Inf in a backup row's x or dy: the GEMMs meet
+    them with the zeros of inactive neurons (0 * NaN = NaN); those elements are
+    redone over the active entries, so NaN lands exactly where the gather puts it."""
+    x, wg, wu, wd, dy = _cast(make_problem(**CASES["uneven"], seed=13), np.dtype(np.float32))
+    seen = _spy_weight_grads(monkeypatch)
+
+    def grads():
+        if gated:
+            _, ctx = T.gated_forward_train(x, wg, wu, wd, l1=0.05, width=2, check_finite=False)
+            return ctx, T.gated_backward(ctx, dy)
+        _, ctx = T.relu_forward_train(x, wu, wd, l1=0.05, width=2, check_finite=False)
+        return ctx, T.relu_backward(ctx, dy)
+
+    ctx, _ = grads()
+    r0, r1 = (int(r) for r in np.asarray(ctx.backup_rows)[[0, -1]])
+    if where in ("x", "both"):
+        # z = +-Inf in that row: the neurons at -Inf are inactive there (a NaN in x
+        # would make every neuron of the row active, leaving no zero to meet it)
+        x[r1, 7] = np.inf
+    if where in ("dy", "both"):
+        dy[r0, 3] = np.nan
+        dy[r1, 9] = -np.inf
+    _, gather = grads()
+    if chunk_rows:  # each chunk's sums are redone before they join the others'
+        monkeypatch.setattr(T, "BACKUP_CHUNK_BYTES", chunk_rows * wu.shape[0] * 4)
+    monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM_MIN_ROWS", 1)
+    monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM_MIN_MEAN", 0)
+    _, by_gemm = grads()
+    assert seen == [False, False, True]
+    for a, b in zip(by_gemm[1:], gather[1:]):  # the weight gradients
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+        np.testing.assert_array_equal(np.isinf(a), np.isinf(b))
+        fin = np.isfinite(b)
+        assert fin.mean() > 0.2  # neurons inactive in the poisoned rows stay finite
+        np.testing.assert_allclose(a[fin], b[fin], rtol=2e-5, atol=2e-5 * float(np.abs(b[fin]).max()))
+
+
+def test_backup_chunks_cover_the_rows_once(monkeypatch):
+    monkeypatch.setattr(T, "BACKUP_CHUNK_BYTES", 10 * 4 * 7)
+    assert T._backup_chunks(0, 7, 5, np.float32) == []
+    assert T._backup_chunks(25, 7, 5, np.float32) == [(0, 10), (10, 20), (20, 25)]
+    assert T._backup_chunks(25, 7, 5, np.float64) == [(0, 5), (5, 10), (10, 15), (15, 20), (20, 25)]
+    assert T._backup_chunks(3, 5, 7000, bfloat16) == [(0, 1), (1, 2), (2, 3)]  # at least a row
+
+
+# ---------------------------------------------------------------------------
 # the CPU twins of the backup-row kernels, against the formulas in float64
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
 @pytest.mark.parametrize("l1s", [0.0, 0.02])
@@ -275,7 +409,13 @@ def test_backup_row_helpers_follow_the_formulas(gated, l1s):
     np.testing.assert_array_equal(np.delete(habs, rows), -3.0)
     da = np.full((R, H), np.nan, dtype=np.float32)
     db = np.full((R, H), np.nan, dtype=np.float32) if gated else None
-    CPU.backup_rows_backward(dh_acc, g, u if gated else None, l1s, gated, da, db)
+    h_out = np.full((R, H), np.nan, dtype=np.float32) if gated else None
+    CPU.backup_rows_backward(dh_acc, g, u if gated else None, l1s, gated, da, db, h_out=h_out)
+    if gated:
+        np.testing.assert_array_equal(h_out, h_ref)  # the forward's h, 0 off the pattern
+    else:
+        with pytest.raises(ValueError, match="h_out"):
+            CPU.backup_rows_backward(dh_acc, g, None, l1s, gated, da, db, h_out=da)
     d = np.where(on, dh_acc + l1s * np.sign(h_ref), 0)
     np.testing.assert_allclose(da, d * g if gated else d, rtol=1e-6, atol=0)
     if gated:

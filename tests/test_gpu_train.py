@@ -363,7 +363,9 @@ def test_backup_row_kernels_match_cpu(dtype, gated, R, H):
     u_c = np.empty((R, H), dtype=dtype)
     h_c = CPU.backup_rows_forward(g, u_acc, u_c, rows, habs_c, gated)
     da_c, db_c = np.empty((R, H), dtype=dtype), np.empty((R, H), dtype=dtype)
-    CPU.backup_rows_backward(dh_acc, g, u_c if gated else None, l1s, gated, da_c, db_c if gated else None)
+    hb_c = np.empty((R, H), dtype=dtype) if gated else None
+    CPU.backup_rows_backward(dh_acc, g, u_c if gated else None, l1s, gated, da_c, db_c if gated else None,
+                             h_out=hb_c)
     # GPU, outputs poisoned first
     g_d, rows_d = to_gpu(g), cp.asarray(rows)
     habs_d = cp.asarray(np.full(M, 7.0, dtype=acc))
@@ -373,12 +375,13 @@ def test_backup_row_kernels_match_cpu(dtype, gated, R, H):
     poison()
     da_d = cp.empty((R, H), dtype=dtype)
     db_d = cp.empty((R, H), dtype=dtype) if gated else None
-    CT.backup_rows_backward(cp.asarray(dh_acc), g_d, u_d, l1s, gated, da_d, db_d)
+    hb_d = cp.empty((R, H), dtype=dtype) if gated else None
+    CT.backup_rows_backward(cp.asarray(dh_acc), g_d, u_d, l1s, gated, da_d, db_d, h_out=hb_d)
     cp.cuda.get_current_stream().synchronize()
     # element-wise results: the same bits (same fp32/fp64 operations, one rounding)
     outs = [("h", h_d, h_c), ("da", da_d, da_c)]
     if gated:
-        outs += [("u", u_d, u_c), ("db", db_d, db_c)]
+        outs += [("u", u_d, u_c), ("db", db_d, db_c), ("h_out", hb_d, hb_c), ("h_out = h", hb_d, h_c)]
     for name, got, want in outs:
         got = _host(got)
         nan = np.isnan(want.astype(np.float64))
@@ -449,6 +452,108 @@ def test_backup_row_launchers_check_their_operands():
         CT.backup_rows_backward(g, g, g, 0.0, True, g, g.T)
     with pytest.raises(ValueError, match="src"):
         CT.put_rows_from_acc(cp.zeros((10, 8), cp.float32), cp.zeros(4, cp.int32), g.astype(cp.float64))
+    with pytest.raises(ValueError, match="h_out"):
+        CT.backup_rows_backward(g, g, g, 0.0, True, g, g, h_out=g[:, :4])
+    with pytest.raises(ValueError, match="h_out"):
+        CT.backup_rows_backward(g, g, None, 0.0, False, g, None, h_out=g)
+    ip, rows = cp.zeros(9, cp.int32), cp.zeros(0, cp.int32)
+    x = cp.zeros((3, 4), cp.float32)
+    good = cp.zeros((8, 4), cp.float32)
+    with pytest.raises(ValueError, match="base dw_downT"):
+        CT.ffn_weight_grads(ip, rows, rows, x, x, g, g, g, g, 8, True, base=(good, good, good[:, :2]))
+    with pytest.raises(ValueError, match="base dw_gate"):
+        CT.ffn_weight_grads(ip, rows, rows, x, x, g, g, g, g, 8, True, base=(good, None, good))
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
+def test_gemm_weight_grads_with_unchecked_nan_inputs_gpu(monkeypatch, dtype, gated):
+    """check_finite=False, an Inf in a backup row's x and NaN/Inf in dy: the GEMM route
+    (twellpy_train_backup_wgrad_exact redoes what 0 * NaN spoilt) puts NaN and Inf
+    exactly where the gather route does, and its finite values are close."""
+    prob = [a.astype(dtype) for a in make_problem(**CASES["uneven1"], seed=9, gated=gated)]
+    host = prob if gated else [prob[0], None, *prob[1:]]
+    _, ctx = (T.gated_forward_train(*host[:4], width=3) if gated else
+              T.relu_forward_train(host[0], host[2], host[3], width=3))
+    r0, r1 = (int(r) for r in np.asarray(ctx.backup_rows)[[0, -1]])
+    host[0][r1, 7] = np.inf
+    host[4][r0, 3] = np.nan
+    host[4][r1, 9] = -np.inf
+    dev = [None if a is None else to_gpu(a) for a in host]
+
+    def grads():
+        poison()
+        if gated:
+            _, c = T.gated_forward_train(*dev[:4], l1=0.05, width=3, check_finite=False)
+            return T.gated_backward(c, dev[4])
+        _, c = T.relu_forward_train(dev[0], dev[2], dev[3], l1=0.05, width=3, check_finite=False)
+        return T.relu_backward(c, dev[4])
+
+    gather = [f64(a) for a in grads()]
+    monkeypatch.setattr(T, "BACKUP_CHUNK_BYTES", 5 * host[2].shape[0] * 4)  # chunks of 5 rows (H > D)
+    monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM_MIN_ROWS", 1)
+    monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM_MIN_MEAN", 0)
+    by_gemm = [f64(a) for a in grads()]
+    for a, b in zip(by_gemm[1:], gather[1:]):
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+        np.testing.assert_array_equal(np.isinf(a), np.isinf(b))
+        fin = np.isfinite(b)
+        assert fin.mean() > 0.2
+        assert rel(a[fin], b[fin]) <= 2 * TOL[dtype]
+
+
+# the backup rows in chunks, with their weight gradients as GEMMs: a W2-like
+# density (about 100 active neurons a token) where nearly every row is a backup row
+BACKUP_GEMM_CASES = {
+    "dense100": dict(M=1536, D=256, H=1024, nnz=100),
+    "hot2000": CASES["hot2000"],
+    "odd": CASES["odd"],
+    "M1": CASES["M1"],
+    "empty_rows": CASES["empty_rows"],
+}
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
+@pytest.mark.parametrize("case", list(BACKUP_GEMM_CASES))
+def test_backup_rows_in_chunks_with_gemm_weight_grads_gpu(monkeypatch, case, dtype, gated):
+    from twellpy.backends import cpu_train, cuda_train
+
+    prob = [a.astype(dtype) for a in make_problem(**BACKUP_GEMM_CASES[case], seed=5, gated=gated)]
+    host = prob if gated else [prob[0], None, *prob[1:]]  # (x, w_gate, w_up, w_down, dy)
+    H, D = host[2].shape
+    monkeypatch.setattr(T, "BACKUP_CHUNK_BYTES", 7 * max(H, D) * 4)  # chunks of 7 rows
+    monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM_MIN_ROWS", 1)
+    monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM_MIN_MEAN", 0)
+    seen = []
+    for be in (cpu_train, cuda_train):
+        real = be.ffn_weight_grads
+
+        def spy(*args, base=None, _real=real, **kw):
+            seen.append(base is not None)
+            return _real(*args, base=base, **kw)
+
+        monkeypatch.setattr(be, "ffn_weight_grads", spy)
+    dev = [None if a is None else to_gpu(a) for a in host]
+    poison()
+    out, l1, width = step_outputs(*dev, 4, gated)
+    again, _, _ = step_outputs(*dev, 4, gated)
+    cpu, cpu_l1, _ = step_outputs(*host, 4, gated)
+    R = int((out["token_counts"] > width).sum())
+    assert seen == [R >= 1] * 3
+    if case != "empty_rows":
+        assert R >= 1
+    if case == "dense100":
+        assert R >= 0.9 * host[0].shape[0]
+    ref = dense_gated(*host, 0.05) if gated else dense_relu(*prob, 0.05)
+    names = ("dx", "dw_gate", "dw_up", "dw_down") if gated else ("dx", "dw_up", "dw_down")
+    assert rel(out["y"], ref["y"]) <= TOL[dtype]
+    for i, name in enumerate(names):
+        got = out[f"grad{i}"]
+        assert rel(got, ref[name]) <= TOL[dtype], (name, rel(got, ref[name]))
+        assert rel(got, cpu[f"grad{i}"]) <= 2 * TOL[dtype], name
+        assert got.tobytes() == again[f"grad{i}"].tobytes(), name  # deterministic
+    assert l1 == pytest.approx(ref["l1"], rel=TOL[dtype])
 
 
 @pytest.fixture

@@ -297,8 +297,23 @@ void backup_fwd_##SUFFIX(const T* g, const typename accum<T>::type* u_acc, T* u,
     emu::launch(twellpy_train_backup_fwd<T, G>, dim3(grid), dim3(256), 0, g, u_acc, u, h, rows, R, H, habs);  \
 }                                                                                                      \
 void backup_bwd_##SUFFIX(const typename accum<T>::type* dh, const T* g, const T* u, double l1s, T* da,     \
-                         T* db, long long n, int grid) {                                               \
-    emu::launch(twellpy_train_backup_bwd<T, G>, dim3(grid), dim3(256), 0, dh, g, u, l1s, da, db, n);    \
+                         T* db, long long n, int grid, T* h) {                                         \
+    emu::launch(twellpy_train_backup_bwd<T, G>, dim3(grid), dim3(256), 0, dh, g, u, l1s, da, db, n, h); \
+}                                                                                                      \
+void wgrad_##SUFFIX(const int* indptr, const int* rows, const int* pos, const T* x, const T* dy,          \
+                    const T* da, const T* db, const T* gval, const T* uval, T* dw_a, T* dw_b, T* dw_dT,  \
+                    int H, int D, int vec, const typename accum<T>::type* base_a,                       \
+                    const typename accum<T>::type* base_b, const typename accum<T>::type* base_h) {     \
+    constexpr int per = TW_GATHER_THREADS * VecN<T>::N;                                                  \
+    emu::launch(twellpy_train_wgrad<T, G>, dim3(H, (D + per - 1) / per), dim3(TW_GATHER_THREADS), 0,     \
+                indptr, rows, pos, x, dy, da, db, gval, uval, dw_a, dw_b, dw_dT, H, D, vec, base_a,      \
+                base_b, base_h);                                                                        \
+}                                                                                                      \
+void wgrad_exact_##SUFFIX(typename accum<T>::type* ba, typename accum<T>::type* bb,                     \
+                          typename accum<T>::type* bh, const T* g, const T* u, const T* da, const T* db, \
+                          const T* x, const T* dy, const int* rows, int R, int H, int D) {              \
+    emu::launch(twellpy_train_backup_wgrad_exact<T, G>, dim3(H, (D + 255) / 256), dim3(256), 0, ba, bb, bh,   \
+                g, u, da, db, x, dy, rows, R, H, D);                                                  \
 }
 using twellpy::accum;
 BACKUP(f32_0, float, 0)
@@ -334,7 +349,9 @@ void row_maps(const int* counts, int* maps, long long M, int W, long long R, int
 """
 
 
-@pytest.fixture(scope="module", params=[{}, {"TW_WARPS": 2, "TW_PACK_UNROLL": 3, "TW_MAP_ROWS": 3}],
+@pytest.fixture(scope="module", params=[{"TW_GATHER_THREADS": 32},
+                                        {"TW_WARPS": 2, "TW_PACK_UNROLL": 3, "TW_MAP_ROWS": 3,
+                                         "TW_GATHER_THREADS": 64}],
                 ids=["default", "2warps-unroll3-maprows3"])
 def train_lib(request, tmp_path_factory):
     return _build(tmp_path_factory, "train_ffn.cu", _TRAIN_HARNESS, request.param)
@@ -389,14 +406,134 @@ def test_backup_row_kernels_match_numpy_twins(train_lib, dtype, gated, R, H, gri
         da = np.full((R, H), np.nan, np.float32).astype(dtype)
         db = np.full((R, H), np.nan, np.float32).astype(dtype)
         uu = u if gated else g
+        hh = np.full((R, H), np.nan, np.float32).astype(dtype)
         getattr(train_lib, f"backup_bwd_{_suffix(dtype, gated)}")(
-            _ptr(dh), _ptr(g), _ptr(uu), ctypes.c_double(l1s), _ptr(da), _ptr(db), ctypes.c_longlong(R * H), grid)
+            _ptr(dh), _ptr(g), _ptr(uu), ctypes.c_double(l1s), _ptr(da), _ptr(db), ctypes.c_longlong(R * H), grid,
+            _ptr(hh) if gated else None)
         da_w = np.full((R, H), np.nan, np.float32).astype(dtype)
         db_w = np.full((R, H), np.nan, np.float32).astype(dtype)
-        cpu_train.backup_rows_backward(dh, g, u if gated else None, l1s, gated, da_w, db_w if gated else None)
+        h_w = np.full((R, H), np.nan, np.float32).astype(dtype) if gated else None
+        cpu_train.backup_rows_backward(dh, g, u if gated else None, l1s, gated, da_w, db_w if gated else None,
+                                       h_out=h_w)
         np.testing.assert_array_equal(_bits(da), _bits(da_w))
         if gated:
             np.testing.assert_array_equal(_bits(db), _bits(db_w))
+            np.testing.assert_array_equal(_bits(hh), _bits(h_w))  # the forward's h, 0 off the pattern
+            np.testing.assert_array_equal(_bits(hh), _bits(h))
+        else:
+            assert np.isnan(hh.astype(np.float32)).all()  # a null h is never written
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("D,vec", [(264, 1), (300, 0), (8, 1), (5, 0)])
+@pytest.mark.parametrize("with_base", [True, False], ids=["base", "nobase"])
+def test_weight_grad_kernel_adds_the_pattern_to_its_base(train_lib, dtype, gated, D, vec, with_base):
+    """twellpy_train_wgrad: ``base + sum over entries`` per neuron and column,
+    rounded once, against float64 (every column chunk, partial last chunk,
+    both loops); the base is the backup rows' GEMM sums."""
+    from twellpy.backends import cpu_train
+
+    rng = np.random.default_rng(D + 7 * gated)
+    M, K, H, R = 13, 3, 9, 2
+    idx = np.full((M, K), -1, np.int32)
+    for r in range(M):
+        n = int(rng.integers(0, K + 1))
+        idx[r, :n] = np.sort(rng.choice(H, n, replace=False))
+    row_map = np.full(M, -1, np.int32)
+    row_map[[4, 9]] = [0, 1]
+    idx[[4, 9]] = -1
+    bk = np.where(rng.random((R, H)) < 0.5, rng.standard_normal((R, H)), 0).astype(np.float32)
+    if not with_base:  # the backup rows go through the gather too
+        indptr, rows, pos = cpu_train.transpose_pattern(idx, row_map, bk.astype(dtype), H)
+    else:
+        indptr, rows, pos = cpu_train.transpose_pattern(idx, np.full(M, -1, np.int32), bk[:0], H)
+    n_vals = M * K + R * H
+    vals = [rng.standard_normal(n_vals).astype(np.float32).astype(dtype) for _ in range(4)]  # da, db, g, u
+    x = rng.standard_normal((M, D)).astype(np.float32).astype(dtype)
+    dy = rng.standard_normal((M, D)).astype(np.float32).astype(dtype)
+    base = [rng.standard_normal((H, D)).astype(np.float32) * 3 for _ in range(3)] if with_base else None
+    outs = [np.full((H, D), np.nan, np.float32).astype(dtype) for _ in range(3)]
+    getattr(train_lib, f"wgrad_{_suffix(dtype, gated)}")(
+        _ptr(indptr), _ptr(rows), _ptr(pos), _ptr(x), _ptr(dy), _ptr(vals[0]), _ptr(vals[1]), _ptr(vals[2]),
+        _ptr(vals[3]), _ptr(outs[0]), _ptr(outs[1]), _ptr(outs[2]), H, D, vec,
+        *((_ptr(b) for b in base) if with_base else (None, None, None)))
+    # float64 reference over the entries of the transposed pattern
+    da, db, g, u = (v.astype(np.float64) for v in vals)
+    h = (g * u).astype(dtype).astype(np.float64) if gated else g
+    want = [np.zeros((H, D)) if base is None else b.astype(np.float64) for b in (base or [None] * 3)]
+    xf, dyf = x.astype(np.float64), dy.astype(np.float64)
+    for k in range(H):
+        for e in range(indptr[k], indptr[k + 1]):
+            m, p = rows[e], pos[e]
+            want[0][k] += da[p] * xf[m]
+            want[1][k] += db[p] * xf[m]
+            want[2][k] += h[p] * dyf[m]
+    checks = [(outs[0], want[0], "dw_up"), (outs[2], want[2], "dw_downT")]
+    checks += [(outs[1], want[1], "dw_gate")] if gated else []
+    ulp = 2.0 ** -8 if dtype == bfloat16 else 2.0 ** -20
+    for got, ref, name in checks:
+        err = np.abs(got.astype(np.float64) - ref)
+        assert (err <= ulp * np.abs(ref) + 1e-5 * np.abs(ref).max()).all(), (name, float(err.max()))
+    if not gated:
+        assert np.isnan(outs[1].astype(np.float32)).all()  # dw_gate is not written
+    if with_base:  # the same sums as the CPU backend's from its base
+        twin = cpu_train.ffn_weight_grads(indptr, rows, pos, x, dy, vals[0], vals[1], vals[2], vals[3], H, gated,
+                                          base=(base[0], base[1] if gated else None, base[2]))
+        for got, want_twin in zip((outs[0], outs[2]), (twin[0], twin[2])):
+            np.testing.assert_allclose(got.astype(np.float32), want_twin.astype(np.float32),
+                                       rtol=2 * ulp, atol=1e-5 * float(np.abs(want_twin.astype(np.float32)).max()))
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("D", [5, 300])
+def test_backup_wgrad_exact_redoes_only_the_non_finite_sums(train_lib, dtype, gated, D):
+    """twellpy_train_backup_wgrad_exact against its numpy twin: the GEMM sums of
+    the backup rows with an Inf in x and a NaN in dy; finite elements keep their
+    bits, the others are summed over the active entries only."""
+    from twellpy.backends import cpu_train
+
+    rng = np.random.default_rng(D * 3 + gated)
+    R, H, M = 4, 6, 9
+    rows = np.array([0, 3, 4, 8], np.int32)
+    g = np.where(rng.random((R, H)) < 0.5, np.abs(rng.standard_normal((R, H))) + 0.1, 0).astype(dtype)
+    g[1, 2] = np.nan  # a NaN g is an entry
+    u = (np.where(g != 0, rng.standard_normal((R, H)), 0) if gated else np.zeros((R, H))).astype(dtype)
+    on = g != 0
+    da = np.where(on, rng.standard_normal((R, H)), 0).astype(dtype)
+    db = np.where(on, rng.standard_normal((R, H)), 0).astype(dtype) if gated else da
+    x = rng.standard_normal((M, D)).astype(dtype)
+    dy = rng.standard_normal((M, D)).astype(dtype)
+    x[3, D - 1] = np.inf
+    dy[8, 0] = np.nan
+    # the GEMM sums (zeros of inactive neurons included), in float32
+    h = cpu_train._h_values(g.astype(np.float32), u.astype(np.float32) if gated else None, gated, dtype)
+    h = np.where(on, h, 0).astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        base = [da.astype(np.float32).T @ x[rows].astype(np.float32),
+                db.astype(np.float32).T @ x[rows].astype(np.float32),
+                h.T @ dy[rows].astype(np.float32)]
+    assert all((~np.isfinite(b)).any() for b in base[::2])
+    want = [b.copy() for b in base]
+    cpu_train.backup_wgrad_exact((want[0], want[1] if gated else None, want[2]), g, u if gated else None, da,
+                                 db if gated else None, x, dy, rows, gated)
+    got = [b.copy() for b in base]
+    getattr(train_lib, f"wgrad_exact_{_suffix(dtype, gated)}")(
+        _ptr(got[0]), _ptr(got[1]), _ptr(got[2]), _ptr(g), _ptr(u), _ptr(da), _ptr(db), _ptr(x), _ptr(dy),
+        _ptr(rows), R, H, D)
+    redone = 0
+    for i in ([0, 1, 2] if gated else [0, 2]):
+        fin = np.isfinite(base[i])
+        np.testing.assert_array_equal(got[i][fin].view(np.uint32), base[i][fin].view(np.uint32))
+        np.testing.assert_array_equal(np.isnan(got[i]), np.isnan(want[i]))
+        np.testing.assert_array_equal(np.isinf(got[i]), np.isinf(want[i]))
+        ok = np.isfinite(want[i])
+        np.testing.assert_allclose(got[i][ok], want[i][ok], rtol=1e-5, atol=1e-6)
+        redone += int(np.isfinite(want[i]).sum() - fin.sum())
+    assert redone > 0, "some non-finite GEMM sums must become finite"
+    if not gated:
+        np.testing.assert_array_equal(got[1].view(np.uint32), base[1].view(np.uint32))  # dw_gate untouched
 
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)

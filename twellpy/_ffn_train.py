@@ -60,6 +60,23 @@ __all__ = ["gated_forward_train", "gated_backward", "relu_forward_train", "relu_
 #: (bounds the only M x H temporary; a dense step keeps several of those).
 GATE_CHUNK_BYTES = 192 << 20
 
+#: Bytes of each accumulator-dtype (float32) temporary of the backup rows'
+#: GEMMs: the rows go through those GEMMs in chunks of about this size, so a
+#: step whose rows are mostly backup rows never holds an R x H float32 array.
+BACKUP_CHUNK_BYTES = 192 << 20
+
+#: The backup rows' weight gradients are dense GEMMs (x, dy and the rows'
+#: du / dg / h, summed in the accumulator dtype; the ELL entries are then
+#: gathered onto those sums) once there are at least this many backup rows
+#: holding, on average, at least ``BACKUP_WGRAD_GEMM_MIN_MEAN`` active
+#: neurons each; otherwise their entries join the gather with the ELL rows'.
+#: Per row the GEMMs cost 6 H D flops whatever the row's count, the gather
+#: 2 D values a row read per entry (from L2), so the GEMMs win past a count
+#: of about 3 H x (L2 bytes/s) / (GEMM flop/s x itemsize): about 90 at
+#: H = 5632 in bf16 on an H100.
+BACKUP_WGRAD_GEMM_MIN_ROWS = 256
+BACKUP_WGRAD_GEMM_MIN_MEAN = 64
+
 #: The one-chunk forward packs relu(z) straight into the Hybrid; False sends it
 #: through the CSR path of the chunked forward instead (tests compare the two).
 _DIRECT_PACK = True
@@ -641,20 +658,22 @@ def _forward_pass(be, xp, named, x, w_gate, w_up, w_down, l1, width, gated, chec
     backup_rows = maps[M:M + R]
     g_bk = be.split_combined(gvals, M, W, R, H)[1]
     u_bk = be.split_combined(uvals, M, W, R, H)[1] if gated else None
-    if R:
-        # two GEMMs over the R rows; one pass each side does the element-wise
-        # work (u on the pattern, h, the rows' |h| sums into h_abs_rows)
-        u_acc = be.gemm_acc(be.take_rows(x, backup_rows), w_up.T) if gated else None
-        hb = be.backup_rows_forward(g_bk, u_acc, u_bk, backup_rows, h_abs_rows, gated)
+    for a, b in _backup_chunks(R, H, D, dt):
+        # two GEMMs over the chunk's rows; one pass between them does the
+        # element-wise work (u on the pattern, h, the rows' |h| sums into h_abs_rows)
+        rows, g_c = backup_rows[a:b], g_bk[a:b]
+        u_acc = be.gemm_acc(be.take_rows(x, rows), w_up.T) if gated else None
+        hb = be.backup_rows_forward(g_c, u_acc, u_bk[a:b] if gated else None, rows, h_abs_rows, gated)
         del u_acc
         yb = be.gemm_acc(hb, w_down.T)
         # the GEMM also multiplies the zeros of inactive neurons: rows it left
         # non-finite are summed again over their pattern (finite rows: one read)
-        be.backup_exact(yb, g_bk, hb, w_downT)
-        be.put_rows_from_acc(y, backup_rows, yb)
+        be.backup_exact(yb, g_c, hb, w_downT)
+        be.put_rows_from_acc(y, rows, yb)
         del hb, yb
 
     _mark("backup rows fwd", xp)
+    ell_entries = int(counts_host[counts_host <= W].sum(dtype=np.int64)) if M else 0
     # 4) statistics (the L1 value stays on the device until read)
     h_abs = h_abs_rows.sum() if M else 0.0
     nnz_total = int(counts_host.sum())
@@ -669,11 +688,25 @@ def _forward_pass(be, xp, named, x, w_gate, w_up, w_down, l1, width, gated, chec
         "deterministic": True,
     })
     _mark("stats", xp)
-    ctx = TrainContext(gated=gated, nnz_total=nnz_total, xp=xp, _be=be, device=device_of(x),
+    ctx = TrainContext(gated=gated, nnz_total=nnz_total, ell_entries=ell_entries, xp=xp, _be=be, device=device_of(x),
                        dtype=dt, M=M, D=D, H=H, width=W, R=R, x=x, w_gate=w_gate, w_up=w_up,
                        w_down=w_down, w_downT=w_downT, idx=idx, ell_nnz=ell_nnz, row_map=row_map,
                        backup_rows=backup_rows, gvals=gvals, uvals=uvals, l1_coef=l1, stats=stats)
     return y, ctx, counts_host, spec is not None
+
+
+def _backup_chunks(R, H, D, dtype):
+    """``(start, stop)`` row ranges of the backup rows, each about
+    ``BACKUP_CHUNK_BYTES`` of accumulator-dtype (R x max(H, D)) temporaries."""
+    acc_bytes = 8 if np.dtype(dtype) == np.float64 else 4
+    step = max(1, BACKUP_CHUNK_BYTES // max(1, max(H, D) * acc_bytes))
+    return [(a, min(R, a + step)) for a in range(0, R, step)]
+
+
+def _backup_wgrad_by_gemm(n_rows, n_entries):
+    """Whether the backup rows' weight gradients go through GEMMs (see
+    ``BACKUP_WGRAD_GEMM_MIN_ROWS``)."""
+    return n_rows >= BACKUP_WGRAD_GEMM_MIN_ROWS and n_entries >= BACKUP_WGRAD_GEMM_MIN_MEAN * n_rows
 
 
 def _backward(ctx, dy, gated):
@@ -705,37 +738,80 @@ def _backward(ctx, dy, gated):
 
     # 1) dh on the pattern (+ fused L1), du/dg, and the ELL rows of dx
     _mark("start", xp)
-    da = xp.empty(M * W + R * H, dtype=dt)
+    # with many wide rows their weight gradients are GEMMs (step 2), and their
+    # du / dg then live only a chunk at a time: da / db hold the ELL rows only
+    wgrad_gemm = _backup_wgrad_by_gemm(R, ctx.nnz_total - ctx.ell_entries)
+    R_kept = 0 if wgrad_gemm else R
+    da = xp.empty(M * W + R_kept * H, dtype=dt)
     db = xp.empty_like(da) if gated else None
-    da_ell, da_bk = be.split_combined(da, M, W, R, H)
-    db_ell, db_bk = be.split_combined(db, M, W, R, H) if gated else (None, None)
+    da_ell, da_bk = be.split_combined(da, M, W, R_kept, H)
+    db_ell, db_bk = be.split_combined(db, M, W, R_kept, H) if gated else (None, None)
     g_ell, g_bk = be.split_combined(ctx.gvals, M, W, R, H)
     u_ell, u_bk = be.split_combined(ctx.uvals, M, W, R, H) if gated else (None, None)
     dx = be.ffn_backward_ell(dy, ctx.w_downT, ctx.w_up, ctx.w_gate, ctx.idx, ctx.ell_nnz, g_ell, u_ell,
                              l1s, gated, da_ell, db_ell)
     _mark("fused bwd kernel", xp)
 
-    # 2) backup rows: dense products restricted to those rows
-    if R:
-        br = ctx.backup_rows
-        dh_acc = be.gemm_acc(be.take_rows(dy, br), ctx.w_down)
-        be.backup_rows_backward(dh_acc, g_bk, u_bk, l1s, gated, da_bk, db_bk)
+    # 2) backup rows: dense products restricted to those rows, a chunk at a time;
+    # with the GEMM route their weight gradients are summed in the accumulator
+    # dtype over the chunks (the ELL entries are gathered onto those sums in 3)
+    base = None
+    for a, b in _backup_chunks(R, H, D, dt):
+        br, g_c = ctx.backup_rows[a:b], g_bk[a:b]
+        u_c = u_bk[a:b] if gated else None
+        if wgrad_gemm:
+            da_c = xp.empty((b - a, H), dtype=dt)
+            db_c = xp.empty_like(da_c) if gated else None
+        else:
+            da_c, db_c = da_bk[a:b], db_bk[a:b] if gated else None
+        dy_c = be.take_rows(dy, br)
+        dh_acc = be.gemm_acc(dy_c, ctx.w_down)
+        h_c = xp.empty((b - a, H), dtype=dt) if wgrad_gemm and gated else None
+        be.backup_rows_backward(dh_acc, g_c, u_c, l1s, gated, da_c, db_c, h_out=h_c)
         del dh_acc
-        dxb = be.gemm_acc(da_bk, ctx.w_up)
+        dxb = be.gemm_acc(da_c, ctx.w_up)
         if gated:
-            be.gemm_acc(db_bk, ctx.w_gate, out=dxb)
+            be.gemm_acc(db_c, ctx.w_gate, out=dxb)
         # as in the forward: an inactive neuron's NaN/Inf weights must add nothing
-        be.backup_exact(dxb, g_bk, da_bk, ctx.w_up, db_bk if gated else None, ctx.w_gate if gated else None)
+        be.backup_exact(dxb, g_c, da_c, ctx.w_up, db_c, ctx.w_gate if gated else None)
         be.put_rows_from_acc(dx, br, dxb)
         del dxb
+        if wgrad_gemm:
+            x_c = be.take_rows(ctx.x, br)
+            factors = ((da_c.T, x_c), (db_c.T, x_c) if gated else None, ((h_c if gated else g_c).T, dy_c))
+            if base is not None and ctx.check_finite:
+                for acc, f in zip(base, factors):
+                    if f is not None:
+                        be.gemm_acc(*f, out=acc)
+            else:
+                part = tuple(None if f is None else be.gemm_acc(*f) for f in factors)
+                if not ctx.check_finite:
+                    # checked x and dy are finite, so the zeros of inactive neurons add
+                    # exactly nothing to the GEMMs; unchecked ones may hold NaN/Inf, and
+                    # 0 * NaN is NaN: the chunk's spoilt sums are redone on its pattern
+                    be.backup_wgrad_exact(part, g_c, u_c, da_c, db_c, ctx.x, dy, br, gated)
+                if base is None:
+                    base = part
+                else:
+                    for acc, p in zip(base, part):
+                        if p is not None:
+                            acc += p
+                del part
+            del x_c, factors
+        del da_c, db_c, h_c, dy_c
 
     _mark("backup rows bwd", xp)
     # 3) weight gradients from the deterministic transpose of the pattern
     # the forward already counted the entries, so the transpose needs no sync
-    indptr, rows, pos = be.transpose_pattern(ctx.idx, ctx.row_map, g_bk, H, nnz=ctx.nnz_total)
+    if base is None:
+        indptr, rows, pos = be.transpose_pattern(ctx.idx, ctx.row_map, g_bk, H, nnz=ctx.nnz_total)
+    else:  # the backup rows are in base already: the ELL entries only
+        no_backup = xp.full(M, -1, dtype=np.int32)
+        indptr, rows, pos = be.transpose_pattern(ctx.idx, no_backup, g_bk[:0], H, nnz=ctx.ell_entries)
     _mark("transpose (counting sort)", xp)
     dw_up, dw_gate, dw_downT = be.ffn_weight_grads(indptr, rows, pos, ctx.x, dy, da, db, ctx.gvals,
-                                                   ctx.uvals, H, gated)
+                                                   ctx.uvals, H, gated, base=base)
+    del base
     _mark("weight grads", xp)
     dw_down = be.transpose_copy(dw_downT)
     _mark("dw_down^T", xp)

@@ -455,11 +455,13 @@ def transpose_pattern(idx, row_map, backup, n_cols, nnz=None):
 
 
 @numba.njit(parallel=True, fastmath={"contract"}, **_JIT)
-def _gather_t(indptr, rows, pos, vals, B, out):
+def _gather_t(indptr, rows, pos, vals, B, out, zero=True):
+    """``out = A^T @ B`` (``zero=False``: added to what ``out`` holds)."""
     n_out, Kc = out.shape
     for k in numba.prange(n_out):
-        for c in range(Kc):
-            out[k, c] = 0
+        if zero:
+            for c in range(Kc):
+                out[k, c] = 0
         e = indptr[k]
         end = indptr[k + 1]
         while e + 1 < end:  # two entries per pass over out[k]
@@ -478,14 +480,16 @@ def _gather_t(indptr, rows, pos, vals, B, out):
 
 
 @numba.njit(parallel=True, fastmath={"contract"}, **_JIT)
-def _gather_t_dual(indptr, rows, pos, va, vb, B, out_a, out_b):
+def _gather_t_dual(indptr, rows, pos, va, vb, B, out_a, out_b, zero=True):
     """``out_a = A^T @ B`` and ``out_b = Bv^T @ B`` for two value sets on one
-    pattern: each B row is read once for both (dw_up and dw_gate share x)."""
+    pattern: each B row is read once for both (dw_up and dw_gate share x).
+    ``zero=False``: the products are added to what the outputs hold."""
     n_out, Kc = out_a.shape
     for k in numba.prange(n_out):
-        for c in range(Kc):
-            out_a[k, c] = 0
-            out_b[k, c] = 0
+        if zero:
+            for c in range(Kc):
+                out_a[k, c] = 0
+                out_b[k, c] = 0
         for e in range(indptr[k], indptr[k + 1]):
             p = pos[e]
             a = va[p]
@@ -506,8 +510,12 @@ def gather_t(indptr, rows, pos, vals, B, n_out):
     return out.astype(B.dtype, copy=False)
 
 
-def ffn_weight_grads(indptr, rows, pos, x, dy, da, db, gval, uval, n_neurons, gated):
+def ffn_weight_grads(indptr, rows, pos, x, dy, da, db, gval, uval, n_neurons, gated, base=None):
     """Weight gradients from the transposed pattern.
+
+    ``base``, if given, is ``(dw_up, dw_gate or None, dw_downT)`` partial sums
+    (H, D) in the compute dtype (the backup rows' GEMM products): each
+    gradient is that sum plus the pattern's entries, rounded once.
 
     Returns ``dw_up (H, D), dw_gate (H, D) or None, dw_downT (H, D)``.
     """
@@ -517,15 +525,25 @@ def ffn_weight_grads(indptr, rows, pos, x, dy, da, db, gval, uval, n_neurons, ga
     h = _h_values(g, _up(uval) if gated else None, gated, dt)
     xc, dyc = _up(x), _up(dy)
     cd = xc.dtype
-    out_a = np.empty((H, x.shape[1]), dtype=cd)
-    out_h = np.empty_like(out_a)
-    out_b = np.empty_like(out_a) if gated else None
+    shape = (H, x.shape[1])
+    if base is None:
+        out_a = np.empty(shape, dtype=cd)
+        out_h = np.empty_like(out_a)
+        out_b = np.empty_like(out_a) if gated else None
+    else:
+        want = [("dw_up", base[0]), ("dw_downT", base[2])] + ([("dw_gate", base[1])] if gated else [])
+        for nm, a in want:
+            if a.dtype != cd or a.shape != shape:
+                raise ValueError(f"base {nm}: expected a {cd} array of shape {shape}, got {a.dtype} {a.shape}")
+        out_a, out_h = base[0].copy(), base[2].copy()
+        out_b = base[1].copy() if gated else None
+    zero = base is None
     if out_a.size:
         if gated:
-            _gather_t_dual(indptr, rows, pos, _up(da), _up(db), xc, out_a, out_b)
+            _gather_t_dual(indptr, rows, pos, _up(da), _up(db), xc, out_a, out_b, zero)
         else:
-            _gather_t(indptr, rows, pos, _up(da), xc, out_a)
-        _gather_t(indptr, rows, pos, h, dyc, out_h)
+            _gather_t(indptr, rows, pos, _up(da), xc, out_a, zero)
+        _gather_t(indptr, rows, pos, h, dyc, out_h, zero)
     cast = lambda a: None if a is None else a.astype(dt, copy=False)  # noqa: E731
     return cast(out_a), cast(out_b), cast(out_h)
 
@@ -615,17 +633,22 @@ def backup_rows_forward(g_bk, u_acc, u_bk, backup_rows, habs, gated):
     return h.astype(dt, copy=False)
 
 
-def backup_rows_backward(dh_acc, g_bk, u_bk, l1_scale, gated, da_bk, db_bk):
+def backup_rows_backward(dh_acc, g_bk, u_bk, l1_scale, gated, da_bk, db_bk, h_out=None):
     """Fill ``da_bk`` (du, or dh when not gated) and ``db_bk`` (dg) of the backup rows.
 
     dh is ``dh_acc`` (= dy[backup_rows] @ w_down) on the pattern plus
     ``l1_scale * sign(h)`` when ``l1_scale`` is non-zero, 0 elsewhere.
+    ``h_out`` (gated only) also receives h on the pattern, 0 elsewhere.
     """
     dt = g_bk.dtype
     g = _up(g_bk)
     on = g_bk != 0
     u = _up(u_bk) if gated else None
     h = round_to(g * u, dt) if gated else g
+    if h_out is not None:
+        if not gated:
+            raise ValueError("h_out: the non-gated FFN's h is g itself; pass None")
+        h_out[...] = np.where(on, h, 0).astype(dt, copy=False)
     d = dh_acc.astype(g.dtype, copy=False)
     if l1_scale:
         d = d + g.dtype.type(l1_scale) * np.sign(h)
@@ -653,11 +676,27 @@ def backup_exact(out, g_bk, a, b, a2=None, b2=None):
     bad = np.flatnonzero(~np.isfinite(out).all(axis=1))
     for r in bad:  # rare: a non-finite weight or an overflow
         on = np.flatnonzero(g_bk[r] != 0)  # NaN is active, -0.0 is not (as the pattern)
-        acc = _up(a[r, on]) @ _up(b[on])
-        if a2 is not None:
-            acc = acc + _up(a2[r, on]) @ _up(b2[on])
+        with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf here are the caller's values
+            acc = _up(a[r, on]) @ _up(b[on])
+            if a2 is not None:
+                acc = acc + _up(a2[r, on]) @ _up(b2[on])
         out[r] = acc
     return out
+
+
+def backup_wgrad_exact(base, g_bk, u_bk, da_bk, db_bk, x, dy, backup_rows, gated):
+    """Redo the non-finite elements of the backup rows' weight-gradient GEMM
+    sums over the active entries only (in place); see
+    :func:`twellpy.backends.cuda_train.backup_wgrad_exact`."""
+    on = g_bk != 0  # NaN is active, -0.0 is not (as the pattern)
+    h = _h_values(_up(g_bk), _up(u_bk) if gated else None, gated, g_bk.dtype)
+    factors = [(base[0], da_bk, x), (base[2], h, dy)] + ([(base[1], db_bk, x)] if gated else [])
+    for out, a, src in factors:
+        for k, c in zip(*np.nonzero(~np.isfinite(out))):  # rare: unchecked NaN/Inf inputs
+            act = np.flatnonzero(on[:, k])
+            with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf here are the caller's values
+                out[k, c] = _up(a[act, k]) @ _up(src[backup_rows[act], c])
+    return base
 
 
 def put_rows_from_acc(dst, rows, src):

@@ -44,7 +44,8 @@ def _names():
         for dt2 in FLOAT_DTYPES:
             if dt2 != dt and 2 in (dt.itemsize, dt2.itemsize):
                 names.append(f"twellpy_train_cast<{t},{_registry.ctype(dt2)}>")
-        for base in ("fwd", "bwd", "wgrad", "backup_fwd", "backup_bwd", "backup_exact", "ell_y", "ell_dx"):
+        for base in ("fwd", "bwd", "wgrad", "backup_fwd", "backup_bwd", "backup_exact", "backup_wgrad_exact",
+                     "ell_y", "ell_dx"):
             for gated in (0, 1):
                 names.append(f"twellpy_train_{base}<{t},{gated}>")
         for base in ("fwd", "bwd"):  # the split kernels: y and dx by twellpy_spmm_resident
@@ -442,8 +443,12 @@ def transpose_pattern(idx, row_map, backup, n_cols, nnz=None):
     return indptr, rows, pos
 
 
-def ffn_weight_grads(indptr, rows, pos, x, dy, da, db, gval, uval, n_neurons, gated):
+def ffn_weight_grads(indptr, rows, pos, x, dy, da, db, gval, uval, n_neurons, gated, base=None):
     """Weight gradients from the transposed pattern.
+
+    ``base``, if given, is ``(dw_up, dw_gate or None, dw_downT)`` partial sums
+    (H, D) in the accumulator dtype (the backup rows' GEMM products): each
+    gradient is that sum plus the pattern's entries, rounded once.
 
     Returns ``dw_up (H, D), dw_gate (H, D) or None, dw_downT (H, D)``.
     """
@@ -454,12 +459,19 @@ def ffn_weight_grads(indptr, rows, pos, x, dy, da, db, gval, uval, n_neurons, ga
     dw_a = cp.empty((H, D), dtype=dt)
     dw_b = cp.empty((H, D), dtype=dt) if gated else None
     dw_dT = cp.empty((H, D), dtype=dt)
+    if base is not None:
+        acc = _acc_dtype(dt)
+        _check_operand("base dw_up", base[0], acc, (H, D))
+        _check_operand("base dw_downT", base[2], acc, (H, D))
+        if gated:
+            _check_operand("base dw_gate", base[1], acc, (H, D))
+        base = (base[0], base[1] if gated else base[0], base[2])
     if H and D:
         vec = _vec_ok(D, x, dy, dw_a, dw_b, dw_dT)
         g, b = _gather_grid(H, D, dt.itemsize)
         _k("wgrad", dt, gated)(g, b, (indptr, rows, pos, x, dy, da, db if gated else da, gval,
                                       uval if gated else gval, dw_a, dw_b if gated else dw_a, dw_dT,
-                                      _i32(H), _i32(D), _i32(vec)))
+                                      _i32(H), _i32(D), _i32(vec)) + (base or (0, 0, 0)))
     return dw_a, dw_b, dw_dT
 
 
@@ -614,12 +626,14 @@ def backup_rows_forward(g_bk, u_acc, u_bk, backup_rows, habs, gated):
     return h if gated else g_bk
 
 
-def backup_rows_backward(dh_acc, g_bk, u_bk, l1_scale, gated, da_bk, db_bk):
+def backup_rows_backward(dh_acc, g_bk, u_bk, l1_scale, gated, da_bk, db_bk, h_out=None):
     """Fill ``da_bk`` (du, or dh when not gated) and ``db_bk`` (dg) of the backup rows.
 
     ``dh_acc`` (R, H) in the accumulator dtype is ``dy[backup_rows] @ w_down``;
     dh is that on the pattern (non-zero g) plus ``l1_scale * sign(h)`` when
     ``l1_scale`` is non-zero, and 0 elsewhere; every output is rounded once.
+    ``h_out`` (R, H), gated only, also receives h (the forward's bits; 0 off
+    the pattern), the backup rows' operand of the dw_down GEMM.
     """
     R, H = g_bk.shape
     dt, acc = g_bk.dtype, _acc_dtype(g_bk.dtype)
@@ -629,12 +643,17 @@ def backup_rows_backward(dh_acc, g_bk, u_bk, l1_scale, gated, da_bk, db_bk):
     if gated:
         _check_operand("u_bk", u_bk, dt, (R, H))
         _check_operand("db_bk", db_bk, dt, (R, H))
+        if h_out is not None:
+            _check_operand("h_out", h_out, dt, (R, H))
     else:
+        if h_out is not None:
+            raise ValueError("h_out: the non-gated FFN's h is g itself; pass None")
         u_bk = db_bk = g_bk  # placeholders, not read or written by the non-gated kernel
     n = R * H
     if n:
         g, b = _elementwise_grid(n)
-        _k("backup_bwd", dt, gated)(g, b, (dh_acc, g_bk, u_bk, np.float64(l1_scale), da_bk, db_bk, _i64(n)))
+        _k("backup_bwd", dt, gated)(g, b, (dh_acc, g_bk, u_bk, np.float64(l1_scale), da_bk, db_bk, _i64(n),
+                                           0 if h_out is None else h_out))
 
 
 def backup_exact(out, g_bk, a, b, a2=None, b2=None):
@@ -662,6 +681,38 @@ def backup_exact(out, g_bk, a, b, a2=None, b2=None):
     if R and D:
         _k("backup_exact", dt, dual)((min(R, 1 << 20),), (256,), (out, g_bk, a, a2, b, b2, _i32(R), _i32(H), _i32(D)))
     return out
+
+
+def backup_wgrad_exact(base, g_bk, u_bk, da_bk, db_bk, x, dy, backup_rows, gated):
+    """Redo, over the active entries only, the elements of the backup rows'
+    weight-gradient GEMM sums that came out non-finite (in place).
+
+    ``base`` is ``(dw_up, dw_gate or None, dw_downT)`` (H, D) in the
+    accumulator dtype: ``da_bk^T @ x[rows]``, ``db_bk^T @ x[rows]``,
+    ``h^T @ dy[rows]``. With unchecked inputs a NaN/Inf in x or dy of a backup
+    row meets the zeros of that row's inactive neurons there (0 * NaN = NaN);
+    finite elements are already exact and cost one read.
+    """
+    R, H = g_bk.shape
+    D = x.shape[1]
+    dt, acc = g_bk.dtype, _acc_dtype(g_bk.dtype)
+    for nm, a in (("dw_up", base[0]), ("dw_downT", base[2])) + ((("dw_gate", base[1]),) if gated else ()):
+        _check_operand(f"base {nm}", a, acc, (H, D))
+    _check_operand("g_bk", g_bk, dt, (R, H))
+    _check_operand("da_bk", da_bk, dt, (R, H))
+    _check_operand("backup_rows", backup_rows, np.int32, (R,))
+    _check_operand("x", x, dt, (x.shape[0], D))
+    _check_operand("dy", dy, dt, (x.shape[0], D))
+    if gated:
+        _check_operand("u_bk", u_bk, dt, (R, H))
+        _check_operand("db_bk", db_bk, dt, (R, H))
+    if not (R and H and D):
+        return base
+    b_b = base[1] if gated else base[0]
+    _k("backup_wgrad_exact", dt, gated)((H, -(-D // 256)), (256,),
+                                        (base[0], b_b, base[2], g_bk, u_bk if gated else g_bk, da_bk,
+                                         db_bk if gated else da_bk, x, dy, backup_rows, _i32(R), _i32(H), _i32(D)))
+    return base
 
 
 def put_rows_from_acc(dst, rows, src):
