@@ -152,7 +152,8 @@ def cupy_extra_peak_mb(step):
 
 def width_line(row, dense_ms, dense_mb):
     """One printed line of a :func:`time_widths` row against the dense step."""
-    line = (f"W {row['W']}, R {row['R']}, step {row['ms'][0]:.3f} ms ({dense_ms / row['ms'][0]:.2f}x dense), "
+    line = (f"W {row['W']}, R {row['R']}, step {row['ms'][0]:.3f} ms ({dense_ms / row['ms'][0]:.2f}x dense; "
+            f"check_finite=True {row['ms_checked'][0]:.3f} ms), "
             f"extra memory {row['extra_peak_MB']:.0f} MB ({row['extra_peak_MB'] / max(dense_mb, 1e-9):.2f} "
             f"of dense), max rel err {row['rel_err']:.2e}")
     if "ms_wgrad_gather" in row:
@@ -161,7 +162,7 @@ def width_line(row, dense_ms, dense_mb):
 
 
 def time_widths(fwd, step, widths, reps, ref):
-    """The exact step ``step(width)`` (forward ``fwd(width)``) at each ELL width: W, backup rows R, whether
+    """The exact step ``step(width, checked=False)`` (forward ``fwd(width)``) at each ELL width: W, backup rows R, whether
     their weight gradients took the GEMM route (``_ffn_train.BACKUP_WGRAD_GEMM_*``),
     extra peak memory, max relative error against ``ref`` (torch tensors, the
     order of the step's outputs) and time; where the GEMM route ran, the step
@@ -179,6 +180,9 @@ def time_widths(fwd, step, widths, reps, ref):
         row["rel_err"] = max(rel(to_torch(o), r) for o, r in zip(outs, ref))
         del outs
         row["ms"] = time_ms(lambda: step(width), reps)
+        # check_finite=True (the default): finite x and dy let the backup rows' GEMM sums
+        # accumulate chunk after chunk; unchecked, each chunk's sums are checked and added
+        row["ms_checked"] = time_ms(lambda: step(width, checked=True), reps)
         if gemm_route:
             saved = T.BACKUP_WGRAD_GEMM_MIN_ROWS
             T.BACKUP_WGRAD_GEMM_MIN_ROWS = 1 << 62
@@ -242,8 +246,8 @@ def bench(name, reps, widths=()):
     res = {"workload": name, **spec}
 
     # ---------------- twellpy (the exact path unless speculate=True)
-    def tw_step(speculate=False, width="auto"):
-        y, ctx = T.gated_forward_train(x, wg, wu, wd, l1=L1, check_finite=False, speculate=speculate,
+    def tw_step(speculate=False, width="auto", checked=False):
+        y, ctx = T.gated_forward_train(x, wg, wu, wd, l1=L1, check_finite=checked, speculate=speculate,
                                        width=width)
         return (y,) + T.gated_backward(ctx, dy)
 
@@ -358,7 +362,8 @@ def bench(name, reps, widths=()):
     # backup rows (cuBLAS GEMMs), which may beat the gathers at high density (W2)
     res["widths"] = time_widths(lambda width: T.gated_forward_train(x, wg, wu, wd, l1=L1, check_finite=False,
                                                                     width=width),
-                                lambda width: tw_step(width=width), widths, reps, ref)
+                                lambda width, checked=False: tw_step(width=width, checked=checked), widths,
+                                reps, ref)
     del ref
     torch.cuda.empty_cache()
     res["speedup"] = res["torch_ms"][0] / res["tw_ms"][0]

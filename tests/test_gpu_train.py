@@ -489,11 +489,21 @@ def test_gemm_weight_grads_with_unchecked_nan_inputs_gpu(monkeypatch, dtype, gat
         _, c = T.relu_forward_train(dev[0], dev[2], dev[3], l1=0.05, width=3, check_finite=False)
         return T.relu_backward(c, dev[4])
 
+    from twellpy.backends import cuda_train
+
+    seen, real = [], cuda_train.ffn_weight_grads
+
+    def spy(*args, base=None, **kw):
+        seen.append(base is not None)
+        return real(*args, base=base, **kw)
+
+    monkeypatch.setattr(cuda_train, "ffn_weight_grads", spy)
     gather = [f64(a) for a in grads()]
     monkeypatch.setattr(T, "BACKUP_CHUNK_BYTES", 5 * host[2].shape[0] * 4)  # chunks of 5 rows (H > D)
     monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM_MIN_ROWS", 1)
     monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM_MIN_MEAN", 0)
     by_gemm = [f64(a) for a in grads()]
+    assert seen == [False, True]  # the gather route, then the GEMM route
     for a, b in zip(by_gemm[1:], gather[1:]):
         np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
         np.testing.assert_array_equal(np.isinf(a), np.isinf(b))

@@ -793,9 +793,10 @@ def _backward(ctx, dy, gated):
                 if base is None:
                     base = part
                 else:
-                    for acc, p in zip(base, part):
-                        if p is not None:
-                            acc += p
+                    with np.errstate(invalid="ignore", over="ignore"):  # Inf + -Inf: the caller's values
+                        for acc, p in zip(base, part):
+                            if p is not None:
+                                acc += p
                 del part
             del x_c, factors
         del da_c, db_c, h_c, dy_c

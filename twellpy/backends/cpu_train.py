@@ -533,8 +533,9 @@ def ffn_weight_grads(indptr, rows, pos, x, dy, da, db, gval, uval, n_neurons, ga
     else:
         want = [("dw_up", base[0]), ("dw_downT", base[2])] + ([("dw_gate", base[1])] if gated else [])
         for nm, a in want:
-            if a.dtype != cd or a.shape != shape:
-                raise ValueError(f"base {nm}: expected a {cd} array of shape {shape}, got {a.dtype} {a.shape}")
+            if a is None or a.dtype != cd or a.shape != shape:
+                got = "None" if a is None else f"{a.dtype} {a.shape}"
+                raise ValueError(f"base {nm}: expected a {cd} array of shape {shape}, got {got}")
         out_a, out_h = base[0].copy(), base[2].copy()
         out_b = base[1].copy() if gated else None
     zero = base is None
@@ -606,7 +607,8 @@ def gemm_acc(a, b, out=None):
         prod = np.matmul(a.astype(cd, copy=False), b.astype(cd, copy=False))
     if out is None:
         return prod
-    out += prod
+    with np.errstate(invalid="ignore", over="ignore"):  # Inf + -Inf: the caller's values
+        out += prod
     return out
 
 
@@ -692,10 +694,14 @@ def backup_wgrad_exact(base, g_bk, u_bk, da_bk, db_bk, x, dy, backup_rows, gated
     h = _h_values(_up(g_bk), _up(u_bk) if gated else None, gated, g_bk.dtype)
     factors = [(base[0], da_bk, x), (base[2], h, dy)] + ([(base[1], db_bk, x)] if gated else [])
     for out, a, src in factors:
-        for k, c in zip(*np.nonzero(~np.isfinite(out))):  # rare: unchecked NaN/Inf inputs
-            act = np.flatnonzero(on[:, k])
+        a = _up(a)
+        bad = ~np.isfinite(out)
+        for c in np.flatnonzero(bad.any(axis=0)):  # rare: unchecked NaN/Inf inputs
+            ks = np.flatnonzero(bad[:, c])
+            s = _up(src[backup_rows, c])[:, None]
             with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf here are the caller's values
-                out[k, c] = _up(a[act, k]) @ _up(src[backup_rows[act], c])
+                # inactive (row, neuron) pairs add nothing, not 0 * NaN
+                out[ks, c] = np.where(on[:, ks], a[:, ks] * s, 0).sum(axis=0)
     return base
 
 

@@ -460,18 +460,14 @@ def ffn_weight_grads(indptr, rows, pos, x, dy, da, db, gval, uval, n_neurons, ga
     dw_b = cp.empty((H, D), dtype=dt) if gated else None
     dw_dT = cp.empty((H, D), dtype=dt)
     if base is not None:
-        acc = _acc_dtype(dt)
-        _check_operand("base dw_up", base[0], acc, (H, D))
-        _check_operand("base dw_downT", base[2], acc, (H, D))
-        if gated:
-            _check_operand("base dw_gate", base[1], acc, (H, D))
+        _check_base(base, dt, H, D, gated)
         base = (base[0], base[1] if gated else base[0], base[2])
     if H and D:
         vec = _vec_ok(D, x, dy, dw_a, dw_b, dw_dT)
         g, b = _gather_grid(H, D, dt.itemsize)
         _k("wgrad", dt, gated)(g, b, (indptr, rows, pos, x, dy, da, db if gated else da, gval,
                                       uval if gated else gval, dw_a, dw_b if gated else dw_a, dw_dT,
-                                      _i32(H), _i32(D), _i32(vec)) + (base or (0, 0, 0)))
+                                      _i32(H), _i32(D), _i32(vec)) + (base or (_NULL_PTR,) * 3))
     return dw_a, dw_b, dw_dT
 
 
@@ -588,6 +584,18 @@ def _check_operand(name, a, dtype, shape):
                          f"{a.dtype} of shape {tuple(a.shape)} (C-contiguous: {a.flags.c_contiguous})")
 
 
+def _check_base(base, dtype, H, D, gated):
+    """Guard of the fp32 (fp64) weight-gradient sums ``(dw_up, dw_gate or None, dw_downT)``."""
+    acc = _acc_dtype(dtype)
+    for nm, a in (("dw_up", base[0]), ("dw_downT", base[2])) + ((("dw_gate", base[1]),) if gated else ()):
+        if a is None:
+            raise ValueError(f"base {nm}: expected a C-contiguous {acc} array of shape {(H, D)}, got None")
+        _check_operand(f"base {nm}", a, acc, (H, D))
+
+
+_NULL_PTR = np.uint64(0)  # a null device pointer argument
+
+
 def _elementwise_grid(n):
     return (max(1, min(-(-int(n) // 256), 65535 * 16)),), (256,)
 
@@ -653,7 +661,7 @@ def backup_rows_backward(dh_acc, g_bk, u_bk, l1_scale, gated, da_bk, db_bk, h_ou
     if n:
         g, b = _elementwise_grid(n)
         _k("backup_bwd", dt, gated)(g, b, (dh_acc, g_bk, u_bk, np.float64(l1_scale), da_bk, db_bk, _i64(n),
-                                           0 if h_out is None else h_out))
+                                           _NULL_PTR if h_out is None else h_out))
 
 
 def backup_exact(out, g_bk, a, b, a2=None, b2=None):
@@ -695,9 +703,8 @@ def backup_wgrad_exact(base, g_bk, u_bk, da_bk, db_bk, x, dy, backup_rows, gated
     """
     R, H = g_bk.shape
     D = x.shape[1]
-    dt, acc = g_bk.dtype, _acc_dtype(g_bk.dtype)
-    for nm, a in (("dw_up", base[0]), ("dw_downT", base[2])) + ((("dw_gate", base[1]),) if gated else ()):
-        _check_operand(f"base {nm}", a, acc, (H, D))
+    dt = g_bk.dtype
+    _check_base(base, dt, H, D, gated)
     _check_operand("g_bk", g_bk, dt, (R, H))
     _check_operand("da_bk", da_bk, dt, (R, H))
     _check_operand("backup_rows", backup_rows, np.int32, (R,))
