@@ -169,29 +169,40 @@ def time_widths(fwd, step, widths, reps, ref):
     again with those rows' gradients gathered instead ("ms_wgrad_gather")."""
     cp = _cp()
     rows = []
-    for width in widths:
-        cp.get_default_memory_pool().free_all_blocks()
-        _, ctx = fwd(width)
-        R = ctx.stats["n_backup_rows"]
-        gemm_route = T._backup_wgrad_by_gemm(R, ctx.nnz_total - ctx.ell_entries)
-        row = {"width_arg": width, "W": ctx.stats["width"], "R": R, "wgrad_gemm": gemm_route}
-        del ctx
-        row["extra_peak_MB"], outs = cupy_extra_peak_mb(lambda: step(width))
-        row["rel_err"] = max(rel(to_torch(o), r) for o, r in zip(outs, ref))
-        del outs
-        row["ms"] = time_ms(lambda: step(width), reps)
-        # check_finite=True (the default): finite x and dy let the backup rows' GEMM sums
-        # accumulate chunk after chunk; unchecked, each chunk's sums are checked and added
-        row["ms_checked"] = time_ms(lambda: step(width, checked=True), reps)
-        if gemm_route:
-            saved = T.BACKUP_WGRAD_GEMM_MIN_ROWS
-            T.BACKUP_WGRAD_GEMM_MIN_ROWS = 1 << 62
-            try:
-                row["ms_wgrad_gather"] = time_ms(lambda: step(width), reps)
-            finally:
-                T.BACKUP_WGRAD_GEMM_MIN_ROWS = saved
-        rows.append(row)
+    saved_route = T.BACKUP_WGRAD_GEMM
+    T.BACKUP_WGRAD_GEMM = True  # the route is off by default until timed: these rows time it
+    try:
+        for width in widths:
+            rows.append(_time_width(fwd, step, width, reps, ref))
+    finally:
+        T.BACKUP_WGRAD_GEMM = saved_route
     return rows
+
+
+def _time_width(fwd, step, width, reps, ref):
+    """One row of :func:`time_widths`."""
+    cp = _cp()
+    cp.get_default_memory_pool().free_all_blocks()
+    _, ctx = fwd(width)
+    R = ctx.stats["n_backup_rows"]
+    gemm_route = T._backup_wgrad_by_gemm(R, ctx.nnz_total - ctx.ell_entries)
+    row = {"width_arg": width, "W": ctx.stats["width"], "R": R, "wgrad_gemm": gemm_route}
+    del ctx
+    row["extra_peak_MB"], outs = cupy_extra_peak_mb(lambda: step(width))
+    row["rel_err"] = max(rel(to_torch(o), r) for o, r in zip(outs, ref))
+    del outs
+    row["ms"] = time_ms(lambda: step(width), reps)
+    # check_finite=True (the default): finite x and dy let the backup rows' GEMM sums
+    # accumulate chunk after chunk; unchecked, each chunk's sums are checked and added
+    row["ms_checked"] = time_ms(lambda: step(width, checked=True), reps)
+    if gemm_route:
+        saved = T.BACKUP_WGRAD_GEMM_MIN_ROWS
+        T.BACKUP_WGRAD_GEMM_MIN_ROWS = 1 << 62
+        try:
+            row["ms_wgrad_gather"] = time_ms(lambda: step(width), reps)
+        finally:
+            T.BACKUP_WGRAD_GEMM_MIN_ROWS = saved
+    return row
 
 
 # (label, cuda_train.ROWS, cuda_train.TWO_PASS) of the row-loop table: the first is the

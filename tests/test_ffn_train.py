@@ -274,6 +274,7 @@ def test_backup_rows_in_chunks_with_gemm_weight_grads_match_dense(monkeypatch, g
     acc = 8 if dtype == np.float64 else 4
     if chunk_rows is not None:
         monkeypatch.setattr(T, "BACKUP_CHUNK_BYTES", chunk_rows * max(H, D) * acc)
+    monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM", True)
     monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM_MIN_ROWS", 1)
     monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM_MIN_MEAN", 0)
     seen = _spy_weight_grads(monkeypatch)
@@ -307,6 +308,12 @@ def test_gemm_weight_grads_route_rules_and_bits(monkeypatch, gated):
     only past both thresholds."""
     x, wg, wu, wd, dy = _cast(make_problem(**CASES["uneven"], seed=12), np.dtype(np.float32))
     seen = _spy_weight_grads(monkeypatch)
+    assert T.BACKUP_WGRAD_GEMM is False  # off by default until a GPU run has timed it
+    assert T._gemm_route_setting("1") is True and T._gemm_route_setting("0") is False
+    with pytest.raises(ValueError, match="TWELLPY_TRAIN_BACKUP_GEMM"):
+        T._gemm_route_setting("yes")
+    assert not T._backup_wgrad_by_gemm(10**6, 10**9)  # off: never, whatever the rows
+    monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM", True)
 
     def grads(**kw):
         if gated:
@@ -363,6 +370,7 @@ def test_gemm_weight_grads_with_unchecked_nan_inputs_match_the_gather(monkeypatc
     _, gather = grads()
     if chunk_rows:  # each chunk's sums are redone before they join the others'
         monkeypatch.setattr(T, "BACKUP_CHUNK_BYTES", chunk_rows * wu.shape[0] * 4)
+    monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM", True)
     monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM_MIN_ROWS", 1)
     monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM_MIN_MEAN", 0)
     with np.errstate(invalid="raise", over="raise"):  # NaN/Inf of the caller's data raise nothing

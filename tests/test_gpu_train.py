@@ -500,6 +500,7 @@ def test_gemm_weight_grads_with_unchecked_nan_inputs_gpu(monkeypatch, dtype, gat
     monkeypatch.setattr(cuda_train, "ffn_weight_grads", spy)
     gather = [f64(a) for a in grads()]
     monkeypatch.setattr(T, "BACKUP_CHUNK_BYTES", 5 * host[2].shape[0] * 4)  # chunks of 5 rows (H > D)
+    monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM", True)
     monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM_MIN_ROWS", 1)
     monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM_MIN_MEAN", 0)
     by_gemm = [f64(a) for a in grads()]
@@ -533,6 +534,7 @@ def test_backup_rows_in_chunks_with_gemm_weight_grads_gpu(monkeypatch, case, dty
     host = prob if gated else [prob[0], None, *prob[1:]]  # (x, w_gate, w_up, w_down, dy)
     H, D = host[2].shape
     monkeypatch.setattr(T, "BACKUP_CHUNK_BYTES", 7 * max(H, D) * 4)  # chunks of 7 rows
+    monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM", True)
     monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM_MIN_ROWS", 1)
     monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM_MIN_MEAN", 0)
     seen = []

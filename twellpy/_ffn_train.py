@@ -77,6 +77,18 @@ BACKUP_CHUNK_BYTES = 192 << 20
 BACKUP_WGRAD_GEMM_MIN_ROWS = 256
 BACKUP_WGRAD_GEMM_MIN_MEAN = 64
 
+
+def _gemm_route_setting(value):
+    if value not in ("0", "1"):
+        raise ValueError(f"TWELLPY_TRAIN_BACKUP_GEMM must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+#: Whether the route above may run at all (TWELLPY_TRAIN_BACKUP_GEMM=0|1). Off by
+#: default until a GPU run has tested and timed it (written without a device;
+#: pending/README.md); the tests and the width rows of the benchmarks turn it on.
+BACKUP_WGRAD_GEMM = _gemm_route_setting(os.environ.get("TWELLPY_TRAIN_BACKUP_GEMM", "0"))
+
 #: The one-chunk forward packs relu(z) straight into the Hybrid; False sends it
 #: through the CSR path of the chunked forward instead (tests compare the two).
 _DIRECT_PACK = True
@@ -706,7 +718,8 @@ def _backup_chunks(R, H, D, dtype):
 def _backup_wgrad_by_gemm(n_rows, n_entries):
     """Whether the backup rows' weight gradients go through GEMMs (see
     ``BACKUP_WGRAD_GEMM_MIN_ROWS``)."""
-    return n_rows >= BACKUP_WGRAD_GEMM_MIN_ROWS and n_entries >= BACKUP_WGRAD_GEMM_MIN_MEAN * n_rows
+    return (BACKUP_WGRAD_GEMM and n_rows >= BACKUP_WGRAD_GEMM_MIN_ROWS
+            and n_entries >= BACKUP_WGRAD_GEMM_MIN_MEAN * n_rows)
 
 
 def _backward(ctx, dy, gated):
