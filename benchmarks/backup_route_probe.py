@@ -19,32 +19,22 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.train import (L1, WORKLOADS, cupy_extra_peak_mb, make_ffn, time_ms, time_widths, to_torch,  # noqa: E402
-                              torch_dense_step, torch_extra_peak_mb, width_line)
+from benchmarks.train import (L1, WORKLOADS, cupy_extra_peak_mb, time_ms, time_widths, to_torch,  # noqa: E402
+                              torch_dense_step, torch_extra_peak_mb, train_inputs, width_line)
 from twellpy import _ffn_train as T  # noqa: E402
-from twellpy._array import bfloat16  # noqa: E402
 
 
 def main(argv=None):
     import cupy as cp
     import torch
 
-    from twellpy.backends import cuda_train as ct
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", default="W2", choices=sorted(WORKLOADS))
     ap.add_argument("--widths", nargs="+", default=["48", "1"])
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args(argv)
-    w = make_ffn(**WORKLOADS[args.workload], dtype=np.float32, xp=cp, seed=0)
-    x, wg, wu, wd = (ct.from_acc(w[k], bfloat16) for k in ("x", "w_gate", "w_up", "w_down"))
-    del w
-    M, D = x.shape
-    dy = ct.from_acc(cp.random.default_rng(5).standard_normal((M, D), dtype=cp.float32) / np.float32(np.sqrt(M)),
-                     bfloat16)
+    x, wg, wu, wd, dy = train_inputs(args.workload)
 
     def fwd(width="auto", checked=False):
         return T.gated_forward_train(x, wg, wu, wd, l1=L1, check_finite=checked, width=width)

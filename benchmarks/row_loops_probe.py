@@ -17,29 +17,19 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.train import L1, WORKLOADS, make_ffn, time_row_variants  # noqa: E402
+from benchmarks.train import L1, WORKLOADS, time_row_variants, train_inputs  # noqa: E402
 from twellpy import _ffn_train as T  # noqa: E402
-from twellpy._array import bfloat16  # noqa: E402
 
 
 def main(argv=None):
     import cupy as cp
 
-    from twellpy.backends import cuda_train as ct
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", default="W1-16k", choices=sorted(WORKLOADS))
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args(argv)
-    w = make_ffn(**WORKLOADS[args.workload], dtype=np.float32, xp=cp, seed=0)
-    x, wg, wu, wd = (ct.from_acc(w[k], bfloat16) for k in ("x", "w_gate", "w_up", "w_down"))
-    del w
-    M, D = x.shape
-    dy = ct.from_acc(cp.random.default_rng(5).standard_normal((M, D), dtype=cp.float32) / np.float32(np.sqrt(M)),
-                     bfloat16)
+    x, wg, wu, wd, dy = train_inputs(args.workload)
     fwd = lambda: T.gated_forward_train(x, wg, wu, wd, l1=L1, check_finite=False)  # noqa: E731
     rows = time_row_variants(fwd, dy, args.reps, on_row=lambda row: print(json.dumps(row), flush=True))
     dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()

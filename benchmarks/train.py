@@ -110,6 +110,22 @@ def rel(a, b):
     return float(torch.linalg.norm(a - b) / torch.linalg.norm(b))
 
 
+def train_inputs(name):
+    """bf16 device arrays ``(x, w_gate, w_up, w_down, dy)`` of workload ``name``: the
+    FFN of :func:`benchmarks.workloads.make_ffn` (seed 0) and dy ~ N(0, 1/M)."""
+    cp = _cp()
+    from twellpy.backends import cuda_train as ct
+
+    w = make_ffn(**WORKLOADS[name], dtype=np.float32, xp=cp, seed=0)
+    # bf16 through twellpy's cast kernel: works whatever CuPy's bfloat16 support is
+    x, wg, wu, wd = (ct.from_acc(w[k], bfloat16) for k in ("x", "w_gate", "w_up", "w_down"))
+    del w
+    M, D = x.shape
+    dy = ct.from_acc(cp.random.default_rng(5).standard_normal((M, D), dtype=cp.float32) / np.float32(np.sqrt(M)),
+                     bfloat16)
+    return x, wg, wu, wd, dy
+
+
 def torch_dense_step(tt, dtype):
     """Dense gated FFN forward + backward through torch autograd (the baseline):
     ``tt`` = torch (x, w_gate, w_up, w_down, dy); returns (y, dx, dw_gate, dw_up, dw_down)."""
@@ -167,7 +183,6 @@ def time_widths(fwd, step, widths, reps, ref):
     extra peak memory, max relative error against ``ref`` (torch tensors, the
     order of the step's outputs) and time; where the GEMM route ran, the step
     again with those rows' gradients gathered instead ("ms_wgrad_gather")."""
-    cp = _cp()
     rows = []
     saved_route = T.BACKUP_WGRAD_GEMM
     T.BACKUP_WGRAD_GEMM = True  # the route is off by default until timed: these rows time it
@@ -247,13 +262,8 @@ def bench(name, reps, widths=()):
     spec = WORKLOADS[name]
     from twellpy.backends import cuda_train as ct
 
-    w = make_ffn(**spec, dtype=np.float32, xp=cp, seed=0)
-    # bf16 through twellpy's cast kernel: works whatever CuPy's bfloat16 support is
-    x, wg, wu, wd = (ct.from_acc(w[k], bfloat16) for k in ("x", "w_gate", "w_up", "w_down"))
-    del w
+    x, wg, wu, wd, dy = train_inputs(name)
     M, D = x.shape
-    dy = ct.from_acc(cp.random.default_rng(5).standard_normal((M, D), dtype=cp.float32) / np.float32(np.sqrt(M)),
-                     bfloat16)
     res = {"workload": name, **spec}
 
     # ---------------- twellpy (the exact path unless speculate=True)

@@ -13,7 +13,7 @@ import numpy as np
 
 from .._array import FLOAT_DTYPES, bfloat16, cupy_module
 from . import _registry
-from .cuda import PendingHost, transpose_cursor
+from .cuda import _NULL_PTR, PendingHost, transpose_cursor
 
 SOURCE = "train_ffn.cu"
 WARPS = 8            # keep in sync with TW_WARPS in train_ffn.cu
@@ -591,9 +591,6 @@ def _check_base(base, dtype, H, D, gated):
         if a is None:
             raise ValueError(f"base {nm}: expected a C-contiguous {acc} array of shape {(H, D)}, got None")
         _check_operand(f"base {nm}", a, acc, (H, D))
-
-
-_NULL_PTR = np.uint64(0)  # a null device pointer argument
 
 
 def _elementwise_grid(n):
