@@ -8,11 +8,14 @@ One command on the GPU machine::
 For each workload (docs/workloads.md recipe, bf16) it times, with CUDA events
 (median of ``--reps`` after warm-up):
 
-* twellpy ``gated_forward_train`` + ``gated_backward`` (l1 = 2e-5), also the
-  forward and backward alone, and the dense gate GEMM alone (the floor);
-* the same step with ``speculate=True`` (the Hybrid sized from the previous
-  step, the token counts read only after the ELL kernel is queued), its
-  forward, phases and memory, and whether it gave the exact step's bits;
+* twellpy ``gated_forward_train`` + ``gated_backward`` (l1 = 2e-5) as a
+  training loop calls them (the defaults: on the GPU the Hybrid is sized from
+  the layer's previous step and the token counts are read only after the ELL
+  kernel is queued), also the forward and backward alone, and the dense gate
+  GEMM alone (the floor);
+* the same step on the exact path (``speculate=False``: the host reads the
+  counts before sizing the Hybrid), its forward, phases and memory, and
+  whether the default gave the exact path's bits;
 * dense forward+backward through torch autograd in bf16 (same inputs,
   shared through DLPack, same L1 penalty).
 
@@ -266,19 +269,20 @@ def bench(name, reps, widths=()):
     M, D = x.shape
     res = {"workload": name, **spec}
 
-    # ---------------- twellpy (the exact path unless speculate=True)
-    def tw_step(speculate=False, width="auto", checked=False):
+    # ---------------- twellpy (the library's defaults unless speculate is given)
+    def tw_step(speculate=None, width="auto", checked=False):
         y, ctx = T.gated_forward_train(x, wg, wu, wd, l1=L1, check_finite=checked, speculate=speculate,
                                        width=width)
         return (y,) + T.gated_backward(ctx, dy)
 
-    def tw_fwd(speculate=False):
+    def tw_fwd(speculate=None):
         return T.gated_forward_train(x, wg, wu, wd, l1=L1, check_finite=False, speculate=speculate)
 
     t0 = time.perf_counter()
     outs = tw_step()  # compiles kernels
     res["tw_first_call_s"] = time.perf_counter() - t0
     y, ctx = tw_fwd()
+    res["tw_path"] = ctx.speculation  # "hit": the previous step's layout was this step's
     res["tw_width"] = ctx.stats["width"]
     res["tw_backup_rows"] = ctx.stats["n_backup_rows"]
     res["l0"] = ctx.stats["l0"]
@@ -319,23 +323,19 @@ def bench(name, reps, widths=()):
     finally:
         ct.SPLIT, tc._resident_spmm = saved_split, launch
     del ctx, y, split_grads, fused_grads
-    # the speculative layout (issue 5): the same step without the host waiting for
-    # the token counts before the ELL kernel; the first call of the layer seeds it
-    exact_outs = tw_step()
-    tw_step(True)
-    y_s, ctx_s = tw_fwd(True)
-    res["tw_spec_path"] = ctx_s.speculation  # "hit" when the previous step's layout held
-    spec_outs = (y_s,) + T.gated_backward(ctx_s, dy)
-    res["tw_spec_bits_equal"] = all(bool((a.view(cp.uint16) == b.view(cp.uint16)).all())
-                                    for a, b in zip(spec_outs, exact_outs))
-    res["tw_spec_width"], res["tw_spec_backup_rows"] = ctx_s.width, ctx_s.R
-    del y_s, ctx_s, spec_outs, exact_outs
-    res["tw_spec_ms"] = time_ms(lambda: tw_step(True), reps)
-    res["tw_spec_fwd_ms"] = time_ms(lambda: tw_fwd(True), reps)
-    # exact again in the same run, after the speculative rows (drift check)
+    # the exact path (issue 5): the host waits for the token counts before the ELL
+    # kernel; the default (speculative on the GPU) must give its bits
+    exact_outs = tw_step(False)
+    default_outs = tw_step()
+    res["tw_exact_bits_equal"] = all(bool((a.view(cp.uint16) == b.view(cp.uint16)).all())
+                                     for a, b in zip(default_outs, exact_outs))
+    del default_outs, exact_outs
+    res["tw_exact_ms"] = time_ms(lambda: tw_step(False), reps)
+    res["tw_exact_fwd_ms"] = time_ms(lambda: tw_fwd(False), reps)
+    # the default again in the same run, after the exact rows (drift check)
     res["tw_ms_after"] = time_ms(tw_step, reps)
     # per-phase device timeline of one step (gaps include host-side work)
-    for label, spec in (("", False), ("spec_", True)):
+    for label, spec in (("", None), ("exact_", False)):
         phases, host_phases = {}, {}
         for part in ("fwd", "bwd"):
             T._PROFILE = []
@@ -358,7 +358,7 @@ def bench(name, reps, widths=()):
     # memory: pool bytes in use during one step, minus the outputs it returns
     del outs
     res["tw_extra_peak_MB"], tw_outs = cupy_extra_peak_mb(tw_step)
-    res["tw_spec_extra_peak_MB"], outs = cupy_extra_peak_mb(lambda: tw_step(True))
+    res["tw_exact_extra_peak_MB"], outs = cupy_extra_peak_mb(lambda: tw_step(False))
     del outs
 
     # ---------------- torch dense (bf16 autograd) and the fp32 reference
@@ -388,7 +388,7 @@ def bench(name, reps, widths=()):
     del ref
     torch.cuda.empty_cache()
     res["speedup"] = res["torch_ms"][0] / res["tw_ms"][0]
-    res["speedup_spec"] = res["torch_ms"][0] / res["tw_spec_ms"][0]
+    res["speedup_exact"] = res["torch_ms"][0] / res["tw_exact_ms"][0]
     res["mem_ratio"] = res["tw_extra_peak_MB"] / max(res["torch_extra_peak_MB"], 1e-9)
     return res
 
@@ -493,14 +493,13 @@ def main(argv=None):
               f"({r['torch_ms'][0] / r['tw_split_ms'][0]:.2f}x dense); split ran: {r['tw_split_ran']}, "
               f"same bits: {r['tw_split_bits_equal']}")
     for r in results:
-        print(f"{r['workload']} speculative layout (speculate=True, TWELLPY_TRAIN_SPECULATE): step "
-              f"{r['tw_spec_ms'][0]:.3f} ms against exact {r['tw_ms'][0]:.3f} (again after: "
-              f"{r['tw_ms_after'][0]:.3f}), {r['speedup_spec']:.2f}x dense; fwd {r['tw_spec_fwd_ms'][0]:.3f} ms "
-              f"(exact {r['tw_fwd_ms'][0]:.3f}); path {r['tw_spec_path']}, W {r['tw_spec_width']}, "
-              f"R {r['tw_spec_backup_rows']}, same bits: {r['tw_spec_bits_equal']}, "
-              f"extra memory {r['tw_spec_extra_peak_MB']:.0f} MB")
+        print(f"{r['workload']} exact path (speculate=False, TWELLPY_TRAIN_SPECULATE=0): step "
+              f"{r['tw_exact_ms'][0]:.3f} ms against the default's {r['tw_ms'][0]:.3f} (again after: "
+              f"{r['tw_ms_after'][0]:.3f}, path {r['tw_path']}), {r['speedup_exact']:.2f}x dense; "
+              f"fwd {r['tw_exact_fwd_ms'][0]:.3f} ms (default {r['tw_fwd_ms'][0]:.3f}); the default gave "
+              f"its bits: {r['tw_exact_bits_equal']}; extra memory {r['tw_exact_extra_peak_MB']:.0f} MB")
     for r in results:
-        for label, name in (("", "twellpy"), ("spec_", "twellpy speculative")):
+        for label, name in (("", "twellpy"), ("exact_", "twellpy exact path")):
             print(f"{r['workload']} {name} phases (ms): " +
                   ", ".join(f"{k} {v:.3f}" for k, v in r[f"tw_{label}phases_ms"].items()))
             print(f"{r['workload']} {name} host clock between the same marks (ms): " +

@@ -220,6 +220,7 @@ def test_structured_two_byte_records_are_not_taken_as_bfloat16(capsys, tmp_path)
 #: guard must be added to one of these (and get a marker if it is a suite).
 REPO_SUITES = {"cpu": (False, ()), "dask_scaling": (False, ()), "dask_task_stream": (False, ()),
                "ffn": (False, ("--cpu",)), "multi_gpu": (False, ("--cpu",)), "train": (False, ("--cpu",)),
+               "width_drift": (False, ()),
                **{n: (True, ()) for n in ("kernels", "overhead", "step_timeline", "overlap_probe",
                                           "profile_kernels", "decode_probe", "call_profile",
                                           "hot_rows_probe", "row_loops_probe", "backup_route_probe")}}

@@ -184,7 +184,9 @@ def test_choose_width_strategies():
     assert T.choose_width(counts, "quantile:1") == 100
     # one 100-wide row is cheaper as a backup row than as 96 extra slots per row
     assert T.choose_width(counts, "min_storage", slot_bytes=8, row_bytes=8 * 128) == 4
-    assert T.choose_width(counts, "auto", slot_bytes=8, row_bytes=8 * 128) == 100  # q0.9 floor
+    # q0.9 floor (100), on auto's grid (steps of 16 from 64 to 128)
+    assert T.choose_width(counts, "auto", slot_bytes=8, row_bytes=8 * 128) == 112
+    assert T.choose_width(counts, "auto", n_cols=104) == 104   # never past the row length
     assert T.choose_width(np.zeros(0, int), "auto", slot_bytes=8, row_bytes=8) == 1
     with pytest.raises(ValueError, match="quantile p must be in"):
         T.choose_width(counts, "quantile:2")
@@ -488,6 +490,63 @@ def fresh_layouts(monkeypatch):
     return T._LAYOUTS
 
 
+def test_auto_width_grid():
+    """auto's grid: multiples of max(8, 2**(floor(log2 W) - 2)), at most a quarter of W
+    added, never past the row length; the drift of W1-16k's and W2's raw widths
+    (50-55, 138-142 from step to step) stays on one grid point."""
+    sw = T._stable_width
+    assert [sw(w) for w in (1, 8, 9, 31, 32, 33, 50, 55, 56, 57, 64, 65, 128, 129, 138, 142, 160, 161)] == \
+        [8, 8, 16, 32, 32, 40, 56, 56, 56, 64, 64, 80, 128, 160, 160, 160, 160, 192]
+    for w in range(1, 5000):
+        g = sw(w)
+        assert w <= g <= max(w + 7, w + w // 4), w
+        assert sw(g) == g, w                      # grid points are fixed points
+    assert sw(50, n_cols=40) == 40 and sw(3, n_cols=4) == 4 and sw(0) == 8
+
+
+def test_speculation_backoff_policy():
+    """A re-run doubles the backoff (1, 2, 4, ... up to _SPEC_MAX_BACKOFF) and the
+    layer then takes the exact path that many steps; a hit halves it."""
+    after = T._backoff_after
+    assert after(None, "exact") == (0, 0)
+    lay, seen = T._Layout(56, 16, 0.25), []
+    for _ in range(8):
+        b, k = after(lay, "rerun")
+        seen.append(b)
+        lay = lay._replace(backoff=b, skip=k)
+    assert seen == [1, 2, 4, 8, 16, 32, 32, 32] and T._SPEC_MAX_BACKOFF == 32
+    skips = []
+    while lay.skip:   # the exact steps count the skip down, keeping the backoff
+        lay = lay._replace(**dict(zip(("backoff", "skip"), after(lay, "exact"))))
+        skips.append(lay.skip)
+    assert skips == list(range(31, -1, -1)) and lay.backoff == 32
+    assert after(lay, "hit") == (16, 0) and after(T._Layout(56, 16, 0.25, 1, 0), "hit") == (0, 0)
+
+
+def test_speculation_backs_off_a_layer_whose_width_keeps_moving(fresh_layouts):
+    """Batches that alternate between two widths: after each re-run the layer runs
+    exact for 1, 2, 4, ... steps, so re-runs become rare; every step is exact bits."""
+    x, wg, wu, wd, dy = make_problem(M=200, D=24, H=256, nnz=12, sigma=0.4, seed=47)
+    wide = x.copy()
+    wide[:, 1:] *= 2.5
+    outs = {}
+    for name, xs in (("narrow", x), ("wide", wide)):
+        outs[name] = step_outputs(xs, wg, wu, wd, dy, "auto", True, speculate=False)
+    assert outs["narrow"][2] != outs["wide"][2], "the test needs two widths"
+    paths = []
+    for i in range(24):
+        name = ("narrow", "wide")[i % 2]
+        ctxs = []
+        got, _, _ = step_outputs(x if name == "narrow" else wide, wg, wu, wd, dy, "auto", True, ctxs,
+                                 speculate=True)
+        paths.append(ctxs[0].speculation)
+        for k in got:
+            assert got[k].tobytes() == outs[name][0][k].tobytes(), (i, k)
+    # exact (first), rerun, exact x1, rerun, exact x2, rerun, exact x4, rerun, exact x8, rerun, ...
+    assert paths[:3] == ["exact", "rerun", "exact"] and "hit" not in paths
+    assert paths.count("rerun") == 5, paths
+
+
 def test_backup_capacity_policy():
     cap = T._backup_capacity
     assert cap(0, 10**6) == 16                 # room for a few wide rows even when none was seen
@@ -528,13 +587,13 @@ def _spec_problem(case, dtype, gated, seed=31):
 def test_speculative_step_gives_the_exact_bits(fresh_layouts, case, dtype, gated, width):
     """The second call of a layer uses the first call's layout, and every output
     (y, the saved pattern and values, counts, gradients, statistics) is the exact
-    path's with that width, bit for bit; M = 1 and empty rows included."""
+    path's with the same ``width`` strategy, bit for bit; M = 1 and empty rows included."""
     x, wg, wu, wd, dy = _spec_problem(case, dtype, gated)
     ctxs = []
     first, _, _ = step_outputs(x, wg, wu, wd, dy, width, gated, ctxs, speculate=True)
     spec, l1_spec, w_spec = step_outputs(x, wg, wu, wd, dy, width, gated, ctxs, speculate=True)
     assert [c.speculation for c in ctxs] == ["exact", "hit"]
-    exact, l1_exact, w_exact = step_outputs(x, wg, wu, wd, dy, w_spec, gated, ctxs, speculate=False)
+    exact, l1_exact, w_exact = step_outputs(x, wg, wu, wd, dy, width, gated, ctxs, speculate=False)
     assert ctxs[-1].speculation == "off"
     assert w_spec == w_exact and l1_spec == l1_exact
     assert spec.keys() == exact.keys()
@@ -570,12 +629,14 @@ def test_speculative_overflow_runs_the_step_again_exactly(fresh_layouts, gated):
     for k in want:
         assert got[k].tobytes() == want[k].tobytes(), k
     (lay,) = fresh_layouts.values()
-    assert lay.slack == 2 * T._SPEC_SLACK
+    assert lay.slack == 2 * T._SPEC_SLACK and (lay.backoff, lay.skip) == (1, 1)
     assert lay.capacity == T._backup_capacity(ctxs[-1].R, 300, 2 * T._SPEC_SLACK) > ctxs[-1].R
-    again, _, _ = step_outputs(x, wg, wu, wd, dy, 2, gated, ctxs, speculate=True)
-    assert ctxs[-1].speculation == "hit"
-    for k in want:
-        assert again[k].tobytes() == want[k].tobytes(), k
+    # one exact step (the backoff after a re-run), then the grown capacity holds
+    for how in ("exact", "hit"):
+        again, _, _ = step_outputs(x, wg, wu, wd, dy, 2, gated, ctxs, speculate=True)
+        assert ctxs[-1].speculation == how
+        for k in want:
+            assert again[k].tobytes() == want[k].tobytes(), (how, k)
     # the reference of every one: the float64 dense step
     ref = dense_gated(x, wg, wu, wd, dy, 0.05) if gated else dense_relu(x, wu, wd, dy, 0.05)
     assert rel(got["y"], ref["y"]) < 1e-10
@@ -585,12 +646,15 @@ def test_speculation_option_and_layers(fresh_layouts, monkeypatch):
     x, wg, wu, wd, dy = make_problem(**CASES["uneven"], seed=43)
     with pytest.raises(TypeError, match="speculate must be True, False or None, got str"):
         T.gated_forward_train(x, wg, wu, wd, speculate="1")
-    with pytest.raises(ValueError, match="TWELLPY_TRAIN_SPECULATE must be 0 or 1, got 'yes'"):
+    with pytest.raises(ValueError, match="TWELLPY_TRAIN_SPECULATE must be 0, 1 or auto, got 'yes'"):
         T._speculate_setting("yes")
     assert T._speculate_setting("1") is True and T._speculate_setting("0") is False
-    # None follows the module default (the environment variable)
-    monkeypatch.setattr(T, "SPECULATE", False)
-    assert T.gated_forward_train(x, wg, wu, wd)[1].speculation == "off"
+    assert T._speculate_setting("auto") == "auto"
+    # None follows the module default (the environment variable): "auto", the
+    # default, is on for GPU arrays only (tests/test_gpu_train.py checks that side)
+    for setting in (False, "auto"):
+        monkeypatch.setattr(T, "SPECULATE", setting)
+        assert T.gated_forward_train(x, wg, wu, wd)[1].speculation == "off"
     assert not fresh_layouts
     monkeypatch.setattr(T, "SPECULATE", True)
     assert [T.gated_forward_train(x, wg, wu, wd)[1].speculation for _ in range(2)] == ["exact", "hit"]
@@ -665,41 +729,62 @@ def _boundary_width(counts, avoid):
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
 def test_speculative_capacity_boundary(fresh_layouts, gated):
-    """Room for exactly the wide rows is a hit, one row less is a re-run; rows
-    with exactly W active neurons stay ELL rows; the remembered W differs from
-    the one ``width="auto"`` picks now, and the step is still the exact path's
-    with that W, bit for bit (and not the exact path's with auto's W)."""
+    """Room for exactly the wide rows is a hit, one row less is a re-run (and the
+    slack doubles); rows with exactly W active neurons stay ELL rows; both give
+    the exact path's bits."""
     x, wg, wu, wd, dy = _spec_problem("uneven", np.dtype(np.float32), gated)
-    ctxs = []
-    auto, _, w_auto = step_outputs(x, wg, wu, wd, dy, "auto", gated, ctxs, speculate=True)   # seeds the entry
-    (key,) = fresh_layouts
-    counts = f64(auto["token_counts"]).astype(np.int64)
-    W = _boundary_width(counts, w_auto)
+    counts = f64(step_outputs(x, wg, wu, wd, dy, 3, gated, [])[0]["token_counts"]).astype(np.int64)
+    W = _boundary_width(counts, None)
     R = int((counts > W).sum())
-    want, _, _ = step_outputs(x, wg, wu, wd, dy, W, gated, ctxs, speculate=False)
+    ctxs = []
+    want, _, _ = step_outputs(x, wg, wu, wd, dy, W, gated, ctxs, speculate=True)   # seeds the entry
+    (key,) = fresh_layouts
     for cap, how in ((R, "hit"), (R - 1, "rerun")):
         fresh_layouts[key] = T._Layout(W, cap, T._SPEC_SLACK)
-        got, _, w_got = step_outputs(x, wg, wu, wd, dy, "auto", gated, ctxs, speculate=True)
+        got, _, w_got = step_outputs(x, wg, wu, wd, dy, W, gated, ctxs, speculate=True)
         ctx = ctxs[-1]
         assert ctx.speculation == how, (cap, R)
-        if how == "hit":
-            assert w_got == W != w_auto and ctx.R == R
-            assert not np.isin(np.flatnonzero(counts == W), f64(got["backup_rows"])).any()
-            for k in want:
-                assert got[k].tobytes() == want[k].tobytes(), k
-            assert got["gvals"].size != auto["gvals"].size or got["idx"].shape != auto["idx"].shape
-        else:   # the re-run is the exact path: auto's width for these counts
-            assert w_got == w_auto
-            for k in auto:
-                assert got[k].tobytes() == auto[k].tobytes(), k
-            assert fresh_layouts[key].slack == 2 * T._SPEC_SLACK
+        assert w_got == W and ctx.R == R
+        assert not np.isin(np.flatnonzero(counts == W), f64(got["backup_rows"])).any()
+        for k in want:
+            assert got[k].tobytes() == want[k].tobytes(), (how, k)
+        assert fresh_layouts[key].slack == (T._SPEC_SLACK if how == "hit" else 2 * T._SPEC_SLACK)
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
+def test_speculation_with_another_width_runs_again(fresh_layouts, gated):
+    """A remembered W that this step's counts would not pick under ``width`` (a
+    drifted batch, another thread's step) is a re-run with the exact path's bits for
+    ``width``, not a hit with the old W, even with room for every wide row; the slack
+    stays (the room was not short) and the layout follows the new counts."""
+    x, wg, wu, wd, dy = _spec_problem("uneven", np.dtype(np.float32), gated)
+    ctxs = []
+    auto, _, w_auto = step_outputs(x, wg, wu, wd, dy, "auto", gated, ctxs, speculate=False)
+    step_outputs(x, wg, wu, wd, dy, "auto", gated, ctxs, speculate=True)   # seeds the entry
+    (key,) = fresh_layouts
+    counts = f64(auto["token_counts"]).astype(np.int64)
+    M = ctxs[0].M
+    for W in (w_auto - 8, w_auto + 8):
+        if W < 1:
+            continue
+        fresh_layouts[key] = T._Layout(W, M, T._SPEC_SLACK)   # room for every row
+        got, _, w_got = step_outputs(x, wg, wu, wd, dy, "auto", gated, ctxs, speculate=True)
+        assert ctxs[-1].speculation == "rerun" and w_got == w_auto, W
+        for k in auto:
+            assert got[k].tobytes() == auto[k].tobytes(), (W, k)
+        lay = fresh_layouts[key]
+        assert (lay.width, lay.slack, lay.backoff, lay.skip) == (w_auto, T._SPEC_SLACK, 1, 1)
+        assert lay.capacity == T._backup_capacity(int((counts > w_auto).sum()), M)
+    for how in ("exact", "hit"):   # backing off for one step, then on the new layout
+        assert step_outputs(x, wg, wu, wd, dy, "auto", gated, ctxs, speculate=True)[2] == w_auto
+        assert ctxs[-1].speculation == how
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
 def test_speculative_steps_on_changing_data(fresh_layouts, gated):
     """A run of steps whose batches change (row scales drift up, then down): every
     step, whichever path it took (hit or re-run), equals the exact path with the
-    width it used, bit for bit."""
+    same strategy, bit for bit."""
     prob = make_problem(M=200, D=24, H=256, nnz=12, sigma=0.4, seed=46, gated=gated)
     x0, dy = prob[0], prob[-1]
     weights = prob[1:-1] if gated else (None, *prob[1:-1])
@@ -709,7 +794,8 @@ def test_speculative_steps_on_changing_data(fresh_layouts, gated):
         x[:, 1:] *= scale   # larger rows fire more neurons: more rows are wide
         ctxs = []
         got, _, w = step_outputs(x, *weights, dy, "auto", gated, ctxs, speculate=True)
-        want, _, _ = step_outputs(x, *weights, dy, w, gated, ctxs, speculate=False)
+        want, _, w_want = step_outputs(x, *weights, dy, "auto", gated, ctxs, speculate=False)
+        assert w == w_want, scale
         for k in want:
             assert got[k].tobytes() == want[k].tobytes(), (scale, k)
         seen.append(ctxs[0].speculation)
@@ -734,3 +820,16 @@ def test_speculative_steps_from_several_threads(fresh_layouts):
     assert all(ok for ok, _ in results), results
     assert {how for _, how in results} <= {"exact", "hit", "rerun"}
     assert T.gated_forward_train(x, wg, wu, wd, speculate=False)[0].tobytes() == want[0]
+
+
+def test_width_drift_model_and_the_auto_grid():
+    """benchmarks/width_drift.py (the docs' re-run rates): its counts have the
+    workload's mean, and on the grid W1-16k's width holds still over steps whose
+    raw width moves."""
+    from benchmarks.width_drift import drift, token_counts
+
+    c = token_counts(np.random.default_rng(0), M=16384, D=2048, H=5632, nnz=30)
+    assert abs(c.mean() - 30) < 0.5 and c.min() >= 0
+    r = drift("W1-16k", 12)
+    assert r["grid_changes"] == 0.0 and r["raw_changes"] > 0
+    assert r["grid_range"][0] == r["grid_range"][1] >= r["raw_range"][1]

@@ -844,7 +844,7 @@ def _gpu_problem(case, dtype, gated, seed):
 def test_speculative_step_gives_the_exact_bits_gpu(fresh_layouts, case, dtype, gated):
     """Second call of a layer on the previous call's layout (backup GEMMs over the
     R wide rows, as the exact path, the unused capacity never read): every output
-    equals the exact path's with the same width, bit for bit, with pools poisoned
+    equals the exact path's with the same width strategy, bit for bit, with pools poisoned
     (uniform, sigma 0.3 and 1.0, a token firing 2000 neurons, empty rows, M = 1,
     odd shapes, D = 4096 with H = 11008)."""
     x, wg, wu, wd, dy = _gpu_problem(case, dtype, gated, seed=51)
@@ -855,7 +855,7 @@ def test_speculative_step_gives_the_exact_bits_gpu(fresh_layouts, case, dtype, g
         poison()
         spec, l1_spec, w_spec = step_outputs(x, wg, wu, wd, dy, width, gated, ctxs, speculate=True)
         poison()
-        exact, l1_exact, w_exact = step_outputs(x, wg, wu, wd, dy, w_spec, gated, ctxs, speculate=False)
+        exact, l1_exact, w_exact = step_outputs(x, wg, wu, wd, dy, width, gated, ctxs, speculate=False)
         assert [c.speculation for c in ctxs] == ["exact", "hit", "off"], width
         assert w_spec == w_exact and l1_spec == l1_exact, width
         for k in exact:
@@ -890,12 +890,13 @@ def test_speculative_overflow_runs_the_step_again_gpu(fresh_layouts, dtype, gate
     for k in want:
         assert got[k].tobytes() == want[k].tobytes(), k
     (lay,) = fresh_layouts.values()
-    assert lay.capacity > ctxs[-1].R and lay.slack == 2 * T._SPEC_SLACK
-    poison()
-    again, _, _ = step_outputs(x, wg, wu, wd, dyg, 24, gated, ctxs, speculate=True)
-    assert ctxs[-1].speculation == "hit"
-    for k in want:
-        assert again[k].tobytes() == want[k].tobytes(), k
+    assert lay.capacity > ctxs[-1].R and lay.slack == 2 * T._SPEC_SLACK and lay.skip == 1
+    for how in ("exact", "hit"):   # one step backing off, then the grown capacity holds
+        poison()
+        again, _, _ = step_outputs(x, wg, wu, wd, dyg, 24, gated, ctxs, speculate=True)
+        assert ctxs[-1].speculation == how
+        for k in want:
+            assert again[k].tobytes() == want[k].tobytes(), (how, k)
     ref = dense_gated(*inputs, dy, 0.05) if gated else dense_relu(*inputs, dy, 0.05)
     assert rel(got["y"], ref["y"]) <= TOL[dtype]
     names = ("dx", "dw_gate", "dw_up", "dw_down") if gated else ("dx", "dw_up", "dw_down")
@@ -907,30 +908,51 @@ def test_speculative_overflow_runs_the_step_again_gpu(fresh_layouts, dtype, gate
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
 def test_speculative_capacity_boundary_gpu(fresh_layouts, dtype, gated):
     """Room for exactly the wide rows is a hit, one row less a re-run; rows with
-    exactly W active neurons stay ELL rows; the remembered W is not the one
-    width="auto" picks now, and the hit is the exact path's with that W, bit for
-    bit, pools poisoned (the CPU twin: test_ffn_train.py)."""
+    exactly W active neurons stay ELL rows; a remembered W that width="auto" would
+    not pick now is a re-run with auto's bits, even with room for every row; every
+    result is the exact path's for its strategy, bit for bit, pools poisoned (the
+    CPU twins: test_ffn_train.py)."""
     x, wg, wu, wd, dy = _gpu_problem("uneven03", dtype, gated, seed=55)
     ctxs = []
     poison()
-    auto, _, w_auto = step_outputs(x, wg, wu, wd, dy, "auto", gated, ctxs, speculate=True)   # seeds the entry
-    (key,) = fresh_layouts
+    auto, _, w_auto = step_outputs(x, wg, wu, wd, dy, "auto", gated, ctxs, speculate=False)
     counts = f64(auto["token_counts"]).astype(np.int64)
     W = next(int(w) for w in np.unique(counts)[::-1]
-             if w >= 1 and w != w_auto and (counts == w).any() and (counts > w).sum() >= 2)
+             if w >= 1 and (counts == w).any() and (counts > w).sum() >= 2)
     R = int((counts > W).sum())
     poison()
-    want, _, _ = step_outputs(x, wg, wu, wd, dy, W, gated, ctxs, speculate=False)
-    for cap, how in ((R, "hit"), (R - 1, "rerun")):
-        fresh_layouts[key] = T._Layout(W, cap, T._SPEC_SLACK)
+    want, _, _ = step_outputs(x, wg, wu, wd, dy, W, gated, ctxs, speculate=True)   # seeds W's entry
+    poison()
+    step_outputs(x, wg, wu, wd, dy, "auto", gated, ctxs, speculate=True)   # seeds auto's entry
+    key_w, key_auto = fresh_layouts
+    M = ctxs[0].M
+    for key, width, lay, how, ref in ((key_w, W, T._Layout(W, R, T._SPEC_SLACK), "hit", want),
+                                      (key_w, W, T._Layout(W, R - 1, T._SPEC_SLACK), "rerun", want),
+                                      (key_auto, "auto", T._Layout(w_auto + 8, M, T._SPEC_SLACK), "rerun", auto),
+                                      (key_auto, "auto", T._Layout(max(w_auto - 8, 1), M, T._SPEC_SLACK), "rerun",
+                                       auto)):
+        fresh_layouts[key] = lay
         poison()
-        got, _, w_got = step_outputs(x, wg, wu, wd, dy, "auto", gated, ctxs, speculate=True)
-        assert ctxs[-1].speculation == how, (cap, R)
-        ref = want if how == "hit" else auto   # a re-run is the exact path: auto's width
-        assert w_got == (W if how == "hit" else w_auto)
+        got, _, w_got = step_outputs(x, wg, wu, wd, dy, width, gated, ctxs, speculate=True)
+        assert ctxs[-1].speculation == how, (width, lay, R)
+        assert w_got == (W if width == W else w_auto)
         for k in ref:
-            assert got[k].tobytes() == ref[k].tobytes(), (how, k)
+            assert got[k].tobytes() == ref[k].tobytes(), (width, how, k)
     assert not np.isin(np.flatnonzero(counts == W), f64(want["backup_rows"])).any()
+
+
+def test_speculation_is_on_by_default_on_the_gpu(fresh_layouts, monkeypatch):
+    """TWELLPY_TRAIN_SPECULATE's default ("auto") speculates on GPU arrays: the
+    second step of a layer is a hit, with the bits of speculate=False."""
+    monkeypatch.setattr(T, "SPECULATE", "auto")
+    x, wg, wu, wd, dy = _gpu_problem("uneven", np.dtype(np.float32), True, seed=56)
+    ctxs = []
+    for _ in range(2):
+        got, _, _ = step_outputs(x, wg, wu, wd, dy, "auto", True, ctxs)
+    want, _, _ = step_outputs(x, wg, wu, wd, dy, "auto", True, ctxs, speculate=False)
+    assert [c.speculation for c in ctxs] == ["exact", "hit", "off"]
+    for k in want:
+        assert got[k].tobytes() == want[k].tobytes(), k
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])

@@ -19,22 +19,22 @@ W active neurons, so nothing is ever dropped. When the whole gate output fits
 (the step's one host synchronisation) and the values are packed straight into
 the Hybrid (the gate output, at most ``GATE_CHUNK_BYTES``, is held until that
 pack); larger batches are consumed in row chunks through a CSR of the
-pattern, so the M x H gate output never exists whole. With ``speculate``, W
-and room for the backup rows come from the layer's previous step, and the
-host reads the counts only after the ELL kernel is queued (a step that needs
-more backup rows runs again on the exact path).
+pattern, so the M x H gate output never exists whole. With ``speculate`` (on
+for GPU arrays by default), W and room for the backup rows come from the
+layer's previous step, and the host reads the counts only after the ELL
+kernel is queued; a step whose counts pick another W, or need more backup
+rows, runs again on the exact path.
 Every other M x H product runs on the pattern only. The context keeps g and u
 on the pattern (ELL values + backup rows), the pattern's indices, x and the
 weights -- never an M x H dense array.
 
 Determinism: all kernels (CPU and GPU) are deterministic; no floating-point
 atomics are used anywhere, so ``deterministic=True`` costs nothing and the
-same inputs always give the same bits. With ``speculate``, W may come from the
-layer's previous step instead of this step's counts: a step's bits are the
-exact path's with ``width=ctx.width``, so the same sequence of calls gives the
-same bits, but one call on its own also depends on the layer's history (another
-thread's step of the same layer, a weight buffer re-used by another layer, or
-an entry forgotten by the LRU can change W, never the values beyond rounding).
+same inputs always give the same bits, with or without ``speculate``: a
+speculative step is kept only when its layout is the one the exact path picks
+from the step's own counts, so a layer's history (another thread's step of the
+same layer, a weight buffer re-used by another layer, an entry forgotten by
+the LRU) can cost a re-run, never change a bit.
 """
 from __future__ import annotations
 
@@ -155,7 +155,10 @@ def choose_width(token_counts, spec="auto", *, slot_bytes=8, row_bytes=None, n_c
         ``n`` or ``"fixed:n"``; ``"quantile:p"`` (row count at fraction ``p``
         of the rows, rounded up); ``"min_storage"`` (W minimising the bytes of
         ELL slots plus dense backup rows); ``"auto"`` (the larger of
-        ``min_storage`` and ``quantile:0.9``).
+        ``min_storage`` and ``quantile:0.9``, rounded up to a multiple of
+        ``max(8, 2**(floor(log2 W) - 2))``, steps of at most a quarter of W,
+        so that W stays put while a layer's counts drift a little from step
+        to step; see ``speculate`` in :func:`gated_forward_train`).
     slot_bytes : int
         Bytes of one ELL slot (values plus index).
     row_bytes : int, optional
@@ -211,10 +214,37 @@ def choose_width(token_counts, spec="auto", *, slot_bytes=8, row_bytes=None, n_c
         cost = M * ws * float(slot_bytes) + rows_wider * float(row_bytes)
         w = int(np.argmin(cost))
         if name == "auto":
-            w = max(w, quantile_width(counts, 0.9))
+            return _stable_width(max(w, quantile_width(counts, 0.9), 1), n_cols)
         return max(w, 1)
     raise ValueError(f"unknown width strategy {spec!r}; expected an int, 'fixed:n', 'quantile:p', "
                      f"'min_storage' or 'auto'")
+
+
+def _stable_width(w, n_cols=None):
+    """``w`` rounded up to a coarse grid: a multiple of ``max(8, 2**(floor(log2 w) - 2))``.
+
+    The grid's steps are at most a quarter of W (8, 16, ... 56, 64, 80, ...
+    128, 160, ...). A layer's counts drift a little from step to step, and
+    with them the raw ``min_storage`` / quantile width (50 to 55 at W1-16k
+    sizes, 138 to 142 at W2's); on the grid W stays put, which is what lets a
+    speculative step (``speculate``) reuse the previous step's layout and
+    still be this step's exact path. The slots added are padding the kernels
+    skip (each row runs to its own count).
+
+    Parameters
+    ----------
+    w : int
+        A width >= 1.
+    n_cols : int, optional
+        Row length N; the result is at most N.
+
+    Returns
+    -------
+    int
+    """
+    w = max(int(w), 1)
+    step = max(8, 1 << max(w.bit_length() - 3, 0))
+    return _at_most_cols(-(-w // step) * step, n_cols)
 
 
 def _at_most_cols(w, n_cols):
@@ -244,10 +274,11 @@ class TrainContext:
         atomics).
     speculation : str
         Which layout the forward used: ``"off"`` (speculation not asked),
-        ``"exact"`` (asked, but no previous step of this layer, or a chunked
-        batch: the counts were read first), ``"hit"`` (the previous step's
-        width and backup capacity were enough) or ``"rerun"`` (they were
-        not: the step ran again on the exact path).
+        ``"exact"`` (asked, but no previous step of this layer, a chunked
+        batch, or a layer backing off after a re-run: the counts were read
+        first), ``"hit"`` (the previous step's
+        width was this step's and its backup capacity was enough) or
+        ``"rerun"`` (they were not: the step ran again on the exact path).
 
     Notes
     -----
@@ -369,15 +400,16 @@ def _counts_from_block(host, named):
 # kernel runs, and a step whose wide rows exceed the capacity is run again on
 # the exact path (nothing is dropped, and the capacity grows).
 def _speculate_setting(value):
-    if value not in ("0", "1"):
-        raise ValueError(f"TWELLPY_TRAIN_SPECULATE must be 0 or 1, got {value!r}")
-    return value == "1"
+    if value not in ("0", "1", "auto"):
+        raise ValueError(f"TWELLPY_TRAIN_SPECULATE must be 0, 1 or auto, got {value!r}")
+    return "auto" if value == "auto" else value == "1"
 
 
-#: Default of ``speculate`` (TWELLPY_TRAIN_SPECULATE=0|1). Off: a speculative step's W
-#: comes from the layer's previous step, so its bits depend on that history. It saved
-#: about 3% of a W1-16k step (3.77 against 3.91 ms, H100, 2026-12-06).
-SPECULATE = _speculate_setting(os.environ.get("TWELLPY_TRAIN_SPECULATE", "0"))
+#: Default of ``speculate`` (TWELLPY_TRAIN_SPECULATE=0|1|auto). "auto": on for GPU
+#: arrays, where it saves the host's wait for the counts (3.77 against 3.91 ms a W1-16k
+#: step, H100, 2026-12-06), off on the CPU, where there is no wait to save. A hit is
+#: always the exact path's layout for the step's own counts, so it never changes bits.
+SPECULATE = _speculate_setting(os.environ.get("TWELLPY_TRAIN_SPECULATE", "auto"))
 
 #: Extra backup rows of a speculative layout, as a fraction of the wide rows of
 #: the step it comes from; doubled (up to ``_SPEC_MAX_SLACK``) after an overflow.
@@ -389,6 +421,10 @@ _SPEC_MIN_EXTRA = 16
 _SPEC_ALIGN = 16
 #: layers remembered (least recently used dropped first)
 _SPEC_MAX_LAYERS = 256
+#: After a re-run (about one forward's cost) a layer takes the exact path for its
+#: next ``backoff`` steps; the backoff doubles with each re-run, up to this, and
+#: halves with each hit, so a layer whose W keeps moving mostly runs exact.
+_SPEC_MAX_BACKOFF = 32
 
 
 def _backup_capacity(n_wide, n_rows, slack=_SPEC_SLACK):
@@ -417,7 +453,8 @@ def _backup_capacity(n_wide, n_rows, slack=_SPEC_SLACK):
     return min(cap, n_rows)
 
 
-def _next_layout(token_counts, width, *, n_cols, slot_bytes, row_bytes, slack=_SPEC_SLACK, overflowed=False):
+def _next_layout(token_counts, width, *, n_cols, slot_bytes, row_bytes, slack=_SPEC_SLACK, overflowed=False,
+                 backoff=(0, 0)):
     """The speculative layout of a layer's next step from this step's counts.
 
     Parameters
@@ -432,27 +469,46 @@ def _next_layout(token_counts, width, *, n_cols, slot_bytes, row_bytes, slack=_S
         The layer's current slack.
     overflowed : bool
         This step's speculative capacity was too small: the slack doubles.
+    backoff : tuple of int
+        ``(backoff, skip)`` of the next layout (see :func:`_backoff_after`).
 
     Returns
     -------
     _Layout
         ``width``: what the exact path picks from these counts; ``capacity``:
-        :func:`_backup_capacity` of the rows wider than it; ``slack``.
+        :func:`_backup_capacity` of the rows wider than it; ``slack``;
+        ``backoff``, ``skip``.
     """
     if overflowed:
         slack = min(max(2.0 * slack, _SPEC_SLACK), _SPEC_MAX_SLACK)
     counts = np.asarray(token_counts)
     W = choose_width(counts, width, slot_bytes=slot_bytes, row_bytes=row_bytes, n_cols=n_cols)
     n_wide = int(np.count_nonzero(counts > W))
-    return _Layout(W, _backup_capacity(n_wide, counts.size, slack), slack)
+    return _Layout(W, _backup_capacity(n_wide, counts.size, slack), slack, *backoff)
+
+
+def _backoff_after(prev, how):
+    """``(backoff, skip)`` for a layer's next step after one that took path ``how``
+    (``"hit"``, ``"rerun"`` or ``"exact"``) with the layout ``prev`` (None: its first)."""
+    if prev is None:
+        return 0, 0
+    if how == "rerun":
+        b = min(max(1, 2 * prev.backoff), _SPEC_MAX_BACKOFF)
+        return b, b
+    if how == "hit":
+        return prev.backoff // 2, 0
+    return prev.backoff, max(prev.skip - 1, 0)   # an exact step while backing off
 
 
 class _Layout(NamedTuple):
-    """What one step of a layer leaves for its next: ELL width, backup capacity, slack."""
+    """What one step of a layer leaves for its next: ELL width, backup capacity,
+    slack, and the re-run backoff (``skip``: exact steps still to take)."""
 
     width: int
     capacity: int
     slack: float
+    backoff: int = 0
+    skip: int = 0
 
 
 _LAYOUTS: OrderedDict = OrderedDict()
@@ -487,9 +543,9 @@ def _layout_put(key, lay):
             _LAYOUTS.popitem(last=False)
 
 
-def _speculate_option(speculate):
+def _speculate_option(speculate, on_gpu):
     if speculate is None:
-        return SPECULATE
+        return on_gpu if SPECULATE == "auto" else SPECULATE
     if isinstance(speculate, (bool, np.bool_)):
         return bool(speculate)
     raise TypeError(f"speculate must be True, False or None, got {type(speculate).__name__}")
@@ -527,9 +583,9 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
     l1 = _check_l1(l1)
     # the inference validator; "sync" is True here (the forward always waits for its counts)
     check_finite = bool(_check_finite_mode(check_finite))
-    spec_on = _speculate_option(speculate)
     be = backends.get(x, "train")
     xp = xp_of(x)
+    spec_on = _speculate_option(speculate, xp is not np)
     n_vals = 2 if gated else 1
     sizes = dict(n_cols=H, slot_bytes=n_vals * dt.itemsize + 4, row_bytes=n_vals * dt.itemsize * H)
     key = _layout_key(x, w_gate if gated else w_up, gated, width) if spec_on and M else None
@@ -539,7 +595,7 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
         return _forward_pass(be, xp, list(zip(names, arrs)), x, w_gate, w_up, w_down, l1, width, gated,
                              check_inputs, layout, sizes)
 
-    y, ctx, counts_host, speculated = run(lay, check_finite)
+    y, ctx, counts_host, speculated = run(lay if lay is None or not lay.skip else None, check_finite)
     how = "off" if key is None else "hit" if speculated else "exact"
     if ctx is None:
         # more wide rows than the capacity: this step again on the exact path (its
@@ -547,8 +603,10 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
         y, ctx, counts_host, _ = run(None, False)
         how = "rerun"
     if key is not None:
+        # the slack grows only when the room was short (not when W alone changed)
         _layout_put(key, _next_layout(counts_host, width, slack=lay.slack if lay else _SPEC_SLACK,
-                                      overflowed=how == "rerun", **sizes))
+                                      overflowed=how == "rerun" and ctx.R > lay.capacity,
+                                      backoff=_backoff_after(lay, how), **sizes))
     ctx.__dict__.update(kind=kind, check_finite=check_finite, deterministic=bool(deterministic), speculation=how)
     return to_caller(y, kind), ctx
 
@@ -662,7 +720,9 @@ def _forward_pass(be, xp, named, x, w_gate, w_up, w_down, l1, width, gated, chec
         counts_host = _counts_from_block(pending.read(), checked)
         R = int(np.count_nonzero(counts_host > W))
         _mark("counts to host (wait)", xp)
-        if R > cap:
+        # a hit must be the layout the exact path picks from these counts (its W,
+        # room for its wide rows), so that a step's bits never depend on the past
+        if R > cap or choose_width(counts_host, width, **sizes) != W:
             return None, None, counts_host, True
         # from here on, the exact path's sizes: the unused capacity is never read
         gvals = gvals[:M * W + R * H]
@@ -870,20 +930,24 @@ def gated_forward_train(x, w_gate, w_up, w_down, l1=0.0, width="auto", determini
     speculate : bool, optional
         Size the saved Hybrid from this layer's previous step instead of
         waiting for this step's counts (default: ``TWELLPY_TRAIN_SPECULATE``,
-        0 = off). The exact path reads the active neurons per token back to
-        the host before choosing W, which stalls the GPU queue; speculation
-        takes W and room for backup rows from the previous call with the
-        same activation weight, shapes and ``width``, queues the ELL kernel,
-        and only then reads the counts. If more rows are wide than it made
-        room for, the step runs again on the exact path (the capacity grows
-        for the next step), so nothing is ever dropped. The result is the
-        exact path's with ``width=ctx.width``, bit for bit (not necessarily
-        the bits of ``width=width``: W is the previous step's choice); the
-        first call of a layer, and batches whose gate output exceeds
-        ``GATE_CHUNK_BYTES``, take the exact path. ``ctx.speculation`` says
-        which path ran. The saved g and u keep the capacity's allocation
-        (unused rows included) until the context is freed. On the CPU (no
-        host/device split) it runs the same logic and gains nothing.
+        ``auto`` = on for GPU arrays, off on the CPU). The exact path reads
+        the active neurons per token back to the host before choosing W,
+        which stalls the GPU queue; speculation takes W and room for backup
+        rows from the previous call with the same activation weight, shapes
+        and ``width``, queues the ELL kernel, and only then reads the counts.
+        If those counts pick another W under ``width``, or more rows are wide
+        than it made room for, the step runs again on the exact path (the
+        layout follows the counts, the capacity grows), so nothing is ever
+        dropped and the result is always the exact path's, bit for bit.
+        ``width="auto"`` rounds W up to a coarse grid so that it rarely
+        changes between steps, and a layer that re-runs takes the exact path
+        for its next 1, 2, 4, ... 32 steps (each re-run doubles the count,
+        each hit halves it). The first call of a layer, and batches whose
+        gate output exceeds ``GATE_CHUNK_BYTES``, take the exact path.
+        ``ctx.speculation`` says which path ran. The saved g and u keep the
+        capacity's allocation (unused rows included) until the context is
+        freed. On the CPU (no host/device split) it runs the same logic and
+        gains nothing.
 
     Returns
     -------
