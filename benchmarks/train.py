@@ -223,14 +223,17 @@ def _time_width(fwd, step, width, reps, ref):
     return row
 
 
-# (label, cuda_train.ROWS, cuda_train.TWO_PASS) of the row-loop table: the first is the
-# reference for "same bits"
-_SMEM1 = {"TW_XSRC_SMEM": 1, "TW_SLOT_BATCH": 1}
-ROW_VARIANTS = [("off (vec 1)", None, False), ("regs, batch 2", {}, False), ("regs, batch 1", {"TW_SLOT_BATCH": 1}, False),
-                ("smem, batch 2", {"TW_XSRC_SMEM": 1}, False), ("smem, batch 1", _SMEM1, False),
-                ("smem, batch 4", {"TW_XSRC_SMEM": 1, "TW_SLOT_BATCH": 4}, False),
-                ("two-pass, vec 1", None, True), ("two-pass, regs b2", {}, True),
-                ("two-pass, regs b1", {"TW_SLOT_BATCH": 1}, True), ("two-pass, smem b1", _SMEM1, True)]
+def _rows(smem, batch):
+    return {"TW_XSRC_SMEM": smem, "TW_SLOT_BATCH": batch}
+
+
+#: (label, cuda_train.ROWS, cuda_train.TWO_PASS) of each variant of the row-loop table: the
+#: first is the reference for "same bits"; the defaults are "two-pass, smem b1"
+ROW_VARIANTS = [("off (vec 1)", None, False), ("regs, batch 2", _rows(0, 2), False),
+                ("regs, batch 1", _rows(0, 1), False), ("smem, batch 2", _rows(1, 2), False),
+                ("smem, batch 1", _rows(1, 1), False), ("smem, batch 4", _rows(1, 4), False),
+                ("two-pass, vec 1", None, True), ("two-pass, regs b2", _rows(0, 2), True),
+                ("two-pass, regs b1", _rows(0, 1), True), ("two-pass, smem b1", _rows(1, 1), True)]
 
 
 def time_row_variants(fwd, dy, reps, on_row=None):

@@ -310,10 +310,11 @@ def test_gemm_weight_grads_route_rules_and_bits(monkeypatch, gated):
     only past both thresholds."""
     x, wg, wu, wd, dy = _cast(make_problem(**CASES["uneven"], seed=12), np.dtype(np.float32))
     seen = _spy_weight_grads(monkeypatch)
-    assert T.BACKUP_WGRAD_GEMM is False  # off by default until a GPU run has timed it
+    assert T.BACKUP_WGRAD_GEMM is True  # on by default (timed on an H100, 2026-12-07)
     assert T._gemm_route_setting("1") is True and T._gemm_route_setting("0") is False
     with pytest.raises(ValueError, match="TWELLPY_TRAIN_BACKUP_GEMM"):
         T._gemm_route_setting("yes")
+    monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM", False)
     assert not T._backup_wgrad_by_gemm(10**6, 10**9)  # off: never, whatever the rows
     monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM", True)
 

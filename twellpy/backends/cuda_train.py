@@ -69,7 +69,7 @@ _ROW_TUNABLES = ("TW_SLOT_BATCH", "TW_XSRC_SMEM", "TW_ROW_MIN_BLOCKS")
 
 
 def _rows_setting(value):
-    """``TWELLPY_TRAIN_ROWS``: "1" the kernels' own defaults, "0" (default) off, or a
+    """``TWELLPY_TRAIN_ROWS``: "1" (default) the kernels' own defines, "0" off, or a
     comma-separated define set such as ``TW_SLOT_BATCH=1,TW_XSRC_SMEM=1``."""
     if value == "1":
         return {}
@@ -90,17 +90,21 @@ def _rows_setting(value):
 #: rows of TW_SLOT_BATCH slots together; the y and dx products broadcast each slot's
 #: column and coefficients by shuffles. Same bits as vec = 1. None (TWELLPY_TRAIN_ROWS=0):
 #: off; a dict: the defines the two kernels are compiled with ({}: the file's defaults).
-#: Off by default until a GPU run times it (no device was lent when it was written, on
-#: 2026-12-07; benchmarks/train.py's "row loops" lines compare every variant).
-ROWS = _rows_setting(os.environ.get("TWELLPY_TRAIN_ROWS", "0"))
+#: Default "1", the file's defines: one slot at a time with the row in shared memory, the
+#: fastest variant on an H100 (2026-12-07, with TWO_PASS: a W1-16k step 3.56 ms against
+#: 3.96 ms with the rows off, W2 31.9 against 37.2; benchmarks/row_loops_probe.py compares
+#: every variant).
+ROWS = _rows_setting(os.environ.get("TWELLPY_TRAIN_ROWS", "1"))
 
 
 #: two-pass ELL forward and backward (TWELLPY_TRAIN_TWO_PASS=1): the first kernel computes u
 #: (forward) or du, dg (backward) only, and twellpy_train_ell_y / _ell_dx then compute y or dx
 #: from them, so each pass gathers rows of fewer weight matrices (the backward's one pass
 #: gathers w_down, w_up and w_gate, about 69 MB at W1 bf16, against H100's 50 MB L2).
-#: Same bits. The resident split (SPLIT), when it runs, takes precedence.
-TWO_PASS = os.environ.get("TWELLPY_TRAIN_TWO_PASS", "0") == "1"
+#: Same bits. The resident split (SPLIT), when it runs, takes precedence. On by default
+#: (TWELLPY_TRAIN_TWO_PASS=0 turns it off): on an H100 (2026-12-07) the forward plus
+#: backward took 3.50 ms against 4.79 ms in one pass at W1-16k, 31.6 against 40.1 at W2.
+TWO_PASS = os.environ.get("TWELLPY_TRAIN_TWO_PASS", "1") == "1"
 
 
 def _row_vec(vec, D, itemsize):
