@@ -159,18 +159,25 @@ def bench_gpu_workload(name, spec, reps, log, variants=VARIANTS, with_auto=True)
     row["twellpy_variant"], row["twellpy_ms"], row["twellpy_err"] = best[0], best[1], best[2]
     # the sparse step fused (one kernel gathers w_up and w_down rows) against split
     # (up projection, then the down projection from shared-memory slices of w_downT:
-    # twellpy_spmm_resident), on the best variant; both give the same bits
+    # twellpy_spmm_resident) and two-pass (up projection, then the down projection by
+    # gathers: twellpy_ffn_list_down, from TWO_PASS_MIN_ROWS rows), on the best
+    # variant; all give the same bits
     apply_variant(ffn, best[3])
     ffn._plan.chunk_rows = best[4]
-    saved_split = ffn._plan.split_down
-    for label, value in (("fused", False), ("split", True)):
-        ffn._plan.split_down = value
+    saved = ffn._plan.split_down, ffn._plan.two_pass
+    base = None
+    for label, split, two in (("fused", False, False), ("split", True, False), ("two_pass", False, True)):
+        ffn._plan.split_down, ffn._plan.two_pass = split, two
         y = ffn(x, mode="sparse")
+        base = y if base is None else base
+        row[f"{label}_same_bits"] = bool((y.view(cp.uint16) == base.view(cp.uint16)).all()) if y.dtype.itemsize == 2 \
+            else bool((y == base).all())
         row[f"{label}_err"] = rel_err(y, ref)
         row[f"{label}_ms"] = time_cupy(lambda: ffn(x, mode="sparse"), reps)
-        log(f"  {name:8s} sparse step {label:5s} {row[f'{label}_ms']:8.3f} ms  err {row[f'{label}_err']:.2e}")
-    ffn._plan.split_down = saved_split
-    for label in ("fused", "split"):
+        log(f"  {name:8s} sparse step {label:8s} {row[f'{label}_ms']:8.3f} ms  err {row[f'{label}_err']:.2e}  "
+            f"same bits as fused: {row[f'{label}_same_bits']}")
+    ffn._plan.split_down, ffn._plan.two_pass = saved
+    for label in ("fused", "split", "two_pass"):
         if row[f"{label}_err"] <= 1e-2 and row[f"{label}_ms"] < row["twellpy_ms"]:
             row["twellpy_variant"] = f"{best[0]}-{label}"
             row["twellpy_ms"], row["twellpy_err"] = row[f"{label}_ms"], row[f"{label}_err"]
@@ -320,8 +327,10 @@ def run_gpu(args):
     # "checked": the library's default call (auto mode with check_finite=True)
     # "stream": the checked default call back to back, against dense back to back;
     # "sync": the same with check_finite="sync" (every call waits for its NaN/Inf count);
-    # "fused" / "split": the sparse step in one kernel or split around twellpy_spmm_resident
+    # "fused" / "split" / "2-pass": the sparse step in one kernel, split around
+    # twellpy_spmm_resident, or in two passes around twellpy_ffn_list_down
     print(f"{'workload':9s} {'dense':>8s} {'gate':>7s} {'twellpy':>8s} {'x':>5s} {'fused':>8s} {'split':>8s} "
+          f"{'2-pass':>8s} "
           f"{'auto':>8s} {'x':>5s} {'checked':>8s} {'x':>5s} {'stream':>8s} {'x':>5s} {'sync':>8s} {'x':>5s} {'err':>8s} {'nnz/tok':>7s}"
           f"  variant")
     for r in rows + sweep:
@@ -330,6 +339,7 @@ def run_gpu(args):
         sync_stream = r.get("sync_stream_ms", float("nan"))
         print(f"{r['workload']:9s} {r['dense_ms']:8.3f} {r['gate_ms']:7.3f} {r['twellpy_ms']:8.3f} "
               f"{r['speedup']:5.2f} {r.get('fused_ms', float('nan')):8.3f} {r.get('split_ms', float('nan')):8.3f} "
+              f"{r.get('two_pass_ms', float('nan')):8.3f} "
               f"{r['auto_ms']:8.3f} {r['auto_speedup']:5.2f} {checked:8.3f} "
               f"{r['dense_ms'] / checked:5.2f} {stream:8.3f} "
               f"{r.get('dense_stream_ms', float('nan')) / stream:5.2f} {sync_stream:8.3f} "

@@ -15,6 +15,7 @@ after 3 warm-up steps, with W and R. The thirty-third session found a 24% regres
 of the training step at W1-16k this way (docs/bench_logs/session33_2026-12-07/).
 """
 import importlib.util
+import inspect
 import statistics
 import sys
 from pathlib import Path
@@ -33,7 +34,8 @@ def step_ms(T, wl, name):
     M, D = tt[0].shape
     gen = torch.Generator("cuda").manual_seed(5)
     dy = (torch.randn(M, D, device="cuda", generator=gen) / M ** 0.5).to(torch.bfloat16)
-    kw = {"speculate": False} if "speculate" in T.gated_forward_train.__code__.co_varnames else {}
+    # the signature, not __code__: the public functions are wrapped (quiet_underflow)
+    kw = {"speculate": False} if "speculate" in inspect.signature(T.gated_forward_train).parameters else {}
 
     def step():
         _, ctx = T.gated_forward_train(*tt, l1=2e-5, check_finite=False, **kw)

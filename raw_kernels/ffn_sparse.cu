@@ -379,3 +379,86 @@ twellpy_ffn_sparse(const T* __restrict__ x, long long ldx,
         atomicAdd(&counters[1], heavy_total);
     }
 }
+
+// twellpy_ffn_list_down<T, NV, KB>: the second pass of the two-pass sparse step
+// (FFNPlan.two_pass). twellpy_ffn_sparse<..., SPLIT = true> has written h (fp32,
+// unrounded) over the list values of the rows its row lists serve; this kernel adds
+// their down projection, y[r] = sum_k h_k * w_downT[idx_k], with the fused kernel's
+// fma in the same order, so y gets the same bits. Each pass then gathers rows of one
+// weight matrix only (the fused kernel gathers w_up and w_downT together, 46 MB at
+// W1 in bf16, about the H100's whole L2).
+//   list_idx (M, capr) int32, list_val (M, capr) accum type, row_count (M,) int32
+//   w_downT  (H, D)  contiguous      y (M, D) row stride ldy
+// Rows with 0 <= row_count <= row_cap (= min(capr, heavy_limit)) are written; the
+// others were computed whole by the first pass, or left to the host or to
+// ffn_long.cu, and stay untouched. Thread layout as twellpy_ffn_sparse (one block a
+// row, thread t owns vectors t, t + blockDim.x, ...): the same NV and block size.
+template <typename T, int NV, int KB>
+__global__ void __launch_bounds__(FFN_MAX_WARPS * 32, FFN_MIN_BLOCKS)
+twellpy_ffn_list_down(const int* __restrict__ list_idx,
+                      const typename twellpy::accum<T>::type* __restrict__ list_val,
+                      const int* __restrict__ row_count, int capr, int row_cap,
+                      const T* __restrict__ w_downT, T* __restrict__ y, long long ldy, int M, int D) {
+    using namespace twellpy_ffn;
+    typedef typename twellpy::accum<T>::type A;
+    constexpr int VEC = vec_of<T>::n;
+    static_assert(NV >= 1 && KB >= 1, "bad tile constants");
+    const int tid = threadIdx.x;
+    const int DV = D / VEC;
+    const unsigned long long policy = weight_policy();
+    for (long long row = blockIdx.x; row < M; row += gridDim.x) {
+        const int n = row_count[row];  // the same in every thread: uniform branches
+        if (n < 0 || n > row_cap) continue;
+        const int* idx = list_idx + row * (long long)capr;
+        const A* val = list_val + row * (long long)capr;
+        A acc[NV][VEC];
+#pragma unroll
+        for (int q = 0; q < NV; ++q)
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) acc[q][i] = A(0);
+        for (int b = 0; b < n; b += KB) {
+            // every thread reads the same entries (one broadcast load a warp), then
+            // issues the batch's gathers before using any of them
+            int jk[KB];
+            A hk[KB];
+#pragma unroll
+            for (int k = 0; k < KB; ++k) {
+                jk[k] = (b + k < n) ? idx[b + k] : -1;
+                hk[k] = (b + k < n) ? val[b + k] : A(0);
+            }
+            uint4 dv[KB][NV];
+#pragma unroll
+            for (int k = 0; k < KB; ++k) {
+                const uint4* wr = reinterpret_cast<const uint4*>(w_downT + (long long)(jk[k] < 0 ? 0 : jk[k]) * D);
+#pragma unroll
+                for (int q = 0; q < NV; ++q) {
+                    const int v = q * blockDim.x + tid;
+                    dv[k][q] = (jk[k] >= 0 && v < DV) ? load_weight(wr + v, policy) : zero4();
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < KB; ++k) {
+                if (jk[k] < 0) continue;
+#pragma unroll
+                for (int q = 0; q < NV; ++q) {
+                    A wa[VEC];
+                    unpack16<T, A>(dv[k][q], wa);
+#pragma unroll
+                    for (int i = 0; i < VEC; ++i) acc[q][i] = fma(hk[k], wa[i], acc[q][i]);  // the fused kernel's fma
+                }
+            }
+        }
+        uint4* yv = reinterpret_cast<uint4*>(y + row * ldy);
+#pragma unroll
+        for (int q = 0; q < NV; ++q) {
+            const int v = q * blockDim.x + tid;
+            if (v < DV) {
+                uint4 out;
+                T* e = reinterpret_cast<T*>(&out);
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) e[i] = twellpy::from_acc<T, A>(acc[q][i]);
+                __stcs(yv + v, out);
+            }
+        }
+    }
+}

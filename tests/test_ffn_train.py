@@ -310,7 +310,6 @@ def test_gemm_weight_grads_route_rules_and_bits(monkeypatch, gated):
     only past both thresholds."""
     x, wg, wu, wd, dy = _cast(make_problem(**CASES["uneven"], seed=12), np.dtype(np.float32))
     seen = _spy_weight_grads(monkeypatch)
-    assert T.BACKUP_WGRAD_GEMM is True  # on by default (timed on an H100, 2026-12-07)
     assert T._gemm_route_setting("1") is True and T._gemm_route_setting("0") is False
     with pytest.raises(ValueError, match="TWELLPY_TRAIN_BACKUP_GEMM"):
         T._gemm_route_setting("yes")
@@ -804,23 +803,48 @@ def test_speculative_steps_on_changing_data(fresh_layouts, gated):
 
 
 def test_speculative_steps_from_several_threads(fresh_layouts):
-    """Threads training the same layer share its remembered layout: each step is still exact."""
+    """Threads training the same layer on batches of two widths share its remembered
+    layout (so they keep moving each other's W): every step is the exact path's for
+    width="auto", bit for bit, whichever path it took."""
     import concurrent.futures as cf
 
-    x, wg, wu, wd, dy = make_problem(**CASES["uneven"], seed=47)
-    want = [a.tobytes() for a in (T.gated_forward_train(x, wg, wu, wd, speculate=False)[0],)]
+    x, wg, wu, wd, dy = make_problem(M=200, D=24, H=256, nnz=12, sigma=0.4, seed=47)
+    wide = x.copy()
+    wide[:, 1:] *= 2.5                     # row scales only: more neurons fire, W moves
+    inputs = (x, wide)
+    want = [T.gated_forward_train(xi, wg, wu, wd, speculate=False) for xi in inputs]
+    assert want[0][1].width != want[1][1].width, "the test needs two widths"
 
     def step(i):
-        xi = x if i % 2 else x * 1.5
-        y, ctx = T.gated_forward_train(xi, wg, wu, wd, speculate=True)
-        y_exact, _ = T.gated_forward_train(xi, wg, wu, wd, width=ctx.width, speculate=False)
-        return y.tobytes() == y_exact.tobytes(), ctx.speculation
+        y, ctx = T.gated_forward_train(inputs[i % 2], wg, wu, wd, speculate=True)
+        return y.tobytes() == want[i % 2][0].tobytes() and ctx.width == want[i % 2][1].width, ctx.speculation
 
     with cf.ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(step, range(16)))
+        results = list(pool.map(step, range(32)))
     assert all(ok for ok, _ in results), results
     assert {how for _, how in results} <= {"exact", "hit", "rerun"}
-    assert T.gated_forward_train(x, wg, wu, wd, speculate=False)[0].tobytes() == want[0]
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
+def test_speculation_slack_grows_only_when_its_own_room_was_short(fresh_layouts, gated):
+    """A re-run doubles the slack only if the remembered capacity was short for the
+    remembered W, whatever the new W's wide rows: room enough at the old W but not at
+    the new one keeps the slack; room short at the old W but enough at the new one
+    doubles it."""
+    x, wg, wu, wd, dy = _spec_problem("uneven", np.dtype(np.float32), gated)
+    ctxs = []
+    _, _, w_auto = step_outputs(x, wg, wu, wd, dy, "auto", gated, ctxs, speculate=True)   # seeds the entry
+    (key,) = fresh_layouts
+    counts = np.asarray(ctxs[0].stats["token_counts"]).astype(np.int64)
+    wider = lambda w: int((counts > w).sum())   # noqa: E731
+    hi, lo = w_auto + 8, max(w_auto - 8, 1)
+    assert wider(hi) < wider(w_auto) < wider(lo), "the test needs wide rows around auto's W"
+    for W, cap, slack in ((hi, wider(hi), T._SPEC_SLACK),          # room at W, not at auto's W
+                          (lo, wider(w_auto), 2 * T._SPEC_SLACK)):  # short at W, room at auto's W
+        fresh_layouts[key] = T._Layout(W, cap, T._SPEC_SLACK)
+        step_outputs(x, wg, wu, wd, dy, "auto", gated, ctxs, speculate=True)
+        assert ctxs[-1].speculation == "rerun" and ctxs[-1].width == w_auto
+        assert fresh_layouts[key].slack == slack, (W, cap)
 
 
 def test_width_drift_model_and_the_auto_grid():

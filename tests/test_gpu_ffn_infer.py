@@ -688,6 +688,77 @@ def test_split_sparse_step_gives_the_fused_bits(dtype, gated, chunk_rows, heavy_
     assert int(cp.count_nonzero(h1[5])) > 512    # the long token really was longer than its list
 
 
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("chunk_rows,heavy_limit", [(None, None), (700, None), (None, 256)],
+                         ids=["one-chunk", "two-streams", "hand-off"])
+def test_two_pass_sparse_step_gives_the_fused_bits(monkeypatch, dtype, gated, chunk_rows, heavy_limit):
+    """The two-pass sparse step (up projection of the list rows, then their down
+    projection by twellpy_ffn_list_down's gathers) against the fused kernel: the
+    same y and h bits on uneven data (sigma 0.3), with a token firing 2000 neurons
+    (longer than its row list: computed by the long-row kernels, or whole by the
+    first pass under the hand-off), empty tokens, the two-stream pipeline and the
+    heavy-row hand-off; outputs poisoned first."""
+    from twellpy.backends import cuda_ffn
+
+    monkeypatch.setattr(cuda_ffn, "TWO_PASS_MIN_ROWS", 1)   # the pipeline's 700-row chunks too
+    M = 1500 if os.environ.get("TWELLPY_SANITIZE") == "1" else 2600
+    w = make_ffn(M, 256, 2304, 12, sigma=0.3, gated=gated, dtype=dtype, xp=cp, seed=93)
+    x = w["x"].copy()
+    x[5, 1:] = 0.0
+    x[5, 0] = -50.0                              # token 5 fires every neuron whose threshold column allows
+    x[9] = 0.0                                   # token 9 fires none
+    ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"]) if gated else ReluFFN(w["w_up"], w["w_down"])
+    ffn.heavy_limit = heavy_limit
+    plan = ffn._plan
+    plan.chunk_rows = chunk_rows
+    plan.split_down = False
+    kinds, kernel = [], plan._kernel
+
+    def spied(kind):
+        kinds.append(kind)
+        return kernel(kind)
+
+    monkeypatch.setattr(plan, "_kernel", spied)
+    outs = {}
+    for two in (False, True):
+        plan.two_pass = two
+        kinds.clear()
+        poison()
+        y, h = ffn(x, mode="sparse", return_activations=True)
+        outs[two] = (y, h.toarray())
+        assert ffn.last_info["mode"] == "sparse"
+        assert ("list_down" in kinds) == two and any(k.endswith("_split") for k in kinds) == two, kinds
+    (y0, h0), (y1, h1) = outs[False], outs[True]
+    u = {2: np.uint16, 4: np.uint32, 8: np.uint64}[np.dtype(dtype).itemsize]
+    assert bool((y1.view(u) == y0.view(u)).all()), "two-pass and fused y differ"
+    assert bool((h1.view(u) == h0.view(u)).all()), "two-pass and fused h differ"
+    ref = ref64(dict(w, x=x), gated)
+    assert rel_err(y1, ref) <= TOL[np.dtype(dtype)] * (5 if np.dtype(dtype).itemsize == 2 else 1)
+    assert int(cp.count_nonzero(h1[5])) > 512    # the long token really was longer than its list
+    assert not bool(y1[9].any())
+
+
+def test_two_pass_choice(monkeypatch):
+    """two_pass runs from TWO_PASS_MIN_ROWS rows with row lists; the resident split
+    takes precedence; TWELLPY_FFN_TWO_PASS is checked."""
+    from twellpy.backends import cuda_ffn
+
+    w = make_ffn(8, 256, 1024, 10, dtype=bfloat16, xp=cp, seed=94)
+    plan = GatedFFN(w["w_gate"], w["w_up"], w["w_down"])._plan
+    assert plan.two_pass is False                          # off until a GPU run times it
+    plan.two_pass = True
+    n = cuda_ffn.TWO_PASS_MIN_ROWS
+    assert plan._two_pass_on(n, 0) and not plan._two_pass_on(n - 1, 0) and not plan._two_pass_on(n, None)
+    plan.two_pass = False
+    assert not plan._two_pass_on(n, 0)
+    monkeypatch.setenv("TWELLPY_FFN_TWO_PASS", "yes")
+    with pytest.raises(ValueError, match="TWELLPY_FFN_TWO_PASS must be 0 or 1, got 'yes'"):
+        GatedFFN(w["w_gate"], w["w_up"], w["w_down"])
+    monkeypatch.setenv("TWELLPY_FFN_TWO_PASS", "1")
+    assert GatedFFN(w["w_gate"], w["w_up"], w["w_down"])._plan.two_pass is True
+
+
 def test_split_mode_choice():
     """"auto" splits from cuda.RESIDENT_MIN_ROWS rows when a slice of w_downT fits;
     False never; True always (a slice fits here)."""

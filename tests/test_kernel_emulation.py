@@ -601,6 +601,16 @@ RES_LISTS(res_lists_bf16_4, bf16, 4)
 RES_LISTS(res_lists_f32_1, float, 1)
 RES_LISTS(res_lists_f32_2, float, 2)
 RES_LISTS(res_lists_f32_4, float, 4)
+#define LIST_DOWN(NAME, T, KB)                                                                         \
+void NAME(const int* list_idx, const float* list_val, const int* row_count, int capr, int row_cap,       \
+          const T* w_downT, T* y, int M, int D, int grid, int threads) {                                \
+    emu::launch(twellpy_ffn_list_down<T, 1, KB>, dim3(grid), dim3(threads), 0, list_idx, list_val,       \
+                row_count, capr, row_cap, w_downT, y, (long long)D, M, D);                              \
+}
+LIST_DOWN(list_down_bf16_kb8, bf16, 8)
+LIST_DOWN(list_down_bf16_kb3, bf16, 3)
+LIST_DOWN(list_down_f32_kb8, float, 8)
+LIST_DOWN(list_down_f32_kb3, float, 3)
 #define LONG(NAME, T, GATED)                                                                           \
 void long_##NAME(const T* x, T* g, const T* w_up, const T* w_downT, T* y, const int* row_count, int capr, \
                  unsigned* mask, T* h_out, unsigned* state, int* list, int M, int D, int H, int blocks,     \
@@ -640,12 +650,14 @@ def ffn_lib(tmp_path_factory):
 
 
 def _run_sparse_step(lib, sfx, split, x, g, w_up, w_downT, idx, val, count, capr, heavy_limit, threads,
-                     long_rows=False):
+                     long_rows=False, second="resident"):
     """The fused sparse kernel through the harness on fresh poisoned outputs (13 blocks);
-    split: its up-only form, then the resident kernel's down projection from the row lists
-    (rows up to min(capr, heavy_limit)). The lists' values are a copy of ``val`` (h goes
-    over the served rows' gate values in split mode). Returns y, heavy, counters, those
-    values, and the resident plan's row chunks (None when fused)."""
+    split: its up-only form, then the down projection from the row lists (rows up to
+    min(capr, heavy_limit)) by the resident kernel (``second="resident"``) or by
+    twellpy_ffn_list_down's gathers (``"kb8"``, ``"kb3"``: its neurons per batch). The
+    lists' values are a copy of ``val`` (h goes over the served rows' gate values in split
+    mode). Returns y, heavy, counters, those values, and the resident plan's row chunks
+    (None when fused or gathered)."""
     (M, D), H = x.shape, g.shape[1]
     y = np.full((M, D), np.nan, np.float32).astype(x.dtype)
     heavy = np.full(M, -1, np.int32)
@@ -655,7 +667,10 @@ def _run_sparse_step(lib, sfx, split, x, g, w_up, w_downT, idx, val, count, capr
         _ptr(x), _ptr(g), _ptr(w_up), _ptr(w_downT), _ptr(y), _ptr(idx), _ptr(lists_val), _ptr(count), capr,
         _ptr(heavy), _ptr(counters), M, D, H, heavy_limit, 13, threads, int(long_rows))
     n_chunks = None
-    if split:
+    if split and second != "resident":
+        getattr(lib, f"list_down_{sfx}_{second}")(_ptr(idx), _ptr(lists_val), _ptr(count), capr,
+                                                 min(capr, heavy_limit), _ptr(w_downT), _ptr(y), M, D, 7, threads)
+    elif split:
         lpr, smem, n_slices, n_chunks, rows = resident_layout(M, H, D, x.dtype.itemsize, 5, 64 * 1024,
                                                               _FFN_DEFINES["RES_THREADS"],
                                                               _FFN_DEFINES["RES_STAGE"], 16)
@@ -683,13 +698,17 @@ def _row_lists(g, capr):
 
 @pytest.mark.parametrize("dtype", [bfloat16, np.dtype(np.float32)], ids=str)
 @pytest.mark.parametrize("heavy_limit", [0x7FFFFFFF, 20], ids=["every-row-here", "hand-off-over-20"])
-def test_ffn_split_mode_gives_the_fused_bits(ffn_lib, dtype, heavy_limit):
+@pytest.mark.parametrize("second", ["resident", "kb8", "kb3"])
+def test_ffn_split_mode_gives_the_fused_bits(ffn_lib, dtype, heavy_limit, second):
     """Split mode (the fused kernel's up projection writes h over the list values,
-    then the resident kernel adds the down projection from the lists) writes the
-    same y bits as the fused kernel, for list rows, rows too long for their list
-    (scanned and computed whole), empty rows and, with the hand-off, rows left to
-    the host (untouched by both). Both kernels spell the down projection's fma,
-    so the emulation (which does not contract a * b + c) sees the GPU's bits."""
+    then the resident kernel, or twellpy_ffn_list_down's gathers in the two-pass
+    step, adds the down projection from the lists) writes the same y bits as the
+    fused kernel, for list rows, rows too long for their list (scanned and
+    computed whole), empty rows and, with the hand-off, rows left to the host
+    (untouched by both). The kernels spell the down projection's fma, so the
+    emulation (which does not contract a * b + c) sees the GPU's bits; the
+    gathers' batch size (8 or 3 neurons, the last batch part-full) changes
+    nothing."""
     rng = np.random.default_rng(19)
     M, D, H, capr = 300, 64, 600, 16
     x = rng.standard_normal((M, D)).astype(dtype)
@@ -709,12 +728,13 @@ def test_ffn_split_mode_gives_the_fused_bits(ffn_lib, dtype, heavy_limit):
 
     def run(split):
         y, heavy, counters, lists_val, n_chunks = _run_sparse_step(ffn_lib, sfx, split, x, g, w_up, w_downT, idx,
-                                                                   val, count, capr, heavy_limit, threads)
+                                                                   val, count, capr, heavy_limit, threads,
+                                                                   second=second)
         if split:
             # h replaced the gate values of the served rows' lists, nothing else
             unserved = ~(count <= min(capr, heavy_limit))
             np.testing.assert_array_equal(lists_val[unserved].view(np.uint32), val[unserved].view(np.uint32))
-            assert n_chunks > 1
+            assert n_chunks > 1 if second == "resident" else n_chunks is None
         return y, heavy, counters
 
     y_fused, heavy_f, counters_f = run(False)

@@ -397,8 +397,9 @@ def _counts_from_block(host, named):
 # Speculative layout: the Hybrid's width W and its backup-row capacity come
 # from the previous step of the same layer, so the forward queues its kernels
 # without reading the token counts first; the counts come back while the ELL
-# kernel runs, and a step whose wide rows exceed the capacity is run again on
-# the exact path (nothing is dropped, and the capacity grows).
+# kernel runs, and a step whose counts pick another W, or whose wide rows exceed
+# the capacity, is run again on the exact path (nothing is dropped, the layout
+# follows the counts, and the layer backs off to the exact path for a while).
 def _speculate_setting(value):
     if value not in ("0", "1", "auto"):
         raise ValueError(f"TWELLPY_TRAIN_SPECULATE must be 0, 1 or auto, got {value!r}")
@@ -603,10 +604,11 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
         y, ctx, counts_host, _ = run(None, False)
         how = "rerun"
     if key is not None:
-        # the slack grows only when the room was short (not when W alone changed)
+        # the slack grows only when the room was short for the layout's own W (not
+        # when W alone changed): the wide rows counted at that W, not at the new one
+        short = how == "rerun" and int(np.count_nonzero(counts_host > lay.width)) > lay.capacity
         _layout_put(key, _next_layout(counts_host, width, slack=lay.slack if lay else _SPEC_SLACK,
-                                      overflowed=how == "rerun" and ctx.R > lay.capacity,
-                                      backoff=_backoff_after(lay, how), **sizes))
+                                      overflowed=short, backoff=_backoff_after(lay, how), **sizes))
     ctx.__dict__.update(kind=kind, check_finite=check_finite, deterministic=bool(deterministic), speculation=how)
     return to_caller(y, kind), ctx
 

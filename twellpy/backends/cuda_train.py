@@ -104,7 +104,19 @@ ROWS = _rows_setting(os.environ.get("TWELLPY_TRAIN_ROWS", "1"))
 #: Same bits. The resident split (SPLIT), when it runs, takes precedence. On by default
 #: (TWELLPY_TRAIN_TWO_PASS=0 turns it off): on an H100 (2026-12-07) the forward plus
 #: backward took 3.50 ms against 4.79 ms in one pass at W1-16k, 31.6 against 40.1 at W2.
-TWO_PASS = os.environ.get("TWELLPY_TRAIN_TWO_PASS", "1") == "1"
+def _two_pass_setting(value):
+    if value not in ("0", "1"):
+        raise ValueError(f"TWELLPY_TRAIN_TWO_PASS must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+TWO_PASS = _two_pass_setting(os.environ.get("TWELLPY_TRAIN_TWO_PASS", "1"))
+
+
+def _row_defines():
+    """Defines of twellpy_train_fwd / _bwd: ROWS, or with the row loops off the old
+    loops without the file's shared-memory row buffer (TW_XSRC_SMEM=0 reserves none)."""
+    return {"TW_XSRC_SMEM": 0} if ROWS is None else ROWS
 
 
 def _row_vec(vec, D, itemsize):
@@ -317,7 +329,7 @@ def ffn_forward_ell(x, w_up, w_downT, idx, nnz, gval, uval, gated):
         plan = _split_plan(W, (gval, uval if gated else gval), (w_downT,), y)
         g, b = _rows_grid(M)
         two = TWO_PASS and plan is None
-        _k("fwd", x.dtype, gated, whole=plan is None and not two, **(ROWS or {}))(
+        _k("fwd", x.dtype, gated, whole=plan is None and not two, **_row_defines())(
             g, b, (x, w_up if gated else w_downT, w_downT, idx, nnz, gval, uval if gated else gval, y, habs,
                    _i64(M), _i32(W), _i32(D), _i32(vec)))
         if two:
@@ -376,7 +388,7 @@ def ffn_backward_ell(dy, w_downT, w_up, w_gate, idx, nnz, gval, uval, l1_scale, 
         plan = _split_plan(W, (da, db) if gated else (da,), (w_up, w_gate) if gated else (w_up,), dx)
         g, b = _rows_grid(M)
         two = TWO_PASS and plan is None
-        _k("bwd", dy.dtype, gated, whole=plan is None and not two, **(ROWS or {}))(
+        _k("bwd", dy.dtype, gated, whole=plan is None and not two, **_row_defines())(
             g, b, (dy, w_downT, w_up, w_gate if gated else w_up, idx, nnz, gval, uval if gated else gval, da,
                    db if gated else da, dx, _i64(M), _i32(W), _i32(D), np.float64(l1_scale), _i32(vec)))
         if two:
