@@ -82,6 +82,58 @@ __device__ __forceinline__ uint4 load_weight(const uint4* ptr, unsigned long lon
 }
 
 
+// Issue the 16-byte loads of the KB weight rows jk[] (row stride D; -1: none, zeros)
+// that thread tid owns (vectors tid, tid + blockDim.x, ...), all before any is used.
+template <typename T, int NV, int KB>
+__device__ __forceinline__ void gather_rows(const T* __restrict__ w, const int (&jk)[KB], uint4 (&out)[KB][NV],
+                                            int D, int DV, int tid, unsigned long long policy) {
+#pragma unroll
+    for (int k = 0; k < KB; ++k) {
+        const uint4* wr = reinterpret_cast<const uint4*>(w + (long long)(jk[k] < 0 ? 0 : jk[k]) * D);
+#pragma unroll
+        for (int q = 0; q < NV; ++q) {
+            const int v = q * blockDim.x + tid;
+            out[k][q] = (jk[k] >= 0 && v < DV) ? load_weight(wr + v, policy) : zero4();
+        }
+    }
+}
+
+// acc += hk[k] * row k, k in order, one explicit fma an element: every kernel that
+// adds a row's down projection spells it this way, so they all give the same bits.
+template <typename T, typename A, int NV, int KB>
+__device__ __forceinline__ void axpy_rows(const int (&jk)[KB], const A (&hk)[KB], const uint4 (&dv)[KB][NV],
+                                          A (&acc)[NV][vec_of<T>::n]) {
+#pragma unroll
+    for (int k = 0; k < KB; ++k) {
+        if (jk[k] < 0) continue;  // padding entries of the last batch add nothing
+#pragma unroll
+        for (int q = 0; q < NV; ++q) {
+            A wa[vec_of<T>::n];
+            unpack16<T, A>(dv[k][q], wa);
+#pragma unroll
+            for (int i = 0; i < vec_of<T>::n; ++i) acc[q][i] = fma(hk[k], wa[i], acc[q][i]);
+        }
+    }
+}
+
+// Round the thread's accumulators of one output row to T and store them (streaming).
+template <typename T, typename A, int NV>
+__device__ __forceinline__ void store_row(T* __restrict__ y_row, const A (&acc)[NV][vec_of<T>::n], int DV,
+                                          int tid) {
+    uint4* yv = reinterpret_cast<uint4*>(y_row);
+#pragma unroll
+    for (int q = 0; q < NV; ++q) {
+        const int v = q * blockDim.x + tid;
+        if (v < DV) {
+            uint4 out;
+            T* e = reinterpret_cast<T*>(&out);
+#pragma unroll
+            for (int i = 0; i < vec_of<T>::n; ++i) e[i] = twellpy::from_acc<T, A>(acc[q][i]);
+            __stcs(yv + v, out);
+        }
+    }
+}
+
 // Up dot products and down axpys for the n listed neurons of one row.
 // Every thread of the block calls it with the same n; ends with a barrier so
 // the caller may rewrite the list. DOWN = false (split mode, list rows) skips
@@ -110,28 +162,10 @@ __device__ __forceinline__ void process_list(
         // Issue every gather of the batch before using any of them: the down
         // rows do not depend on h, so one L2 round trip serves both.
         uint4 dv[KB][NV];
-        if (DOWN) {
-#pragma unroll
-            for (int k = 0; k < KB; ++k) {
-                const uint4* wr = reinterpret_cast<const uint4*>(w_downT + (long long)(jk[k] < 0 ? 0 : jk[k]) * D);
-#pragma unroll
-                for (int q = 0; q < NV; ++q) {
-                    const int v = q * blockDim.x + tid;
-                    dv[k][q] = (jk[k] >= 0 && v < DV) ? load_weight(wr + v, policy) : zero4();
-                }
-            }
-        }
+        if (DOWN) gather_rows<T, NV, KB>(w_downT, jk, dv, D, DV, tid, policy);
         if (GATED) {
             uint4 wv[KB][NV];
-#pragma unroll
-            for (int k = 0; k < KB; ++k) {
-                const uint4* wr = reinterpret_cast<const uint4*>(w_up + (long long)(jk[k] < 0 ? 0 : jk[k]) * D);
-#pragma unroll
-                for (int q = 0; q < NV; ++q) {
-                    const int v = q * blockDim.x + tid;
-                    wv[k][q] = (jk[k] >= 0 && v < DV) ? load_weight(wr + v, policy) : zero4();
-                }
-            }
+            gather_rows<T, NV, KB>(w_up, jk, wv, D, DV, tid, policy);
             A part[KB];
 #pragma unroll
             for (int k = 0; k < KB; ++k) {
@@ -174,17 +208,7 @@ __device__ __forceinline__ void process_list(
                 if (tid == k && jk[k] >= 0) hc_vals[b + k] = hk[k];
             continue;
         }
-#pragma unroll
-        for (int k = 0; k < KB; ++k) {
-            if (jk[k] < 0) continue;  // padding entries of the last batch add nothing
-#pragma unroll
-            for (int q = 0; q < NV; ++q) {
-                A wa[VEC];
-                unpack16<T, A>(dv[k][q], wa);
-#pragma unroll
-                for (int i = 0; i < VEC; ++i) acc[q][i] = fma(hk[k], wa[i], acc[q][i]);  // explicit: split mode's bits
-            }
-        }
+        axpy_rows<T, A, NV, KB>(jk, hk, dv, acc);  // explicit fma: split and two-pass modes' bits
     }
     __syncthreads();  // the caller rewrites the list next
 }
@@ -359,19 +383,7 @@ twellpy_ffn_sparse(const T* __restrict__ x, long long ldx,
                                                     w_downT, h_row, D, DV, tid, lane, warp, nwarps);
         }
 
-        // ---- write the output row ----
-        uint4* yv = reinterpret_cast<uint4*>(y + row * ldy);
-#pragma unroll
-        for (int k = 0; k < NV; ++k) {
-            const int v = k * blockDim.x + tid;
-            if (v < DV) {
-                uint4 out;
-                T* e = reinterpret_cast<T*>(&out);
-#pragma unroll
-                for (int i = 0; i < VEC; ++i) e[i] = twellpy::from_acc<T, A>(acc[k][i]);
-                __stcs(yv + v, out);
-            }
-        }
+        store_row<T, A, NV>(y + row * ldy, acc, DV, tid);
     }
     if (counters != nullptr && tid == 0) {
         // integer sums are order independent, so these atomics stay deterministic
@@ -427,38 +439,9 @@ twellpy_ffn_list_down(const int* __restrict__ list_idx,
                 hk[k] = (b + k < n) ? val[b + k] : A(0);
             }
             uint4 dv[KB][NV];
-#pragma unroll
-            for (int k = 0; k < KB; ++k) {
-                const uint4* wr = reinterpret_cast<const uint4*>(w_downT + (long long)(jk[k] < 0 ? 0 : jk[k]) * D);
-#pragma unroll
-                for (int q = 0; q < NV; ++q) {
-                    const int v = q * blockDim.x + tid;
-                    dv[k][q] = (jk[k] >= 0 && v < DV) ? load_weight(wr + v, policy) : zero4();
-                }
-            }
-#pragma unroll
-            for (int k = 0; k < KB; ++k) {
-                if (jk[k] < 0) continue;
-#pragma unroll
-                for (int q = 0; q < NV; ++q) {
-                    A wa[VEC];
-                    unpack16<T, A>(dv[k][q], wa);
-#pragma unroll
-                    for (int i = 0; i < VEC; ++i) acc[q][i] = fma(hk[k], wa[i], acc[q][i]);  // the fused kernel's fma
-                }
-            }
+            gather_rows<T, NV, KB>(w_downT, jk, dv, D, DV, tid, policy);
+            axpy_rows<T, A, NV, KB>(jk, hk, dv, acc);  // the fused kernel's fma, in its order
         }
-        uint4* yv = reinterpret_cast<uint4*>(y + row * ldy);
-#pragma unroll
-        for (int q = 0; q < NV; ++q) {
-            const int v = q * blockDim.x + tid;
-            if (v < DV) {
-                uint4 out;
-                T* e = reinterpret_cast<T*>(&out);
-#pragma unroll
-                for (int i = 0; i < VEC; ++i) e[i] = twellpy::from_acc<T, A>(acc[q][i]);
-                __stcs(yv + v, out);
-            }
-        }
+        store_row<T, A, NV>(y + row * ldy, acc, DV, tid);
     }
 }

@@ -643,12 +643,18 @@ def test_auto_follows_a_change_of_density_without_waiting():
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("chunk_rows,heavy_limit", [(None, None), (700, None), (None, 256)],
                          ids=["one-chunk", "two-streams", "hand-off"])
-def test_split_sparse_step_gives_the_fused_bits(dtype, gated, chunk_rows, heavy_limit):
-    """The split sparse step (up projection of the list rows, then the down
-    projection by twellpy_spmm_resident) against the fused kernel: the same y and
-    h bits on uneven data (sigma 0.3), with a token firing 2000 neurons (longer
-    than its row list: computed whole by the fused kernel in both modes), empty
-    tokens, the two-stream pipeline and the heavy-row hand-off."""
+@pytest.mark.parametrize("second", ["split", "two_pass"])
+def test_split_sparse_steps_give_the_fused_bits(monkeypatch, dtype, gated, chunk_rows, heavy_limit, second):
+    """The sparse step in two kernels (up projection of the list rows, then their
+    down projection: by twellpy_spmm_resident in split mode, by twellpy_ffn_list_down's
+    gathers in two-pass mode) against the fused kernel: the same y and h bits on
+    uneven data (sigma 0.3), with a token firing 2000 neurons (longer than its row
+    list: computed by the long-row kernels, or whole by the first kernel under the
+    hand-off), empty tokens, the two-stream pipeline and the heavy-row hand-off;
+    outputs poisoned first."""
+    from twellpy.backends import cuda, cuda_ffn
+
+    monkeypatch.setattr(cuda_ffn, "TWO_PASS_MIN_ROWS", 1)   # the pipeline's 700-row chunks too
     M = 1500 if os.environ.get("TWELLPY_SANITIZE") == "1" else 2600
     w = make_ffn(M, 256, 2304, 12, sigma=0.3, gated=gated, dtype=dtype, xp=cp, seed=91)
     x = w["x"].copy()
@@ -657,82 +663,34 @@ def test_split_sparse_step_gives_the_fused_bits(dtype, gated, chunk_rows, heavy_
     x[9] = 0.0                                   # token 9 fires none
     ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"]) if gated else ReluFFN(w["w_up"], w["w_down"])
     ffn.heavy_limit = heavy_limit
-    ffn._plan.chunk_rows = chunk_rows
-    from twellpy.backends import cuda
-
-    outs = {}
-    launch = cuda._resident_spmm
-    for split in (False, True):
-        ffn._plan.split_down = split
-        calls = []
-
-        def counted(*a, **k):
-            calls.append(1)
-            return launch(*a, **k)
-
-        cuda._resident_spmm = counted
-        try:
-            poison()
-            y, h = ffn(x, mode="sparse", return_activations=True)
-        finally:
-            cuda._resident_spmm = launch
-        outs[split] = (y, h.toarray())
-        assert ffn.last_info["mode"] == "sparse"
-        assert bool(calls) == split, "the split step must run the resident kernel, the fused one must not"
-    (y0, h0), (y1, h1) = outs[False], outs[True]
-    u = {2: np.uint16, 4: np.uint32, 8: np.uint64}[np.dtype(dtype).itemsize]
-    assert bool((y1.view(u) == y0.view(u)).all()), "split and fused y differ"
-    assert bool((h1.view(u) == h0.view(u)).all()), "split and fused h differ"
-    ref = ref64(dict(w, x=x), gated)
-    assert rel_err(y1, ref) <= TOL[np.dtype(dtype)] * (5 if np.dtype(dtype).itemsize == 2 else 1)
-    assert int(cp.count_nonzero(h1[5])) > 512    # the long token really was longer than its list
-
-
-@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
-@pytest.mark.parametrize("gated", [True, False])
-@pytest.mark.parametrize("chunk_rows,heavy_limit", [(None, None), (700, None), (None, 256)],
-                         ids=["one-chunk", "two-streams", "hand-off"])
-def test_two_pass_sparse_step_gives_the_fused_bits(monkeypatch, dtype, gated, chunk_rows, heavy_limit):
-    """The two-pass sparse step (up projection of the list rows, then their down
-    projection by twellpy_ffn_list_down's gathers) against the fused kernel: the
-    same y and h bits on uneven data (sigma 0.3), with a token firing 2000 neurons
-    (longer than its row list: computed by the long-row kernels, or whole by the
-    first pass under the hand-off), empty tokens, the two-stream pipeline and the
-    heavy-row hand-off; outputs poisoned first."""
-    from twellpy.backends import cuda_ffn
-
-    monkeypatch.setattr(cuda_ffn, "TWO_PASS_MIN_ROWS", 1)   # the pipeline's 700-row chunks too
-    M = 1500 if os.environ.get("TWELLPY_SANITIZE") == "1" else 2600
-    w = make_ffn(M, 256, 2304, 12, sigma=0.3, gated=gated, dtype=dtype, xp=cp, seed=93)
-    x = w["x"].copy()
-    x[5, 1:] = 0.0
-    x[5, 0] = -50.0                              # token 5 fires every neuron whose threshold column allows
-    x[9] = 0.0                                   # token 9 fires none
-    ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"]) if gated else ReluFFN(w["w_up"], w["w_down"])
-    ffn.heavy_limit = heavy_limit
     plan = ffn._plan
     plan.chunk_rows = chunk_rows
-    plan.split_down = False
-    kinds, kernel = [], plan._kernel
+    kinds, kernel, resident = [], plan._kernel, cuda._resident_spmm
 
-    def spied(kind):
+    def spied_kernel(kind):
         kinds.append(kind)
         return kernel(kind)
 
-    monkeypatch.setattr(plan, "_kernel", spied)
+    def spied_resident(*a, **k):
+        kinds.append("resident")
+        return resident(*a, **k)
+
+    monkeypatch.setattr(plan, "_kernel", spied_kernel)
+    monkeypatch.setattr(cuda, "_resident_spmm", spied_resident)
     outs = {}
-    for two in (False, True):
-        plan.two_pass = two
+    for on in (False, True):
+        plan.split_down, plan.two_pass = (on, False) if second == "split" else (False, on)
         kinds.clear()
         poison()
         y, h = ffn(x, mode="sparse", return_activations=True)
-        outs[two] = (y, h.toarray())
+        outs[on] = (y, h.toarray())
         assert ffn.last_info["mode"] == "sparse"
-        assert ("list_down" in kinds) == two and any(k.endswith("_split") for k in kinds) == two, kinds
+        second_kernel = "resident" if second == "split" else "list_down"
+        assert (second_kernel in kinds) == on and any(k.endswith("_split") for k in kinds) == on, kinds
     (y0, h0), (y1, h1) = outs[False], outs[True]
     u = {2: np.uint16, 4: np.uint32, 8: np.uint64}[np.dtype(dtype).itemsize]
-    assert bool((y1.view(u) == y0.view(u)).all()), "two-pass and fused y differ"
-    assert bool((h1.view(u) == h0.view(u)).all()), "two-pass and fused h differ"
+    assert bool((y1.view(u) == y0.view(u)).all()), f"{second} and fused y differ"
+    assert bool((h1.view(u) == h0.view(u)).all()), f"{second} and fused h differ"
     ref = ref64(dict(w, x=x), gated)
     assert rel_err(y1, ref) <= TOL[np.dtype(dtype)] * (5 if np.dtype(dtype).itemsize == 2 else 1)
     assert int(cp.count_nonzero(h1[5])) > 512    # the long token really was longer than its list
@@ -740,8 +698,8 @@ def test_two_pass_sparse_step_gives_the_fused_bits(monkeypatch, dtype, gated, ch
 
 
 def test_two_pass_choice(monkeypatch):
-    """two_pass runs from TWO_PASS_MIN_ROWS rows with row lists; the resident split
-    takes precedence; TWELLPY_FFN_TWO_PASS is checked."""
+    """two_pass runs from TWO_PASS_MIN_ROWS rows with row lists; TWELLPY_FFN_TWO_PASS
+    is checked."""
     from twellpy.backends import cuda_ffn
 
     w = make_ffn(8, 256, 1024, 10, dtype=bfloat16, xp=cp, seed=94)
