@@ -884,9 +884,9 @@ class FFNPlan:
         #: TWO_PASS_MIN_ROWS rows: the fused kernel does only the up projection of
         #: the rows its lists serve (as split mode), then twellpy_ffn_list_down adds
         #: their down projection by gathers. Each pass's weight working set is then
-        #: one matrix (23 MB at W1 in bf16), not two; the training kernels' two
-        #: passes made their forward 20% faster on an H100 (2026-12-07). Same bits.
-        #: Off until a GPU run times it (written without a device).
+        #: one matrix (23 MB at W1 in bf16), not two. Same bits. Off: on an H100
+        #: (2026-12-07) it was no faster (W1-16k 1.304 against 1.257 ms fused,
+        #: W1-64k 5.03 against 5.06, W2 10.8 against 10.6-11.0).
         env_two = os.environ.get("TWELLPY_FFN_TWO_PASS", "0")
         if env_two not in ("0", "1"):
             raise ValueError(f"TWELLPY_FFN_TWO_PASS must be 0 or 1, got {env_two!r}")
