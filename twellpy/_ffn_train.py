@@ -156,9 +156,10 @@ def choose_width(token_counts, spec="auto", *, slot_bytes=8, row_bytes=None, n_c
         of the rows, rounded up); ``"min_storage"`` (W minimising the bytes of
         ELL slots plus dense backup rows); ``"auto"`` (the larger of
         ``min_storage`` and ``quantile:0.9``, rounded up to a multiple of
-        ``max(8, 2**(floor(log2 W) - 2))``, steps of at most a quarter of W,
-        so that W stays put while a layer's counts drift a little from step
-        to step; see ``speculate`` in :func:`gated_forward_train`).
+        ``max(8, 2**(floor(log2 W) - 1))``, steps of at most half of W, so
+        that W stays put while a layer's counts drift a little from step to
+        step, and the rows just past the raw width stay ELL rows; see
+        ``speculate`` in :func:`gated_forward_train`).
     slot_bytes : int
         Bytes of one ELL slot (values plus index).
     row_bytes : int, optional
@@ -221,15 +222,21 @@ def choose_width(token_counts, spec="auto", *, slot_bytes=8, row_bytes=None, n_c
 
 
 def _stable_width(w, n_cols=None):
-    """``w`` rounded up to a coarse grid: a multiple of ``max(8, 2**(floor(log2 w) - 2))``.
+    """``w`` rounded up to a coarse grid: a multiple of ``max(8, 2**(floor(log2 w) - 1))``.
 
-    The grid's steps are at most a quarter of W (8, 16, ... 56, 64, 80, ...
-    128, 160, ...). A layer's counts drift a little from step to step, and
+    The grid's steps are at most half of W: 8, 16, 24, 32, 48, 64, 96, 128,
+    192, 256, 384, ... A layer's counts drift a little from step to step, and
     with them the raw ``min_storage`` / quantile width (50 to 55 at W1-16k
-    sizes, 138 to 142 at W2's); on the grid W stays put, which is what lets a
-    speculative step (``speculate``) reuse the previous step's layout and
-    still be this step's exact path. The slots added are padding the kernels
-    skip (each row runs to its own count).
+    sizes, 138 to 142 at W2's, 290 to 356 at sigma 0.3); on the grid W stays
+    put, which is what lets a speculative step (``speculate``) reuse the
+    previous step's layout and still be this step's exact path. The step also
+    leaves room above the raw width, so the few rows just past it (the
+    token-count tail) are usually ELL rows rather than dense backup rows, each
+    of which costs whole-weight GEMMs: at W1-16k, W = 64 (no backup row) took
+    3.29-3.32 ms a step against 3.42-3.44 ms at W = 56 (one backup row; H100,
+    2026-12-07). The slots added are padding that the products skip (each row
+    runs to its own count); they cost memory (at most half the ELL part) and
+    the transpose's slot scan.
 
     Parameters
     ----------
@@ -243,7 +250,7 @@ def _stable_width(w, n_cols=None):
     int
     """
     w = max(int(w), 1)
-    step = max(8, 1 << max(w.bit_length() - 3, 0))
+    step = max(8, 1 << max(w.bit_length() - 2, 0))
     return _at_most_cols(-(-w // step) * step, n_cols)
 
 
