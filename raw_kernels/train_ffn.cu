@@ -40,6 +40,14 @@
 #ifndef TW_XSRC_SMEM
 #define TW_XSRC_SMEM 1
 #endif
+// 0 compiles the vec = 2 loops out of twellpy_train_fwd / _bwd / _ell_y / _ell_dx (vec = 2
+// then runs the vec = 1 loops): their registers would otherwise cut the resident warps of
+// the vec = 1 loops that share the kernel (sm_90a, bf16: 124-125 registers a thread with the
+// row in registers, 80 with this 0; 52-56 before the row loops were written). The launcher
+// passes 0 when the row loops are off.
+#ifndef TW_ROW_LOOPS
+#define TW_ROW_LOOPS 1
+#endif
 // Resident blocks per SM twellpy_train_fwd / _bwd are register-sized for (launch bound):
 // 1 leaves the compiler free (157-168 registers at bf16 with the row in registers and
 // batches of 2, 96-108 in shared memory), 2 caps a thread at 128, 3 at 80.
@@ -591,7 +599,7 @@ __device__ __forceinline__ void ell_y_row(int n, long long base, const int* __re
                                           const T* __restrict__ gval, const T* __restrict__ uval,
                                           const T* __restrict__ w_downT, T* __restrict__ yr, int D, int vec,
                                           int lane) {
-    if (vec == 2) {
+    if (TW_ROW_LOOPS && vec == 2) {
         warp_slot_axpys<T, A, false, true, GATED>(n, idx + base, gval + base, (GATED ? uval : gval) + base,
                                                   w_downT, w_downT, yr, D, lane);
     } else if (vec) {
@@ -631,7 +639,7 @@ __device__ __forceinline__ void ell_dx_row(int n, long long base, const int* __r
                                            const T* __restrict__ da, const T* __restrict__ db,
                                            const T* __restrict__ w_a, const T* __restrict__ w_b,
                                            T* __restrict__ dxr, int D, int vec, int lane) {
-    if (vec == 2) {
+    if (TW_ROW_LOOPS && vec == 2) {
         warp_slot_axpys<T, A, GATED != 0, false, GATED>(n, idx + base, da + base, db + base, w_a, w_b, dxr, D,
                                                         lane);
     } else if (vec) {
@@ -731,7 +739,7 @@ twellpy_train_fwd(const T* __restrict__ x, const T* __restrict__ w_up, const T* 
     A hs = A(0);  // sum of |h| in slot order (every lane holds the same value)
     if (GATED) {
         const T* xr = x + r * (long long)D;
-        if (vec == 2) {
+        if (TW_ROW_LOOPS && vec == 2) {
             row_slot_dots<T, A>(xr, w_up, idx + base, n, D, lane,
                                 [&](int s, A u) { hs += fwd_slot_u<T, A>(uval, gval, base + s, u, lane); });
         } else {
@@ -773,7 +781,7 @@ twellpy_train_bwd(const T* __restrict__ dy, const T* __restrict__ w_downT, const
     const int n = min(nnz[r], W);
     const long long base = r * (long long)W;
     const T* dyr = dy + r * (long long)D;
-    if (vec == 2) {
+    if (TW_ROW_LOOPS && vec == 2) {
         row_slot_dots<T, A>(dyr, w_downT, idx + base, n, D, lane, [&](int s, A dh) {
             bwd_slot_d<T, A, GATED>(gval, uval, da, db, base + s, dh, l1s, lane);
         });

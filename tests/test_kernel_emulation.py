@@ -1336,11 +1336,13 @@ def test_split_training_forward_gives_the_fused_bits(fwd_lib, dtype, gated, vec)
 # slot metadata broadcast by shuffles) against the vec = 1 loops: the same bits. Variants:
 # the defaults (the row in shared memory, one slot at a time), the row in shared memory
 # with an odd slot batch (3, so batches end part-full), and the row in registers with
-# batches of 2.
-ROW_VARIANTS = [{}, {"TW_XSRC_SMEM": 1, "TW_SLOT_BATCH": 3}, {"TW_XSRC_SMEM": 0, "TW_SLOT_BATCH": 2}]
+# batches of 2, and the loops compiled out (TW_ROW_LOOPS=0, what the launcher compiles
+# when they are off: a vec = 2 launch then runs the vec = 1 loops).
+ROW_VARIANTS = [{}, {"TW_XSRC_SMEM": 1, "TW_SLOT_BATCH": 3}, {"TW_XSRC_SMEM": 0, "TW_SLOT_BATCH": 2},
+                {"TW_ROW_LOOPS": 0, "TW_XSRC_SMEM": 0}]
 
 
-@pytest.fixture(scope="module", params=ROW_VARIANTS, ids=["default", "smem-b3", "regs-b2"])
+@pytest.fixture(scope="module", params=ROW_VARIANTS, ids=["default", "smem-b3", "regs-b2", "loops-off"])
 def row_libs(request, tmp_path_factory):
     res = _emulation_source("spmm_resident.cu").replace('#include "common.cuh"', "")
     defines = {**_BWD_DEFINES, **request.param}

@@ -58,6 +58,9 @@ def _names():
 
 
 _registry.declare(SOURCE, _names())
+# the ELL kernels as the launcher compiles them with the row loops off (_row_defines)
+_registry.declare(SOURCE, [_name(base, dt, gated) for dt in FLOAT_DTYPES for base in ("fwd", "bwd", "ell_y", "ell_dx")
+                           for gated in (0, 1)], {"TW_ROW_LOOPS": 0, "TW_XSRC_SMEM": 0})
 
 
 def _k(base, dtype, gated=None, whole=True, **defines):
@@ -115,8 +118,9 @@ TWO_PASS = _two_pass_setting(os.environ.get("TWELLPY_TRAIN_TWO_PASS", "1"))
 
 def _row_defines():
     """Defines of twellpy_train_fwd / _bwd: ROWS, or with the row loops off the old
-    loops without the file's shared-memory row buffer (TW_XSRC_SMEM=0 reserves none)."""
-    return {"TW_XSRC_SMEM": 0} if ROWS is None else ROWS
+    loops alone (TW_ROW_LOOPS=0: without the row loops' registers; TW_XSRC_SMEM=0:
+    without their shared-memory row buffer)."""
+    return {"TW_ROW_LOOPS": 0, "TW_XSRC_SMEM": 0} if ROWS is None else ROWS
 
 
 def _row_vec(vec, D, itemsize):
@@ -333,7 +337,7 @@ def ffn_forward_ell(x, w_up, w_downT, idx, nnz, gval, uval, gated):
             g, b, (x, w_up if gated else w_downT, w_downT, idx, nnz, gval, uval if gated else gval, y, habs,
                    _i64(M), _i32(W), _i32(D), _i32(vec)))
         if two:
-            _k("ell_y", x.dtype, gated)(
+            _k("ell_y", x.dtype, gated, **_row_defines())(
                 g, b, (w_downT, idx, nnz, gval, uval if gated else gval, y, _i64(M), _i32(W), _i32(D), _i32(vec)))
         if plan is not None:
             # backup rows have nnz 0: y 0, as the fused kernel writes (the backup path fills them later)
@@ -392,7 +396,7 @@ def ffn_backward_ell(dy, w_downT, w_up, w_gate, idx, nnz, gval, uval, l1_scale, 
             g, b, (dy, w_downT, w_up, w_gate if gated else w_up, idx, nnz, gval, uval if gated else gval, da,
                    db if gated else da, dx, _i64(M), _i32(W), _i32(D), np.float64(l1_scale), _i32(vec)))
         if two:
-            _k("ell_dx", dy.dtype, gated)(
+            _k("ell_dx", dy.dtype, gated, **_row_defines())(
                 g, b, (w_up, w_gate if gated else w_up, idx, nnz, da, db if gated else da, dx, _i64(M), _i32(W),
                        _i32(D), _i32(vec)))
         if plan is not None:
