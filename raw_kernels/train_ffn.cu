@@ -444,17 +444,27 @@ twellpy_train_relu_pack(const T* __restrict__ z, long long rows, int H, int vec,
 // same z) counted at most W active columns, so the p < W guards never drop
 // an entry; they only keep a broken caller from writing out of bounds (such a
 // caller would also see neuron_counts count entries the ELL part does not hold).
+// mode (a speculative forward knows W before reading z, so one read can count and pack):
+//   0  as above (row_map from relu_count's counts; token_counts unused)
+//   1  count and pack: row_map is not read; every row is scanned as an ELL row, its
+//      active count goes to token_counts, and a row of more than W (a backup row to
+//      be) keeps padding and ell_nnz 0; neuron_counts counts every active entry
+//   2  the backup rows alone, after mode 1 and row_maps: rows with row_map < 0 return
+//      at once; the others write their dense backup row (no neuron counts: mode 1
+//      counted them), leaving their ELL slots as mode 1 left them
 template <typename T>
 __global__ void __launch_bounds__(32 * TW_WARPS)
 twellpy_train_relu_to_hybrid(const T* __restrict__ z, long long M, int H, int vec, int vec_store,
                              const int* __restrict__ row_map, int W, T* __restrict__ ell_val,
                              int* __restrict__ ell_idx, int* __restrict__ ell_nnz, T* __restrict__ backup,
-                             int* __restrict__ neuron_counts) {
+                             int* __restrict__ neuron_counts, int* __restrict__ token_counts, int mode) {
     const int lane = threadIdx.x & 31;
     const long long r = (long long)blockIdx.x * TW_WARPS + (threadIdx.x >> 5);
     if (r >= M) return;
     const T* zr = z + r * (long long)H;
-    const int rm = row_map[r];
+    const int rm = mode == 1 ? -1 : row_map[r];
+    if (mode == 2 && rm < 0) return;
+    const bool count_neurons = mode != 2;
     const long long base = r * (long long)W;
     int pos = 0;  // active columns of this row seen so far (the same on every lane)
     if (rm >= 0) {
@@ -466,8 +476,8 @@ twellpy_train_relu_to_hybrid(const T* __restrict__ z, long long M, int H, int ve
                 T* e = reinterpret_cast<T*>(&raw);
 #pragma unroll
                 for (int i = 0; i < N; ++i) {
-                    if (relu_on(e[i])) atomicAdd(neuron_counts + c + i, 1);
-                    else e[i] = zero_value<T>();
+                    if (!relu_on(e[i])) e[i] = zero_value<T>();
+                    else if (count_neurons) atomicAdd(neuron_counts + c + i, 1);
                 }
                 if (vec_store) {
                     *reinterpret_cast<uint4*>(br + c) = raw;
@@ -480,7 +490,7 @@ twellpy_train_relu_to_hybrid(const T* __restrict__ z, long long M, int H, int ve
             for (int c = lane; c < H; c += 32) {
                 const T v = zr[c];
                 const bool on = relu_on(v);
-                if (on) atomicAdd(neuron_counts + c, 1);
+                if (on && count_neurons) atomicAdd(neuron_counts + c, 1);
                 br[c] = on ? v : zero_value<T>();
             }
         }
@@ -540,12 +550,16 @@ twellpy_train_relu_to_hybrid(const T* __restrict__ z, long long M, int H, int ve
             pos += __popc(mask);
         }
     }
-    const int kept = rm >= 0 ? 0 : min(pos, W);
+    if (mode == 2) return;  // mode 1 wrote this row's slots
+    const int kept = (rm >= 0 || (mode == 1 && pos > W)) ? 0 : min(pos, W);
     for (int s = kept + lane; s < W; s += 32) {
         ell_val[base + s] = zero_value<T>();
         ell_idx[base + s] = -1;
     }
-    if (lane == 0) ell_nnz[r] = kept;
+    if (lane == 0) {
+        ell_nnz[r] = kept;
+        if (mode == 1) token_counts[r] = pos;
+    }
 }
 
 // twellpy_train_csr_to_hybrid<T>: split a CSR (sorted columns) into the ELL

@@ -858,3 +858,33 @@ def test_width_drift_model_and_the_auto_grid():
     r = drift("W1-16k", 12)
     assert r["grid_changes"] == 0.0 and r["raw_changes"] > 0
     assert r["grid_range"][0] == r["grid_range"][1] >= r["raw_range"][1]
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
+def test_speculative_count_pack_gives_the_exact_bits(fresh_layouts, monkeypatch, case, dtype, gated):
+    """COUNT_PACK (a hit counts and packs relu(z) in one read, then writes the wide
+    rows' backup rows): every output equals the exact path's, bit for bit, as does a
+    step re-run because its capacity was short."""
+    monkeypatch.setattr(T, "COUNT_PACK", True)
+    x, wg, wu, wd, dy = _spec_problem(case, dtype, gated)
+    calls = []
+    from twellpy.backends import cpu_train
+
+    real = cpu_train.relu_count_pack
+    monkeypatch.setattr(cpu_train, "relu_count_pack", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ctxs = []
+    step_outputs(x, wg, wu, wd, dy, 3, gated, ctxs, speculate=True)
+    spec, _, _ = step_outputs(x, wg, wu, wd, dy, 3, gated, ctxs, speculate=True)
+    exact, _, _ = step_outputs(x, wg, wu, wd, dy, 3, gated, ctxs, speculate=False)
+    assert [c.speculation for c in ctxs] == ["exact", "hit", "off"] and calls == [1]
+    for k in exact:
+        assert spec[k].tobytes() == exact[k].tobytes(), k
+    if ctxs[-1].R:   # room for one wide row less: the count-pack pass is discarded, the step re-run
+        (key,) = fresh_layouts
+        fresh_layouts[key] = T._Layout(3, ctxs[-1].R - 1, T._SPEC_SLACK)
+        again, _, _ = step_outputs(x, wg, wu, wd, dy, 3, gated, ctxs, speculate=True)
+        assert ctxs[-1].speculation == "rerun" and calls == [1, 1]
+        for k in exact:
+            assert again[k].tobytes() == exact[k].tobytes(), k

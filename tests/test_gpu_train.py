@@ -867,6 +867,39 @@ def test_speculative_step_gives_the_exact_bits_gpu(fresh_layouts, case, dtype, g
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
+def test_speculative_count_pack_gives_the_exact_bits_gpu(fresh_layouts, monkeypatch, case, dtype, gated):
+    """COUNT_PACK on the device (twellpy_train_relu_to_hybrid's modes 1 and 2: count and
+    pack in one read of z, then the wide rows' backup rows): a hit gives the exact
+    path's bits, pools poisoned; so does a step re-run because its capacity was short."""
+    from twellpy.backends import cuda_train
+
+    monkeypatch.setattr(T, "COUNT_PACK", True)
+    calls, real = [], cuda_train.relu_count_pack
+    monkeypatch.setattr(cuda_train, "relu_count_pack", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x, wg, wu, wd, dy = _gpu_problem(case, dtype, gated, seed=57)
+    ctxs = []
+    poison()
+    step_outputs(x, wg, wu, wd, dy, 2, gated, ctxs, speculate=True)
+    poison()
+    spec, _, _ = step_outputs(x, wg, wu, wd, dy, 2, gated, ctxs, speculate=True)
+    poison()
+    exact, _, _ = step_outputs(x, wg, wu, wd, dy, 2, gated, ctxs, speculate=False)
+    assert [c.speculation for c in ctxs] == ["exact", "hit", "off"] and calls == [1]
+    for k in exact:
+        assert spec[k].tobytes() == exact[k].tobytes(), k
+    if ctxs[-1].R:
+        (key,) = fresh_layouts
+        fresh_layouts[key] = T._Layout(2, ctxs[-1].R - 1, T._SPEC_SLACK)
+        poison()
+        again, _, _ = step_outputs(x, wg, wu, wd, dy, 2, gated, ctxs, speculate=True)
+        assert ctxs[-1].speculation == "rerun" and calls == [1, 1]
+        for k in exact:
+            assert again[k].tobytes() == exact[k].tobytes(), k
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
 def test_speculative_overflow_runs_the_step_again_gpu(fresh_layouts, dtype, gated):
     """A step with more wide rows than the remembered capacity is run again on the

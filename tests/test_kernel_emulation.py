@@ -338,7 +338,14 @@ void relu_to_hybrid_##SUFFIX(const T* z, long long M, int H, int vec, int vec_st
                              T* ell_val, int* ell_idx, int* ell_nnz, T* backup, int* neuron_counts) {       \
     emu::launch(twellpy_train_relu_to_hybrid<T>, dim3((unsigned)((M + TW_WARPS - 1) / TW_WARPS)),         \
                 dim3(32 * TW_WARPS), 0, z, M, H, vec, vec_store, row_map, W, ell_val, ell_idx, ell_nnz,   \
-                backup, neuron_counts);                                                                \
+                backup, neuron_counts, (int*)nullptr, 0);                                              \
+}                                                                                                     \
+void relu_count_pack_##SUFFIX(const T* z, long long M, int H, int vec, int vec_store, const int* row_map,   \
+                              int W, T* ell_val, int* ell_idx, int* ell_nnz, T* backup, int* neuron_counts,  \
+                              int* token_counts, int mode) {                                          \
+    emu::launch(twellpy_train_relu_to_hybrid<T>, dim3((unsigned)((M + TW_WARPS - 1) / TW_WARPS)),         \
+                dim3(32 * TW_WARPS), 0, z, M, H, vec, vec_store, row_map, W, ell_val, ell_idx, ell_nnz,   \
+                backup, neuron_counts, token_counts, mode);                                            \
 }
 TO_HYBRID(f32, float)
 TO_HYBRID(bf16, __nv_bfloat16)
@@ -2140,3 +2147,56 @@ def test_decode_inactive_neurons_add_nothing_active_ones_add_even_zero(decode_li
     y, *_ = _decode_run(decode_lib, x, wg, wu, wd, gated=True, mr=2)
     ref, _, _ = _decode_reference(x[:1], wg, wu, wd, True)
     assert np.isnan(y[1]).all() and np.linalg.norm(y[0] - ref[0]) <= 1e-5 * np.linalg.norm(ref[0])
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
+@pytest.mark.parametrize("M,H", [(13, 1000), (40, 512), (1, 264), (9, 999)])
+def test_relu_count_pack_gives_relu_to_hybrids_bits(train_lib, dtype, M, H):
+    """relu_to_hybrid's modes 1 and 2 (count and pack in one read of z, then the backup
+    rows once row_maps has placed them: the speculative forward's COUNT_PACK) write the
+    bits of relu_count + relu_to_hybrid (mode 0): ELL values and indices, counts,
+    neuron counts, backup rows, with room for more backup rows than are wide (not
+    written); NaN and a denormal count as active, -0.0 not; the vector and the scalar
+    loops."""
+    from twellpy.backends import cpu_train
+
+    rng = np.random.default_rng(M * H + 1)
+    z = (rng.standard_normal((M, H)) - 2.2).astype(np.float32)
+    z[0, :3] = [np.nan, -0.0, 1e-40]
+    z[::3] = np.abs(z[::3]) - 1.0                                 # every third row wide
+    z = z.astype(dtype)
+    counts = cpu_train.relu_count(z)
+    W = int(np.sort(counts)[(M - 1) // 2]) if M > 1 else 3       # narrow rows and wide ones
+    wide = int(np.count_nonzero(counts > W))
+    cap = wide + 3
+    maps = cpu_train.row_maps(counts, W, cap, capacity=True)
+    row_map = maps[:M]
+    want = cpu_train.relu_to_hybrid(z, row_map, W, cap)
+    vec = int(H % (16 // z.dtype.itemsize) == 0)
+    vals = np.full(M * W + cap * H, np.nan, np.float32).astype(dtype)   # poisoned
+    ell_idx = np.full((M, W), -0x5A5A5A5A, np.int32)
+    ell_nnz = np.full(M, -9, np.int32)
+    token_counts = np.full(M, -7, np.int32)
+    neuron_counts = np.zeros(H, np.int32)
+    ell_val, backup = cpu_train.split_combined(vals, M, W, cap, H)
+    fn = getattr(train_lib, f"relu_count_pack_{_suffix(dtype)}")
+    fn(_ptr(z), M, H, vec, 0, None, W, _ptr(ell_val), _ptr(ell_idx), _ptr(ell_nnz), _ptr(backup),
+       _ptr(neuron_counts), _ptr(token_counts), 1)
+    np.testing.assert_array_equal(token_counts, counts)
+    assert np.isnan(backup.astype(np.float32)).all(), "mode 1 writes no backup row"
+    fn(_ptr(z), M, H, vec, 0, _ptr(row_map), W, _ptr(ell_val), _ptr(ell_idx), _ptr(ell_nnz), _ptr(backup),
+       _ptr(neuron_counts), _ptr(token_counts), 2)
+    n = M * W + wide * H
+    np.testing.assert_array_equal(_bits(vals[:n]), _bits(want[0][:n]))
+    assert np.isnan(vals[n:].astype(np.float32)).all(), "nothing past the routed rows is written"
+    np.testing.assert_array_equal(ell_idx, want[1])
+    np.testing.assert_array_equal(ell_nnz, want[2])
+    np.testing.assert_array_equal(neuron_counts, want[3])    # mode 2 counts nothing again
+    assert wide >= 1 and ((counts <= W).any() or M == 1)
+    # the CPU twins of the pair give the same
+    got = cpu_train.relu_count_pack(z, W, cap)
+    cpu_train.backup_rows_from_z(z, row_map, got[0], W, cap)
+    np.testing.assert_array_equal(_bits(got[0][:n]), _bits(want[0][:n]))
+    for a, b in zip(got[1:4], want[1:4]):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(got[4], counts)

@@ -93,6 +93,12 @@ BACKUP_WGRAD_GEMM = _gemm_route_setting(os.environ.get("TWELLPY_TRAIN_BACKUP_GEM
 #: through the CSR path of the chunked forward instead (tests compare the two).
 _DIRECT_PACK = True
 
+#: A speculative one-chunk forward counts and packs relu(z) in one read of the gate
+#: output (``relu_count_pack``, then the few wide rows' backup rows) instead of
+#: counting, then packing (TWELLPY_TRAIN_COUNT_PACK=1|0). Same bits. Off until a GPU
+#: run times it: it saves one read of z (184 MB at W1-16k, about 0.06-0.1 ms).
+COUNT_PACK = os.environ.get("TWELLPY_TRAIN_COUNT_PACK", "0") == "1"
+
 #: Set to a list to collect ``(phase, cupy.cuda.Event, host seconds)`` marks
 #: (benchmarks/train.py): the event gives the device timeline, the host clock
 #: says how much of a phase was Python and synchronisation.
@@ -656,9 +662,14 @@ def _forward_pass(be, xp, named, x, w_gate, w_up, w_down, l1, width, gated, chec
     chunk = max(256, GATE_CHUNK_BYTES // max(1, H * dt.itemsize))
     one_chunk = _DIRECT_PACK and 0 < M <= chunk
     spec = layout if one_chunk else None
+    packed = None  # relu_count_pack's outputs (a speculative one-chunk forward, COUNT_PACK)
     if one_chunk:
         z = be.gemm(x, w_act.T, dt)
-        token_counts = be.relu_count(z, out=counts_out)
+        if spec is not None and COUNT_PACK:
+            packed = be.relu_count_pack(z, spec.width, spec.capacity, out=counts_out)
+            token_counts = packed[4]
+        else:
+            token_counts = be.relu_count(z, out=counts_out)
     else:
         counts, cols, vals = [], [], []
         for a in range(0, M, chunk):
@@ -709,7 +720,11 @@ def _forward_pass(be, xp, named, x, w_gate, w_up, w_down, l1, width, gated, chec
     maps = be.row_maps(token_counts, W, cap, capacity=spec is not None)
     row_map = maps[:M]
     _mark("width + row maps", xp)
-    if one_chunk:
+    if packed is not None:
+        gvals, idx, ell_nnz, neuron_counts = packed[:4]
+        be.backup_rows_from_z(z, row_map, gvals, W, cap)
+        del z, packed
+    elif one_chunk:
         gvals, idx, ell_nnz, neuron_counts = be.relu_to_hybrid(z, row_map, W, cap)
         del z
     else:

@@ -168,6 +168,32 @@ def relu_to_hybrid(z, row_map, width, n_backup):
     return vals.astype(z.dtype, copy=False), ell_idx, ell_nnz, neuron_counts
 
 
+def relu_count_pack(z, width, n_backup, out=None):
+    """``relu_count`` and ``relu_to_hybrid`` for a known W; see the CUDA twin. Rows
+    wider than ``width`` keep padding in the ELL part; the backup part is zero here
+    (``backup_rows_from_z`` fills it)."""
+    counts = relu_count(z, out=out)
+    M, H = z.shape
+    vals, ell_idx, ell_nnz, _ = relu_to_hybrid(z, np.full(M, -1, np.int32), width, n_backup)
+    wide = counts > width
+    split_combined(vals, M, width, n_backup, H)[0][wide] = 0
+    ell_idx[wide] = -1
+    ell_nnz[wide] = 0
+    zc = _up(z)
+    neuron_counts = np.count_nonzero((zc > 0) | (zc != zc), axis=0).astype(np.int32)
+    return vals, ell_idx, ell_nnz, neuron_counts, counts
+
+
+def backup_rows_from_z(z, row_map, vals, width, n_backup):
+    """relu(z) of the rows ``row_map`` routes to backup rows, into ``vals``' backup part."""
+    M, H = z.shape
+    rows = np.flatnonzero(np.asarray(row_map)[:M] >= 0)
+    if rows.size and n_backup:
+        zc = _up(z)[rows]
+        backup = split_combined(vals, M, width, n_backup, H)[1]
+        backup[np.asarray(row_map)[rows]] = np.where((zc > 0) | (zc != zc), zc, 0).astype(vals.dtype)
+
+
 @numba.njit(parallel=True, **_JIT)
 def _csr_to_hybrid(indptr, col, val, row_map, ell_val, ell_idx, ell_nnz, backup):
     M, W = ell_idx.shape

@@ -281,8 +281,48 @@ def relu_to_hybrid(z, row_map, width, n_backup):
         vec = _vec_ok(H, z)
         vec_store = vec and (not n_backup or _vec_ok(H, backup))  # backup starts after M*W values
         _k("relu_to_hybrid", z.dtype)(g, b, (z, _i64(M), _i32(H), _i32(vec), _i32(vec_store), row_map,
-                                             _i32(width), ell_val, ell_idx, ell_nnz, backup, neuron_counts))
+                                             _i32(width), ell_val, ell_idx, ell_nnz, backup, neuron_counts,
+                                             _NULL_PTR, _i32(0)))
     return vals, ell_idx, ell_nnz, neuron_counts
+
+
+def relu_count_pack(z, width, n_backup, out=None):
+    """``relu_count`` and ``relu_to_hybrid`` in one read of ``z`` when W is known
+    before the counts (a speculative forward): every row is packed into the ELL
+    part; rows with more than ``width`` active entries keep padding there (their
+    dense backup rows come from :func:`backup_rows_from_z` once ``row_maps`` has
+    placed them). ``out``: as ``relu_count``'s.
+
+    Returns ``vals, ell_idx, ell_nnz, neuron_counts, token_counts``; the backup
+    part of ``vals`` is unwritten.
+    """
+    cp = _cp()
+    M, H = z.shape
+    vals = cp.empty(M * width + n_backup * H, dtype=z.dtype)
+    ell_val, backup = split_combined(vals, M, width, n_backup, H)
+    ell_idx = cp.empty((M, width), dtype=cp.int32)
+    ell_nnz = cp.empty(M, dtype=cp.int32)
+    neuron_counts = cp.zeros(H, dtype=cp.int32)
+    token_counts = cp.empty(M, dtype=cp.int32) if out is None else out
+    if M:
+        g, b = _rows_grid(M)
+        _k("relu_to_hybrid", z.dtype)(g, b, (z, _i64(M), _i32(H), _i32(_vec_ok(H, z)), _i32(0), _NULL_PTR,
+                                             _i32(width), ell_val, ell_idx, ell_nnz, backup, neuron_counts,
+                                             token_counts, _i32(1)))
+    return vals, ell_idx, ell_nnz, neuron_counts, token_counts
+
+
+def backup_rows_from_z(z, row_map, vals, width, n_backup):
+    """The dense backup rows (relu(z) of the rows ``row_map`` routes there) into the
+    combined buffer ``vals`` of :func:`relu_count_pack`; other rows are not read."""
+    M, H = z.shape
+    if M and n_backup:
+        backup = split_combined(vals, M, width, n_backup, H)[1]
+        g, b = _rows_grid(M)
+        vec = _vec_ok(H, z)
+        _k("relu_to_hybrid", z.dtype)(g, b, (z, _i64(M), _i32(H), _i32(vec), _i32(vec and _vec_ok(H, backup)),
+                                             row_map, _i32(width), vals, _NULL_PTR, _NULL_PTR, backup, _NULL_PTR,
+                                             _NULL_PTR, _i32(2)))
 
 
 def csr_to_hybrid(indptr, col, val, row_map, width, n_cols, n_backup):
