@@ -269,21 +269,7 @@ def relu_to_hybrid(z, row_map, width, n_backup):
     Returns ``vals, ell_idx (M, W), ell_nnz (M,), neuron_counts (H,)`` with
     ``vals`` the combined value buffer (ELL values, then the R backup rows).
     """
-    cp = _cp()
-    M, H = z.shape
-    vals = cp.empty(M * width + n_backup * H, dtype=z.dtype)
-    ell_val, backup = split_combined(vals, M, width, n_backup, H)
-    ell_idx = cp.empty((M, width), dtype=cp.int32)
-    ell_nnz = cp.empty(M, dtype=cp.int32)
-    neuron_counts = cp.zeros(H, dtype=cp.int32)
-    if M:
-        g, b = _rows_grid(M)
-        vec = _vec_ok(H, z)
-        vec_store = vec and (not n_backup or _vec_ok(H, backup))  # backup starts after M*W values
-        _k("relu_to_hybrid", z.dtype)(g, b, (z, _i64(M), _i32(H), _i32(vec), _i32(vec_store), row_map,
-                                             _i32(width), ell_val, ell_idx, ell_nnz, backup, neuron_counts,
-                                             _NULL_PTR, _i32(0)))
-    return vals, ell_idx, ell_nnz, neuron_counts
+    return _launch_relu_to_hybrid(z, 0, width, n_backup, row_map=row_map)
 
 
 def relu_count_pack(z, width, n_backup, out=None):
@@ -296,33 +282,42 @@ def relu_count_pack(z, width, n_backup, out=None):
     Returns ``vals, ell_idx, ell_nnz, neuron_counts, token_counts``; the backup
     part of ``vals`` is unwritten.
     """
-    cp = _cp()
-    M, H = z.shape
-    vals = cp.empty(M * width + n_backup * H, dtype=z.dtype)
-    ell_val, backup = split_combined(vals, M, width, n_backup, H)
-    ell_idx = cp.empty((M, width), dtype=cp.int32)
-    ell_nnz = cp.empty(M, dtype=cp.int32)
-    neuron_counts = cp.zeros(H, dtype=cp.int32)
-    token_counts = cp.empty(M, dtype=cp.int32) if out is None else out
-    if M:
-        g, b = _rows_grid(M)
-        _k("relu_to_hybrid", z.dtype)(g, b, (z, _i64(M), _i32(H), _i32(_vec_ok(H, z)), _i32(0), _NULL_PTR,
-                                             _i32(width), ell_val, ell_idx, ell_nnz, backup, neuron_counts,
-                                             token_counts, _i32(1)))
-    return vals, ell_idx, ell_nnz, neuron_counts, token_counts
+    token_counts = _cp().empty(z.shape[0], dtype=np.int32) if out is None else out
+    return _launch_relu_to_hybrid(z, 1, width, n_backup, token_counts=token_counts) + (token_counts,)
 
 
 def backup_rows_from_z(z, row_map, vals, width, n_backup):
     """The dense backup rows (relu(z) of the rows ``row_map`` routes there) into the
     combined buffer ``vals`` of :func:`relu_count_pack`; other rows are not read."""
+    if n_backup:
+        _launch_relu_to_hybrid(z, 2, width, n_backup, row_map=row_map, vals=vals)
+
+
+def _launch_relu_to_hybrid(z, mode, width, n_backup, row_map=None, vals=None, token_counts=None):
+    """One launch of ``twellpy_train_relu_to_hybrid`` in ``mode`` (see train_ffn.cu).
+    Without ``vals`` (modes 0 and 1) it allocates the Hybrid's buffers and returns
+    ``vals, ell_idx, ell_nnz, neuron_counts``; mode 2 writes into ``vals``' backup part."""
+    cp = _cp()
     M, H = z.shape
-    if M and n_backup:
-        backup = split_combined(vals, M, width, n_backup, H)[1]
+    ell_idx = ell_nnz = neuron_counts = None
+    if vals is None:
+        vals = cp.empty(M * width + n_backup * H, dtype=z.dtype)
+        ell_idx = cp.empty((M, width), dtype=cp.int32)
+        ell_nnz = cp.empty(M, dtype=cp.int32)
+        neuron_counts = cp.zeros(H, dtype=cp.int32)
+    ell_val, backup = split_combined(vals, M, width, n_backup, H)
+    if M:
         g, b = _rows_grid(M)
         vec = _vec_ok(H, z)
-        _k("relu_to_hybrid", z.dtype)(g, b, (z, _i64(M), _i32(H), _i32(vec), _i32(vec and _vec_ok(H, backup)),
-                                             row_map, _i32(width), vals, _NULL_PTR, _NULL_PTR, backup, _NULL_PTR,
-                                             _NULL_PTR, _i32(2)))
+        vec_store = vec and (not n_backup or _vec_ok(H, backup))  # backup starts after M*W values
+
+        def ptr(a):
+            return _NULL_PTR if a is None else a
+
+        _k("relu_to_hybrid", z.dtype)(g, b, (z, _i64(M), _i32(H), _i32(vec), _i32(vec_store), ptr(row_map),
+                                             _i32(width), ell_val, ptr(ell_idx), ptr(ell_nnz), backup,
+                                             ptr(neuron_counts), ptr(token_counts), _i32(mode)))
+    return vals, ell_idx, ell_nnz, neuron_counts
 
 
 def csr_to_hybrid(indptr, col, val, row_map, width, n_cols, n_backup):
