@@ -232,7 +232,7 @@ def _rows(smem, batch):
 
 
 #: (label, cuda_train.ROWS, cuda_train.TWO_PASS) of each variant of the row-loop table: the
-#: first is the reference for "same bits"; the defaults are "two-pass, smem b1"
+#: first is the reference for "same bits"; the defaults are "two-pass, vec 1"
 ROW_VARIANTS = [("off (vec 1)", None, False), ("regs, batch 2", _rows(0, 2), False),
                 ("regs, batch 1", _rows(0, 1), False), ("smem, batch 2", _rows(1, 2), False),
                 ("smem, batch 1", _rows(1, 1), False), ("smem, batch 4", _rows(1, 4), False),

@@ -310,9 +310,11 @@ def test_gemm_weight_grads_route_rules_and_bits(monkeypatch, gated):
     only past both thresholds."""
     x, wg, wu, wd, dy = _cast(make_problem(**CASES["uneven"], seed=12), np.dtype(np.float32))
     seen = _spy_weight_grads(monkeypatch)
-    assert T._gemm_route_setting("1") is True and T._gemm_route_setting("0") is False
-    with pytest.raises(ValueError, match="TWELLPY_TRAIN_BACKUP_GEMM"):
-        T._gemm_route_setting("yes")
+    name = "TWELLPY_TRAIN_BACKUP_GEMM"
+    assert T._switch_setting(name, "1") is True and T._switch_setting(name, "0") is False
+    for bad in ("yes", "", "2"):
+        with pytest.raises(ValueError, match=f"{name} must be 0 or 1, got '{bad}'"):
+            T._switch_setting(name, bad)
     monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM", False)
     assert not T._backup_wgrad_by_gemm(10**6, 10**9)  # off: never, whatever the rows
     monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM", True)
@@ -860,14 +862,16 @@ def test_width_drift_model_and_the_auto_grid():
     assert r["grid_range"][0] == r["grid_range"][1] >= r["raw_range"][1]
 
 
+@pytest.mark.parametrize("count_pack", [True, False], ids=["count_pack", "count_then_pack"])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
-def test_speculative_count_pack_gives_the_exact_bits(fresh_layouts, monkeypatch, case, dtype, gated):
-    """COUNT_PACK (a hit counts and packs relu(z) in one read, then writes the wide
-    rows' backup rows): every output equals the exact path's, bit for bit, as does a
-    step re-run because its capacity was short."""
-    monkeypatch.setattr(T, "COUNT_PACK", True)
+def test_speculative_count_pack_gives_the_exact_bits(fresh_layouts, monkeypatch, count_pack, case, dtype, gated):
+    """COUNT_PACK on (the default) and off (on: a hit counts and packs relu(z) in one
+    read, then writes the wide rows' backup rows): every output equals the exact path's,
+    bit for bit, as does a step re-run because its capacity was short."""
+    monkeypatch.setattr(T, "COUNT_PACK", count_pack)
+    one = [1] if count_pack else []  # the relu_count_pack calls of a hit
     x, wg, wu, wd, dy = _spec_problem(case, dtype, gated)
     calls = []
     from twellpy.backends import cpu_train
@@ -878,13 +882,13 @@ def test_speculative_count_pack_gives_the_exact_bits(fresh_layouts, monkeypatch,
     step_outputs(x, wg, wu, wd, dy, 3, gated, ctxs, speculate=True)
     spec, _, _ = step_outputs(x, wg, wu, wd, dy, 3, gated, ctxs, speculate=True)
     exact, _, _ = step_outputs(x, wg, wu, wd, dy, 3, gated, ctxs, speculate=False)
-    assert [c.speculation for c in ctxs] == ["exact", "hit", "off"] and calls == [1]
+    assert [c.speculation for c in ctxs] == ["exact", "hit", "off"] and calls == one
     for k in exact:
         assert spec[k].tobytes() == exact[k].tobytes(), k
     if ctxs[-1].R:   # room for one wide row less: the count-pack pass is discarded, the step re-run
         (key,) = fresh_layouts
         fresh_layouts[key] = T._Layout(3, ctxs[-1].R - 1, T._SPEC_SLACK)
         again, _, _ = step_outputs(x, wg, wu, wd, dy, 3, gated, ctxs, speculate=True)
-        assert ctxs[-1].speculation == "rerun" and calls == [1, 1]
+        assert ctxs[-1].speculation == "rerun" and calls == one * 2
         for k in exact:
             assert again[k].tobytes() == exact[k].tobytes(), k

@@ -866,16 +866,19 @@ def test_speculative_step_gives_the_exact_bits_gpu(fresh_layouts, case, dtype, g
         assert ctxs[1].stats["l0"] == ctxs[2].stats["l0"] and ctxs[1].nnz_total == ctxs[2].nnz_total
 
 
+@pytest.mark.parametrize("count_pack", [True, False], ids=["count_pack", "count_then_pack"])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
-def test_speculative_count_pack_gives_the_exact_bits_gpu(fresh_layouts, monkeypatch, case, dtype, gated):
-    """COUNT_PACK on the device (twellpy_train_relu_to_hybrid's modes 1 and 2: count and
-    pack in one read of z, then the wide rows' backup rows): a hit gives the exact
-    path's bits, pools poisoned; so does a step re-run because its capacity was short."""
+def test_speculative_count_pack_gives_the_exact_bits_gpu(fresh_layouts, monkeypatch, count_pack, case, dtype, gated):
+    """COUNT_PACK on (the default) and off, on the device (on:
+    twellpy_train_relu_to_hybrid's modes 1 and 2, count and pack in one read of z, then
+    the wide rows' backup rows): a hit gives the exact path's bits, pools poisoned; so
+    does a step re-run because its capacity was short."""
     from twellpy.backends import cuda_train
 
-    monkeypatch.setattr(T, "COUNT_PACK", True)
+    monkeypatch.setattr(T, "COUNT_PACK", count_pack)
+    one = [1] if count_pack else []  # the relu_count_pack calls of a hit
     calls, real = [], cuda_train.relu_count_pack
     monkeypatch.setattr(cuda_train, "relu_count_pack", lambda *a, **k: calls.append(1) or real(*a, **k))
     x, wg, wu, wd, dy = _gpu_problem(case, dtype, gated, seed=57)
@@ -886,7 +889,7 @@ def test_speculative_count_pack_gives_the_exact_bits_gpu(fresh_layouts, monkeypa
     spec, _, _ = step_outputs(x, wg, wu, wd, dy, 2, gated, ctxs, speculate=True)
     poison()
     exact, _, _ = step_outputs(x, wg, wu, wd, dy, 2, gated, ctxs, speculate=False)
-    assert [c.speculation for c in ctxs] == ["exact", "hit", "off"] and calls == [1]
+    assert [c.speculation for c in ctxs] == ["exact", "hit", "off"] and calls == one
     for k in exact:
         assert spec[k].tobytes() == exact[k].tobytes(), k
     if ctxs[-1].R:
@@ -894,7 +897,7 @@ def test_speculative_count_pack_gives_the_exact_bits_gpu(fresh_layouts, monkeypa
         fresh_layouts[key] = T._Layout(2, ctxs[-1].R - 1, T._SPEC_SLACK)
         poison()
         again, _, _ = step_outputs(x, wg, wu, wd, dy, 2, gated, ctxs, speculate=True)
-        assert ctxs[-1].speculation == "rerun" and calls == [1, 1]
+        assert ctxs[-1].speculation == "rerun" and calls == one * 2
         for k in exact:
             assert again[k].tobytes() == exact[k].tobytes(), k
 

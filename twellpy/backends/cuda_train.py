@@ -72,7 +72,7 @@ _ROW_TUNABLES = ("TW_SLOT_BATCH", "TW_XSRC_SMEM", "TW_ROW_MIN_BLOCKS")
 
 
 def _rows_setting(value):
-    """``TWELLPY_TRAIN_ROWS``: "1" (default) the kernels' own defines, "0" off, or a
+    """``TWELLPY_TRAIN_ROWS``: "0" (default) off, "1" the kernels' own defines, or a
     comma-separated define set such as ``TW_SLOT_BATCH=1,TW_XSRC_SMEM=1``."""
     if value == "1":
         return {}
@@ -91,13 +91,15 @@ def _rows_setting(value):
 #: vec = 2 of the ELL forward and backward kernels: the warp keeps its x (dy) row, read
 #: once, instead of re-reading it for every slot's dot product, and gathers the weight
 #: rows of TW_SLOT_BATCH slots together; the y and dx products broadcast each slot's
-#: column and coefficients by shuffles. Same bits as vec = 1. None (TWELLPY_TRAIN_ROWS=0):
-#: off; a dict: the defines the two kernels are compiled with ({}: the file's defaults).
-#: Default "1", the file's defines: one slot at a time with the row in shared memory, the
-#: fastest variant on an H100 (2026-12-07, with TWO_PASS: a W1-16k step 3.56 ms against
-#: 3.96 ms with the rows off, W2 31.9 against 37.2; benchmarks/row_loops_probe.py compares
-#: every variant).
-ROWS = _rows_setting(os.environ.get("TWELLPY_TRAIN_ROWS", "1"))
+#: column and coefficients by shuffles. Same bits as vec = 1. None (TWELLPY_TRAIN_ROWS=0,
+#: the default): off, and the kernels compiled without them (_row_defines); a dict: the
+#: defines the two kernels are compiled with ({}, TWELLPY_TRAIN_ROWS=1: the file's
+#: defaults). Off by default since the thirty-fourth session: with the row loops compiled
+#: out the old loops keep 80 registers instead of 124, and two passes of them were the
+#: fastest variant on an H100 (2026-12-07, train.py, forward plus backward: W1-16k 3.10
+#: against 3.30 ms for the row loops in shared memory, W1-64k 13.98 against 14.46, W2
+#: 31.5 against 32.2; benchmarks/row_loops_probe.py compares every variant).
+ROWS = _rows_setting(os.environ.get("TWELLPY_TRAIN_ROWS", "0"))
 
 
 #: two-pass ELL forward and backward (TWELLPY_TRAIN_TWO_PASS=1): the first kernel computes u
