@@ -697,7 +697,9 @@ __device__ __forceinline__ void ell_dx_row(int n, long long base, const int* __r
 // values the forward's first pass (twellpy_train_fwd<T, GATED, 0>) wrote, dx from the du
 // and dg of the backward's first pass (twellpy_train_bwd<T, GATED, 0>). Each pass gathers
 // rows of fewer weight matrices (L2 holds about two of W1's), with the same bits as the
-// one-pass kernels. Backup rows (nnz 0) get 0.
+// one-pass kernels. Backup rows (nnz 0) get 0; ell_dx leaves rows r with skip[r] >= 0 (skip:
+// the row map, or null) untouched, for the flow whose backup rows' dx is written first
+// (cuda_train.DH_BY_NEURON).
 template <typename T, int GATED>
 __global__ void __launch_bounds__(32 * TW_WARPS)
 twellpy_train_ell_y(const T* __restrict__ w_downT, const int* __restrict__ idx, const int* __restrict__ nnz,
@@ -714,10 +716,10 @@ template <typename T, int GATED>
 __global__ void __launch_bounds__(32 * TW_WARPS)
 twellpy_train_ell_dx(const T* __restrict__ w_a, const T* __restrict__ w_b, const int* __restrict__ idx,
                      const int* __restrict__ nnz, const T* __restrict__ da, const T* __restrict__ db,
-                     T* __restrict__ dx, long long M, int W, int D, int vec) {
+                     T* __restrict__ dx, long long M, int W, int D, int vec, const int* __restrict__ skip) {
     typedef typename accum<T>::type A;
     const long long r = (long long)blockIdx.x * TW_WARPS + (threadIdx.x >> 5);
-    if (r >= M) return;
+    if (r >= M || (skip != nullptr && skip[r] >= 0)) return;
     ell_dx_row<T, A, GATED>(min(nnz[r], W), r * (long long)W, idx, da, db, w_a, w_b, dx + r * (long long)D, D, vec,
                             threadIdx.x & 31);
 }
@@ -1031,6 +1033,157 @@ twellpy_train_wgrad(const int* __restrict__ indptr, const int* __restrict__ rows
                 if (GATED) dw_b[k * D + c] = from_acc<T, A>(acc_b[i]);
             }
         }
+    }
+}
+
+// twellpy_train_wgrad_dh<T, GATED, NV>: the backward's dh on the pattern and the three weight
+// gradients in one pass over the transposed pattern (cuda_train.DH_BY_NEURON), one block per
+// neuron k over the whole row (thread t owns the 16-byte vectors t, t + blockDim.x, ..., NV of
+// them). Each entry (row m, combined position p) gathers dy[m] and x[m] once:
+//   p < ell_size (an ELL entry): dh = dy[m] . w_downT[k] (+ l1s * sign(h)), a block-wide dot
+//     product in a fixed order (per thread, per warp by xor shuffles, then warp by warp), then
+//     du = dh * g, dg = dh * u (GATED; ReLU: dh) rounded to T into da[p], db[p] for
+//     twellpy_train_ell_dx; the row-oriented backward's first pass instead gathers a w_downT
+//     row per entry, while the dy row this one gathers is the one dw_downT needs anyway;
+//   p >= ell_size (a backup entry): da[p], db[p] as the backup rows' backward wrote them.
+// Then, entry by entry in the pattern's order (as twellpy_train_wgrad): dw_a[k] += da * x[m],
+// dw_b[k] += db * x[m] (GATED), dw_downT[k] += h * dy[m]. Deterministic; dh's summation order
+// differs from the row-oriented kernels', so da and db may differ from theirs in the last bit.
+//   indptr (H+1,), rows, pos (nnz,) int       transposed pattern (twellpy_train_tr_place)
+//   x, dy (M, D) T; w_downT (H, D) T; gval, uval, da, db: combined value buffers
+//   dw_a, dw_b, dw_downT (H, D) T out; base_a, base_b, base_h (H, D) A or null, as in
+//   twellpy_train_wgrad. Requires 16-byte aligned rows and D % VecN == 0.
+//   grid = (H,), block = (ceil(D / VecN / NV) rounded up to 32,) <= TW_DH_THREADS
+#ifndef TW_DH_THREADS
+#define TW_DH_THREADS 512
+#endif
+#ifndef TW_DH_BATCH
+#define TW_DH_BATCH 4  // entries whose dy and x gathers are in flight together (NV = 1)
+#endif
+template <typename T, int GATED, int NV>
+__global__ void __launch_bounds__(TW_DH_THREADS)
+twellpy_train_wgrad_dh(const int* __restrict__ indptr, const int* __restrict__ rows, const int* __restrict__ pos,
+                       long long ell_size, const T* __restrict__ x, const T* __restrict__ dy,
+                       const T* __restrict__ w_downT, T* __restrict__ da, T* __restrict__ db,
+                       const T* __restrict__ gval, const T* __restrict__ uval, T* __restrict__ dw_a,
+                       T* __restrict__ dw_b, T* __restrict__ dw_downT, int D, double l1s,
+                       const typename accum<T>::type* __restrict__ base_a,
+                       const typename accum<T>::type* __restrict__ base_b,
+                       const typename accum<T>::type* __restrict__ base_h) {
+    typedef typename accum<T>::type A;
+    constexpr int N = VecN<T>::N;
+    constexpr int E = (TW_DH_BATCH / NV) > 0 ? TW_DH_BATCH / NV : 1;
+    __shared__ A s_part[E][TW_DH_THREADS / 32];
+    __shared__ A s_coef[E][3];  // da, db, h of the step's entries, as T values
+    const long long k = blockIdx.x;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+    const int DV = D / N;
+    const int e0 = indptr[k], e1 = indptr[k + 1];
+    A acc_a[NV][N], acc_b[NV][N], acc_h[NV][N];
+    uint4 wd[NV];
+#pragma unroll
+    for (int q = 0; q < NV; ++q) {
+        const int v = q * blockDim.x + tid;
+        const bool in = v < DV;
+        wd[q] = in ? __ldg(reinterpret_cast<const uint4*>(w_downT + k * D) + v) : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            const long long at = k * D + (long long)v * N + i;
+            acc_a[q][i] = (in && base_a != nullptr) ? base_a[at] : A(0);
+            acc_h[q][i] = (in && base_h != nullptr) ? base_h[at] : A(0);
+            acc_b[q][i] = (in && GATED && base_b != nullptr) ? base_b[at] : A(0);
+        }
+    }
+    for (int e = e0; e < e1; e += E) {
+        long long m[E];
+        int p[E];
+#pragma unroll
+        for (int j = 0; j < E; ++j) {
+            const bool live = e + j < e1;
+            m[j] = live ? rows[e + j] : 0;
+            p[j] = live ? pos[e + j] : -1;
+        }
+        // every gather of the step is issued before the first use (the loop is latency-bound)
+        uint4 dr[E][NV], xr[E][NV];
+#pragma unroll
+        for (int j = 0; j < E; ++j)
+#pragma unroll
+            for (int q = 0; q < NV; ++q) {
+                const int v = q * blockDim.x + tid;
+                const bool in = p[j] >= 0 && v < DV;
+                dr[j][q] = in ? __ldg(reinterpret_cast<const uint4*>(dy + m[j] * D) + v) : make_uint4(0u, 0u, 0u, 0u);
+                xr[j][q] = in ? __ldg(reinterpret_cast<const uint4*>(x + m[j] * D) + v) : make_uint4(0u, 0u, 0u, 0u);
+            }
+#pragma unroll
+        for (int j = 0; j < E; ++j) {
+            A s = A(0);
+#pragma unroll
+            for (int q = 0; q < NV; ++q) {
+                const T* de = reinterpret_cast<const T*>(&dr[j][q]);
+                const T* we = reinterpret_cast<const T*>(&wd[q]);
+#pragma unroll
+                for (int i = 0; i < N; ++i) s = fma(to_acc<A, T>(de[i]), to_acc<A, T>(we[i]), s);
+            }
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+            if (lane == 0) s_part[j][warp] = s;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < E; ++j) {  // thread j finishes entry j (no dynamic index of p: registers)
+            if (tid != j || p[j] < 0) continue;
+            const long long at = p[j];
+            const T g = gval[at];
+            const T u = GATED ? uval[at] : g;
+            const A h = h_value<T, A, GATED>(g, u);
+            A a, b = A(0);
+            if (at < ell_size) {
+                A dh = A(0);
+                for (int w = 0; w < nwarps; ++w) dh += s_part[j][w];
+                // as bwd_slot_d: no L1 term (not 0 * sign, NaN for a NaN h) when l1 = 0
+                if (l1s != 0.0) dh += A(l1s) * sign_of<A>(h);
+                const T ta = from_acc<T, A>(GATED ? dh * to_acc<A, T>(g) : dh);
+                da[at] = ta;
+                a = to_acc<A, T>(ta);
+                if (GATED) {
+                    const T tb = from_acc<T, A>(dh * to_acc<A, T>(u));
+                    db[at] = tb;
+                    b = to_acc<A, T>(tb);
+                }
+            } else {
+                a = to_acc<A, T>(da[at]);
+                if (GATED) b = to_acc<A, T>(db[at]);
+            }
+            s_coef[j][0] = a;
+            s_coef[j][1] = b;
+            s_coef[j][2] = h;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < E; ++j) {
+            if (p[j] < 0) continue;  // the same in every thread
+            const A a = s_coef[j][0], b = s_coef[j][1], h = s_coef[j][2];
+#pragma unroll
+            for (int q = 0; q < NV; ++q) {
+                const T* xe = reinterpret_cast<const T*>(&xr[j][q]);
+                const T* de = reinterpret_cast<const T*>(&dr[j][q]);
+#pragma unroll
+                for (int i = 0; i < N; ++i) {
+                    const A xv = to_acc<A, T>(xe[i]);
+                    acc_a[q][i] += a * xv;
+                    acc_h[q][i] += h * to_acc<A, T>(de[i]);
+                    if (GATED) acc_b[q][i] += b * xv;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < NV; ++q) {
+        const int v = q * blockDim.x + tid;
+        if (v >= DV) continue;
+        store_vec<T, A>(dw_a + k * D + (long long)v * N, acc_a[q]);
+        store_vec<T, A>(dw_downT + k * D + (long long)v * N, acc_h[q]);
+        if (GATED) store_vec<T, A>(dw_b + k * D + (long long)v * N, acc_b[q]);
     }
 }
 

@@ -892,3 +892,38 @@ def test_speculative_count_pack_gives_the_exact_bits(fresh_layouts, monkeypatch,
         assert ctxs[-1].speculation == "rerun" and calls == one * 2
         for k in exact:
             assert again[k].tobytes() == exact[k].tobytes(), k
+
+
+@pytest.mark.parametrize("route", ["gather", "gemm"], ids=["backup_gather", "backup_gemm"])
+@pytest.mark.parametrize("width", ["auto", 2])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float64), bfloat16], ids=str)
+def test_dh_by_neuron_gives_the_row_flows_bits_on_the_cpu(monkeypatch, route, width, gated, case, dtype):
+    """DH_BY_NEURON (dh with the weight gradients, over the transposed pattern, then
+    the ELL dx that leaves the backup rows' dx alone): on the CPU the same values as
+    the row-oriented backward, bit for bit, with the backup rows' weight gradients
+    gathered or summed by GEMMs, and close to the float64 reference."""
+    x, wg, wu, wd, dy = _cast(make_problem(**CASES[case], seed=23), dtype)
+    if route == "gemm":
+        monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM", True)
+        monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM_MIN_ROWS", 1)
+        monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM_MIN_MEAN", 0)
+    from twellpy.backends import cpu_train
+
+    calls = []
+    real = cpu_train.ffn_backward_by_neuron
+    monkeypatch.setattr(cpu_train, "ffn_backward_by_neuron", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(T, "DH_BY_NEURON", False)
+    ctxs = []
+    rows, _, _ = step_outputs(x, wg, wu, wd, dy, width, gated, ctxs)
+    monkeypatch.setattr(T, "DH_BY_NEURON", True)
+    neuron, _, _ = step_outputs(x, wg, wu, wd, dy, width, gated, ctxs)
+    assert calls == [1]
+    assert ctxs[1].R == ctxs[0].R and (width == "auto" or case == "empty_rows" or ctxs[1].R > 0)
+    for k in rows:
+        assert neuron[k].tobytes() == rows[k].tobytes(), k
+    ref = dense_gated(x, wg, wu, wd, dy, 0.05) if gated else dense_relu(x, wu, wd, dy, 0.05)
+    names = ("dx", "dw_gate", "dw_up", "dw_down") if gated else ("dx", "dw_up", "dw_down")
+    for i, name in enumerate(names):
+        assert rel(neuron[f"grad{i}"], ref[name]) <= TOL[dtype], name

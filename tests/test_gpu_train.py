@@ -1132,3 +1132,47 @@ def test_queue_to_host_waits_for_its_copy_only(pooled_allocator):
     assert empty.shape == (0,) and empty.dtype == np.int32
     with pytest.raises(ValueError, match="C-contiguous"):
         cuda_train.queue_to_host(cp.zeros((4, 4), cp.int32).T)
+
+
+@pytest.mark.parametrize("route", ["gather", "gemm"], ids=["backup_gather", "backup_gemm"])
+@pytest.mark.parametrize("width", ["auto", 3])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
+@pytest.mark.parametrize("case,dtype", [(c, d) for c in CASES for d in (np.dtype(np.float32), bfloat16)]
+                         + [(c, np.dtype(np.float64)) for c in ("uneven03", "hot2000", "M1", "odd")],
+                         ids=lambda v: str(v))
+def test_dh_by_neuron_matches_the_row_flow_and_the_reference_gpu(monkeypatch, route, width, gated, case, dtype):
+    """DH_BY_NEURON on the device (twellpy_train_wgrad_dh: dh, du, dg with the weight
+    gradients, one block per neuron; then twellpy_train_ell_dx leaving the backup rows'
+    dx alone): the forward's bits unchanged, the gradients within the dtype's tolerance
+    of the row-oriented flow's (the dot products' order differs) and of float64,
+    the same bits on a second run, pools poisoned. Rows that vector loads cannot take
+    (odd D) run the row flow."""
+    from twellpy.backends import cuda_train
+
+    if route == "gemm":
+        monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM", True)
+        monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM_MIN_ROWS", 1)
+        monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM_MIN_MEAN", 0)
+    calls, real = [], cuda_train.ffn_backward_by_neuron
+    monkeypatch.setattr(cuda_train, "ffn_backward_by_neuron", lambda *a, **k: calls.append(1) or real(*a, **k))
+    host = [a.astype(dtype) for a in make_problem(**CASES[case], seed=61, gated=gated)]
+    x, wg, wu, wd, dy = _gpu_problem(case, dtype, gated, seed=61)
+    monkeypatch.setattr(T, "DH_BY_NEURON", False)
+    poison()
+    rows, _, _ = step_outputs(x, wg, wu, wd, dy, width, gated)
+    monkeypatch.setattr(T, "DH_BY_NEURON", True)
+    runs = []
+    for _ in range(2):
+        poison()
+        runs.append(step_outputs(x, wg, wu, wd, dy, width, gated)[0])
+    assert calls == ([] if case == "odd" else [1, 1])
+    ref = dense_gated(*host, 0.05) if gated else dense_relu(*host, 0.05)
+    names = ("dx", "dw_gate", "dw_up", "dw_down") if gated else ("dx", "dw_up", "dw_down")
+    for k in rows:
+        assert runs[1][k].tobytes() == runs[0][k].tobytes(), k
+        if not k.startswith("grad"):
+            assert runs[0][k].tobytes() == rows[k].tobytes(), k
+    for i, name in enumerate(names):
+        got = runs[0][f"grad{i}"]
+        assert rel(got, rows[f"grad{i}"]) <= TOL[dtype], (name, rel(got, rows[f"grad{i}"]))
+        assert rel(got, ref[name]) <= TOL[dtype], (name, rel(got, ref[name]))

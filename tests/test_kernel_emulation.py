@@ -315,7 +315,24 @@ void wgrad_exact_##SUFFIX(typename accum<T>::type* ba, typename accum<T>::type* 
     emu::launch(twellpy_train_backup_wgrad_exact<T, G>, dim3(H, (D + 255) / 256), dim3(256), 0, ba, bb, bh,   \
                 g, u, da, db, x, dy, rows, R, H, D);                                                  \
 }
+#define WGRAD_DH(SUFFIX, T, G)                                                                         \
+void wgrad_dh_##SUFFIX(const int* indptr, const int* rows, const int* pos, long long ell_size, const T* x,  \
+                       const T* dy, const T* w_downT, T* da, T* db, const T* gval, const T* uval, T* dw_a,  \
+                       T* dw_b, T* dw_dT, int H, int D, double l1s, const typename accum<T>::type* base_a,   \
+                       const typename accum<T>::type* base_b, const typename accum<T>::type* base_h,         \
+                       int nv, int threads) {                                                          \
+    if (nv == 1)                                                                                       \
+        emu::launch(twellpy_train_wgrad_dh<T, G, 1>, dim3(H), dim3(threads), 0, indptr, rows, pos, ell_size, \
+                    x, dy, w_downT, da, db, gval, uval, dw_a, dw_b, dw_dT, D, l1s, base_a, base_b, base_h); \
+    else                                                                                               \
+        emu::launch(twellpy_train_wgrad_dh<T, G, 2>, dim3(H), dim3(threads), 0, indptr, rows, pos, ell_size, \
+                    x, dy, w_downT, da, db, gval, uval, dw_a, dw_b, dw_dT, D, l1s, base_a, base_b, base_h); \
+}
 using twellpy::accum;
+WGRAD_DH(f32_0, float, 0)
+WGRAD_DH(f32_1, float, 1)
+WGRAD_DH(bf16_0, __nv_bfloat16, 0)
+WGRAD_DH(bf16_1, __nv_bfloat16, 1)
 BACKUP(f32_0, float, 0)
 BACKUP(f32_1, float, 1)
 BACKUP(bf16_0, __nv_bfloat16, 0)
@@ -489,6 +506,84 @@ def test_weight_grad_kernel_adds_the_pattern_to_its_base(train_lib, dtype, gated
         for got, want_twin in zip((outs[0], outs[2]), (twin[0], twin[2])):
             np.testing.assert_allclose(got.astype(np.float32), want_twin.astype(np.float32),
                                        rtol=2 * ulp, atol=1e-5 * float(np.abs(want_twin.astype(np.float32)).max()))
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("D,nv", [(264, 1), (264, 2), (8, 1), (1032, 2)])
+@pytest.mark.parametrize("with_base", [True, False], ids=["base", "nobase"])
+def test_weight_grad_dh_kernel_computes_dh_and_the_weight_grads(train_lib, dtype, gated, D, nv, with_base):
+    """twellpy_train_wgrad_dh (the backward's dh by neuron): for ELL entries dh =
+    dy[m] . w_downT[k] + l1s * sign(h), written as du, dg (or dh) at the entry's
+    position, and for backup entries the da, db already there; the weight gradients
+    are ``base + sum over entries`` against float64. Positions outside the pattern
+    keep their poison; several warps and a partial last warp reduce each dot."""
+    rng = np.random.default_rng(D + 7 * gated + 3 * nv)
+    M, K, H, R = 13, 3, 9, 2
+    idx = np.full((M, K), -1, np.int32)
+    for r in range(M):
+        n = int(rng.integers(0, K + 1))
+        idx[r, :n] = np.sort(rng.choice(H, n, replace=False))
+    row_map = np.full(M, -1, np.int32)
+    row_map[[4, 9]] = [0, 1]
+    idx[[4, 9]] = -1
+    idx[7] = [0, 1, 2]   # neurons with many entries span several steps of the kernel
+    bk = np.where(rng.random((R, H)) < 0.5, rng.standard_normal((R, H)), 0).astype(np.float32)
+    from twellpy.backends import cpu_train
+
+    if with_base:  # the backup rows' sums come in as a base (the GEMM route): ELL entries only
+        indptr, rows, pos = cpu_train.transpose_pattern(idx, np.full(M, -1, np.int32), bk[:0], H)
+    else:
+        indptr, rows, pos = cpu_train.transpose_pattern(idx, row_map, bk.astype(dtype), H)
+    ell_size = M * K
+    n_vals = M * K + R * H
+    g, u = (np.abs(rng.standard_normal(n_vals)).astype(np.float32).astype(dtype) for _ in range(2))
+    da, db = (np.full(n_vals, np.nan, np.float32).astype(dtype) for _ in range(2))
+    given = rng.standard_normal((2, R * H)).astype(np.float32).astype(dtype)  # the backup rows' da, db
+    da[ell_size:], db[ell_size:] = given
+    x, dy = (rng.standard_normal((M, D)).astype(np.float32).astype(dtype) for _ in range(2))
+    w_downT = rng.standard_normal((H, D)).astype(np.float32).astype(dtype)
+    base = [rng.standard_normal((H, D)).astype(np.float32) * 3 for _ in range(3)] if with_base else None
+    outs = [np.full((H, D), np.nan, np.float32).astype(dtype) for _ in range(3)]
+    l1s = 0.25
+    threads = 32 * -(-(D // (16 // dtype.itemsize)) // nv // 32)
+    getattr(train_lib, f"wgrad_dh_{_suffix(dtype, gated)}")(
+        _ptr(indptr), _ptr(rows), _ptr(pos), ctypes.c_longlong(ell_size), _ptr(x), _ptr(dy), _ptr(w_downT),
+        _ptr(da), _ptr(db), _ptr(g), _ptr(u), _ptr(outs[0]), _ptr(outs[1]), _ptr(outs[2]), H, D,
+        ctypes.c_double(l1s), *((_ptr(b) for b in base) if with_base else (None, None, None)), nv, threads)
+    f64 = lambda a: a.astype(np.float64)  # noqa: E731
+    gf, uf, xf, dyf, wf = f64(g), f64(u), f64(x), f64(dy), f64(w_downT)
+    h = f64((gf * uf).astype(dtype)) if gated else gf
+    want = [np.zeros((H, D)) if base is None else f64(b) for b in (base or [None] * 3)]
+    ulp = 2.0 ** -8 if dtype == bfloat16 else 2.0 ** -20
+    touched = np.zeros(n_vals, bool)
+    for k in range(H):
+        for e in range(indptr[k], indptr[k + 1]):
+            m, p = rows[e], pos[e]
+            touched[p] = True
+            if p < ell_size:
+                dh = dyf[m] @ wf[k] + l1s * np.sign(h[p])
+                a_ref, b_ref = (dh * gf[p], dh * uf[p]) if gated else (dh, np.nan)
+                scale = np.abs(dyf[m]) @ np.abs(wf[k]) * max(gf[p], uf[p], 1)
+                assert abs(f64(da[p]) - a_ref) <= 2 * ulp * abs(a_ref) + 1e-5 * scale, ("da", k, e)
+                if gated:
+                    assert abs(f64(db[p]) - b_ref) <= 2 * ulp * abs(b_ref) + 1e-5 * scale, ("db", k, e)
+            a, b = f64(da[p]), f64(db[p])   # the kernel's own rounded values feed the sums
+            want[0][k] += a * xf[m]
+            want[1][k] += b * xf[m]
+            want[2][k] += h[p] * dyf[m]
+    assert touched[:ell_size].sum() == (idx >= 0).sum()
+    np.testing.assert_array_equal(da[ell_size:], given[0], err_msg="backup entries' da is read, not written")
+    assert np.isnan(da[:ell_size][~touched[:ell_size]].astype(np.float32)).all(), "padding is not written"
+    if not gated:
+        assert np.isnan(db[:ell_size].astype(np.float32)).all(), "db is not written by the ReLU FFN"
+    checks = [(outs[0], want[0], "dw_up"), (outs[2], want[2], "dw_downT")]
+    checks += [(outs[1], want[1], "dw_gate")] if gated else []
+    for got, ref, name in checks:
+        err = np.abs(f64(got) - ref)
+        assert (err <= ulp * np.abs(ref) + 1e-5 * np.abs(ref).max()).all(), (name, float(err.max()))
+    if not gated:
+        assert np.isnan(outs[1].astype(np.float32)).all()  # dw_gate is not written
 
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
@@ -1084,12 +1179,14 @@ BWD(bwd_f32, float)
 BWD(bwd_bf16, bf16)
 #define ELL_DX(NAME, T)                                                                                \
 void NAME(int gated, const T* w_a, const T* w_b, const int* idx, const int* nnz, const T* da, const T* db, T* dx, \
-          long long M, int W, int D, int vec) {                                                       \
+          long long M, int W, int D, int vec, const int* skip) {                                      \
     dim3 grid((unsigned)((M + TW_WARPS - 1) / TW_WARPS)), block(32 * TW_WARPS);                         \
     if (gated)                                                                                        \
-        emu::launch(twellpy_train_ell_dx<T, 1>, grid, block, 0, w_a, w_b, idx, nnz, da, db, dx, M, W, D, vec); \
+        emu::launch(twellpy_train_ell_dx<T, 1>, grid, block, 0, w_a, w_b, idx, nnz, da, db, dx, M, W, D, vec, \
+                    skip);                                                                            \
     else                                                                                              \
-        emu::launch(twellpy_train_ell_dx<T, 0>, grid, block, 0, w_a, w_b, idx, nnz, da, db, dx, M, W, D, vec); \
+        emu::launch(twellpy_train_ell_dx<T, 0>, grid, block, 0, w_a, w_b, idx, nnz, da, db, dx, M, W, D, vec, \
+                    skip);                                                                            \
 }
 ELL_DX(ell_dx_f32, float)
 ELL_DX(ell_dx_bf16, bf16)
@@ -1408,7 +1505,7 @@ def test_training_row_loops_give_the_vector_loop_bits(row_libs, dtype, D, gated)
         if two_pass:
             assert np.isnan(dx.astype(np.float32)).all(), "the first pass leaves dx alone"
             getattr(bwd_lib, f"ell_dx_{sfx}")(int(gated), _ptr(w_up), _ptr(w_gate), _ptr(idx), _ptr(nnz), _ptr(da),
-                                             _ptr(db), _ptr(dx), ctypes.c_longlong(M), W, D, vec)
+                                             _ptr(db), _ptr(dx), ctypes.c_longlong(M), W, D, vec, None)
         return {"u": uval, "|h|": habs, "y": y, "du": da, "dg": db, "dx": dx}
 
     old = run(1)

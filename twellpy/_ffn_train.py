@@ -101,6 +101,14 @@ _DIRECT_PACK = True
 #: against 3.37 ms, the exact path's bits.
 COUNT_PACK = _switch_setting("TWELLPY_TRAIN_COUNT_PACK", os.environ.get("TWELLPY_TRAIN_COUNT_PACK", "1"))
 
+#: The backward's dh by neuron (TWELLPY_TRAIN_DH_BY_NEURON=1|0): one pass over the
+#: transposed pattern computes dh, du and dg on the ELL entries together with the weight
+#: gradients, from the dy and x rows those gather anyway, so no w_down row is gathered per
+#: entry; dx follows from du and dg (``ell_dx``). On the GPU the dot products are summed in
+#: another (fixed) order than the row-oriented kernels', so du and dg may differ from
+#: theirs in the last bit; the CPU computes the same values either way. Off until timed.
+DH_BY_NEURON = _switch_setting("TWELLPY_TRAIN_DH_BY_NEURON", os.environ.get("TWELLPY_TRAIN_DH_BY_NEURON", "0"))
+
 #: Set to a list to collect ``(phase, cupy.cuda.Event, host seconds)`` marks
 #: (benchmarks/train.py): the event gives the device timeline, the host clock
 #: says how much of a phase was Python and synchronisation.
@@ -808,6 +816,17 @@ def _backup_wgrad_by_gemm(n_rows, n_entries):
             and n_entries >= BACKUP_WGRAD_GEMM_MIN_MEAN * n_rows)
 
 
+def _transpose_for_grads(ctx, g_bk, ell_only):
+    """The deterministic transpose (counting sort) of the step's pattern: every entry,
+    or with ``ell_only`` (the backup rows' weight gradients are GEMM sums) the ELL
+    entries alone. The forward counted the entries, so it needs no sync."""
+    be, xp = ctx._be, ctx.xp
+    if not ell_only:
+        return be.transpose_pattern(ctx.idx, ctx.row_map, g_bk, ctx.H, nnz=ctx.nnz_total)
+    no_backup = xp.full(ctx.M, -1, dtype=np.int32)
+    return be.transpose_pattern(ctx.idx, no_backup, g_bk[:0], ctx.H, nnz=ctx.ell_entries)
+
+
 def _backward(ctx, dy, gated):
     if not isinstance(ctx, TrainContext):
         raise TypeError(f"ctx must be the TrainContext returned by the forward pass, got {type(ctx).__name__}")
@@ -847,9 +866,17 @@ def _backward(ctx, dy, gated):
     db_ell, db_bk = be.split_combined(db, M, W, R_kept, H) if gated else (None, None)
     g_ell, g_bk = be.split_combined(ctx.gvals, M, W, R, H)
     u_ell, u_bk = be.split_combined(ctx.uvals, M, W, R, H) if gated else (None, None)
-    dx = be.ffn_backward_ell(dy, ctx.w_downT, ctx.w_up, ctx.w_gate, ctx.idx, ctx.ell_nnz, g_ell, u_ell,
-                             l1s, gated, da_ell, db_ell)
-    _mark("fused bwd kernel", xp)
+    by_neuron = DH_BY_NEURON and be.by_neuron_ok(D, ctx.x, dy, ctx.w_downT)
+    if by_neuron:
+        # dh comes with the weight gradients (step 3), dx after it; the backup rows'
+        # dx rows (step 2) are written first, and the ELL dx leaves them alone
+        dx = xp.empty((M, D), dtype=dt)
+        indptr, rows, pos = _transpose_for_grads(ctx, g_bk, ell_only=bool(wgrad_gemm and R))
+        _mark("transpose (counting sort)", xp)
+    else:
+        dx = be.ffn_backward_ell(dy, ctx.w_downT, ctx.w_up, ctx.w_gate, ctx.idx, ctx.ell_nnz, g_ell, u_ell,
+                                 l1s, gated, da_ell, db_ell)
+        _mark("fused bwd kernel", xp)
 
     # 2) backup rows: dense products restricted to those rows, a chunk at a time;
     # with the GEMM route their weight gradients are summed in the accumulator
@@ -902,17 +929,21 @@ def _backward(ctx, dy, gated):
 
     _mark("backup rows bwd", xp)
     # 3) weight gradients from the deterministic transpose of the pattern
-    # the forward already counted the entries, so the transpose needs no sync
-    if base is None:
-        indptr, rows, pos = be.transpose_pattern(ctx.idx, ctx.row_map, g_bk, H, nnz=ctx.nnz_total)
-    else:  # the backup rows are in base already: the ELL entries only
-        no_backup = xp.full(M, -1, dtype=np.int32)
-        indptr, rows, pos = be.transpose_pattern(ctx.idx, no_backup, g_bk[:0], H, nnz=ctx.ell_entries)
-    _mark("transpose (counting sort)", xp)
-    dw_up, dw_gate, dw_downT = be.ffn_weight_grads(indptr, rows, pos, ctx.x, dy, da, db, ctx.gvals,
-                                                   ctx.uvals, H, gated, base=base)
+    if by_neuron:
+        dw_up, dw_gate, dw_downT = be.ffn_backward_by_neuron(indptr, rows, pos, ctx.idx, ctx.x, dy, ctx.w_downT,
+                                                             da, db, ctx.gvals, ctx.uvals, l1s, H, gated,
+                                                             base=base)
+        _mark("dh + weight grads (by neuron)", xp)
+        be.ell_dx(ctx.w_up, ctx.w_gate if gated else None, ctx.idx, ctx.ell_nnz, da_ell, db_ell, dx,
+                  skip=ctx.row_map if R else None)
+        _mark("ELL dx", xp)
+    else:
+        indptr, rows, pos = _transpose_for_grads(ctx, g_bk, ell_only=base is not None)
+        _mark("transpose (counting sort)", xp)
+        dw_up, dw_gate, dw_downT = be.ffn_weight_grads(indptr, rows, pos, ctx.x, dy, da, db, ctx.gvals,
+                                                       ctx.uvals, H, gated, base=base)
+        _mark("weight grads", xp)
     del base
-    _mark("weight grads", xp)
     dw_down = be.transpose_copy(dw_downT)
     _mark("dw_down^T", xp)
     if dy_count is not None and dy_count.read():

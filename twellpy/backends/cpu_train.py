@@ -387,6 +387,14 @@ def ffn_backward_ell(dy, w_downT, w_up, w_gate, idx, nnz, gval, uval, l1_scale, 
 
     dh = (dy @ w_down) on the pattern + ``l1_scale`` * sign(h) (padding stays 0).
     """
+    ell_dh(dy, w_downT, idx, gval, uval, l1_scale, gated, da, db)
+    dx = np.empty(dy.shape, dtype=dy.dtype)
+    return ell_dx(w_up, w_gate if gated else None, idx, nnz, da, db if gated else None, dx)
+
+
+def ell_dh(dy, w_downT, idx, gval, uval, l1_scale, gated, da, db):
+    """The first half of :func:`ffn_backward_ell`: fills ``da`` (du or dh) and ``db`` (dg)
+    on the ELL part, padding 0; the weights' products are left to :func:`ell_dx`."""
     dt = dy.dtype
     g = _up(gval)
     u = _up(uval) if gated else None
@@ -395,18 +403,46 @@ def ffn_backward_ell(dy, w_downT, w_up, w_gate, idx, nnz, gval, uval, l1_scale, 
     if l1_scale:
         dh = dh + g.dtype.type(l1_scale) * np.sign(h)
     if gated:
-        du = round_to(dh * g, dt)
-        dg = round_to(dh * u, dt)
-        da[...] = du
-        db[...] = dg
-        dyc = _up(dy)
-        out = np.empty(dyc.shape, dtype=dyc.dtype)
-        if out.size:
-            _slots_spmm2(du, dg, idx, _up(w_up), _up(w_gate), out)
-        return out.astype(dt, copy=False)
-    dh = round_to(dh, dt)
-    da[...] = dh
-    return slots_spmm(dh, idx, w_up)
+        da[...] = round_to(dh * g, dt)
+        db[...] = round_to(dh * u, dt)
+    else:
+        da[...] = round_to(dh, dt)
+
+
+def ell_dx(w_up, w_gate, idx, nnz, da, db, dx, skip=None):
+    """``dx = da @ w_up (+ db @ w_gate)`` over the ELL part, into ``dx`` (M, D); rows with
+    ``skip[r] >= 0`` (the row map: backup rows, whose dx is already written) are left alone."""
+    keep = np.arange(idx.shape[0]) if skip is None else np.flatnonzero(np.asarray(skip) < 0)
+    if not keep.size or not dx.shape[1]:
+        return dx
+    gated = db is not None
+    part_idx = idx[keep]
+    if gated:
+        out = np.empty((keep.size, dx.shape[1]), dtype=compute_dtype(dx.dtype))
+        _slots_spmm2(_up(da[keep]), _up(db[keep]), part_idx, _up(w_up), _up(w_gate), out)
+        dx[keep] = out.astype(dx.dtype, copy=False)
+    else:
+        dx[keep] = slots_spmm(da[keep], part_idx, w_up)
+    return dx
+
+
+def ffn_backward_by_neuron(indptr, rows, pos, idx, x, dy, w_downT, da, db, gval, uval, l1_scale, n_neurons,
+                           gated, base=None):
+    """dh on the ELL part (into ``da``, ``db``) and the weight gradients from the
+    transposed pattern, as the GPU's one pass by neuron (``twellpy_train_wgrad_dh``);
+    here :func:`ell_dh` then :func:`ffn_weight_grads`, the row-oriented flow's values.
+    ``da``, ``db``, ``gval``, ``uval`` are the combined buffers, ``idx`` the (M, W) ELL
+    columns; backup entries' ``da`` / ``db`` must already be written."""
+    M, W = idx.shape
+    split = lambda a: a[:M * W].reshape(M, W)  # noqa: E731
+    ell_dh(dy, w_downT, idx, split(gval), split(uval) if gated else None, l1_scale, gated, split(da),
+           split(db) if gated else None)
+    return ffn_weight_grads(indptr, rows, pos, x, dy, da, db, gval, uval, n_neurons, gated, base=base)
+
+
+def by_neuron_ok(D, *arrays):
+    """The CPU runs every shape the one-pass-by-neuron flow may take."""
+    return True
 
 
 # ---------------------------------------------------------------------------

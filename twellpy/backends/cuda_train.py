@@ -18,6 +18,8 @@ from .cuda import _NULL_PTR, PendingHost, transpose_cursor
 SOURCE = "train_ffn.cu"
 WARPS = 8            # keep in sync with TW_WARPS in train_ffn.cu
 GATHER_THREADS = 128  # keep in sync with TW_GATHER_THREADS
+DH_THREADS = 512      # keep in sync with TW_DH_THREADS
+BY_NEURON_NV = (1, 2)  # 16-byte vectors a thread of twellpy_train_wgrad_dh (its instantiations)
 MAP_THREADS = 1024    # keep in sync with TW_MAP_THREADS
 
 _INT32_MAX = 2**31 - 1
@@ -51,6 +53,9 @@ def _names():
         for base in ("fwd", "bwd"):  # the split kernels: y and dx by twellpy_spmm_resident
             for gated in (0, 1):
                 names.append(_name(base, dt, gated, whole=False))
+        for gated in (0, 1):
+            for nv in BY_NEURON_NV:
+                names.append(f"twellpy_train_wgrad_dh<{t},{gated},{nv}>")
     for u in _BIT_CTYPES.values():
         names.append(f"twellpy_train_transpose_dense<{u}>")
     names.append("twellpy_train_row_maps")
@@ -435,12 +440,80 @@ def ffn_backward_ell(dy, w_downT, w_up, w_gate, idx, nnz, gval, uval, l1_scale, 
         if two:
             _k("ell_dx", dy.dtype, gated, **_row_defines())(
                 g, b, (w_up, w_gate if gated else w_up, idx, nnz, da, db if gated else da, dx, _i64(M), _i32(W),
-                       _i32(D), _i32(vec)))
+                       _i32(D), _i32(vec), _NULL_PTR))
         if plan is not None:
             # rows' entries are idx[r, :nnz[r]] (stride W); backup rows have nnz 0: dx 0, as fused
             cuda._resident_spmm(idx, da, w_up, dx, plan, row_count=nnz, stride=W, row_cap=W,
                                 vals2=db if gated else None, B2=w_gate if gated else None)
     return dx
+
+
+def ell_dx(w_up, w_gate, idx, nnz, da, db, dx, skip=None):
+    """``dx = da @ w_up (+ db @ w_gate)`` over the ELL part into ``dx`` (M, D), one warp
+    per row (the two-pass backward's second kernel); rows with ``skip[r] >= 0`` (the
+    row map: backup rows whose dx is already written) are left alone."""
+    M, D = dx.shape
+    W = idx.shape[1]
+    if M:
+        gated = db is not None
+        vec = _row_vec(_vec_ok(D, w_up, w_gate, dx), D, dx.dtype.itemsize)
+        g, b = _rows_grid(M)
+        _k("ell_dx", dx.dtype, gated, **_row_defines())(
+            g, b, (w_up, w_gate if gated else w_up, idx, nnz, da, db if gated else da, dx, _i64(M), _i32(W),
+                   _i32(D), _i32(vec), _NULL_PTR if skip is None else skip))
+    return dx
+
+
+#: entries a step of twellpy_train_wgrad_dh gathers together (TW_DH_BATCH); None: the file's
+#: default. For probes that compare batches on the device.
+DH_BATCH = None
+
+
+def _by_neuron_nv(D, itemsize):
+    """Vectors a thread of twellpy_train_wgrad_dh for rows of D elements, or None when a
+    block of DH_THREADS threads cannot hold a row (the row-oriented flow then runs)."""
+    dv = D // (16 // itemsize)
+    for nv in BY_NEURON_NV:
+        if -(-dv // nv) <= DH_THREADS:
+            return nv
+    return None
+
+
+def by_neuron_ok(D, *arrays):
+    """Whether the one-pass-by-neuron flow can run: vector loads legal for every
+    array and a row within one block's DH_THREADS x 2 vectors."""
+    return bool(_vec_ok(D, *arrays)) and _by_neuron_nv(D, arrays[0].dtype.itemsize) is not None
+
+
+def ffn_backward_by_neuron(indptr, rows, pos, idx, x, dy, w_downT, da, db, gval, uval, l1_scale, n_neurons,
+                           gated, base=None):
+    """dh on the ELL entries (du, dg into the combined ``da``, ``db``; backup entries'
+    read from there) and the weight gradients, in one pass over the transposed pattern.
+
+    ``idx`` is the (M, W) ELL part (entries at combined positions below its size).
+    Returns ``dw_up (H, D), dw_gate (H, D) or None, dw_downT (H, D)`` as
+    :func:`ffn_weight_grads`, ``base`` likewise. Needs :func:`by_neuron_ok`.
+    """
+    cp = _cp()
+    M, D = x.shape
+    H = int(n_neurons)
+    dt = x.dtype
+    dw_a = cp.empty((H, D), dtype=dt)
+    dw_b = cp.empty((H, D), dtype=dt) if gated else None
+    dw_dT = cp.empty((H, D), dtype=dt)
+    if base is not None:
+        _check_base(base, dt, H, D, gated)
+        base = (base[0], base[1] if gated else base[0], base[2])
+    if H and D:
+        nv = _by_neuron_nv(D, dt.itemsize)
+        per_nv = -(-(D // (16 // dt.itemsize)) // nv)  # threads holding one row's vectors
+        kern = _registry.get_kernel(SOURCE, f"twellpy_train_wgrad_dh<{_registry.ctype(dt)},{int(gated)},{nv}>",
+                                    **({} if DH_BATCH is None else {"TW_DH_BATCH": DH_BATCH}))
+        kern((H,), (32 * -(-per_nv // 32),), (
+            indptr, rows, pos, _i64(idx.size), x, dy, w_downT, da, db if gated else da, gval,
+            uval if gated else gval, dw_a, dw_b if gated else dw_a, dw_dT, _i32(D), np.float64(l1_scale))
+            + (base or (_NULL_PTR,) * 3))
+    return dw_a, dw_b, dw_dT
 
 
 def _transpose_blocks(M, n_cols):
