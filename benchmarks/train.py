@@ -342,6 +342,24 @@ def bench(name, reps, widths=()):
     del default_outs, exact_outs
     res["tw_exact_ms"] = time_ms(lambda: tw_step(False), reps)
     res["tw_exact_fwd_ms"] = time_ms(lambda: tw_fwd(False), reps)
+    # the backward's dh by neuron (TWELLPY_TRAIN_DH_BY_NEURON) against the row-oriented
+    # flow, each way on one context: the gradients differ only by the dot products' order
+    saved_dh = T.DH_BY_NEURON
+    try:
+        y_n, ctx_n = tw_fwd()
+        flows = {}
+        for on in (False, True):
+            T.DH_BY_NEURON = on
+            grads = T.gated_backward(ctx_n, dy)
+            flows[on] = {"bwd_ms": time_ms(lambda: T.gated_backward(ctx_n, dy), reps),
+                         "step_ms": time_ms(tw_step, reps), "grads": grads}
+        res["dh_by_neuron"] = {"default": saved_dh, "rel_diff": max(
+            rel(to_torch(a), to_torch(b)) for a, b in zip(flows[True]["grads"], flows[False]["grads"]))}
+        for on in (False, True):
+            res["dh_by_neuron"]["on" if on else "off"] = {k: flows[on][k] for k in ("bwd_ms", "step_ms")}
+        del y_n, ctx_n, flows, grads
+    finally:
+        T.DH_BY_NEURON = saved_dh
     # the default again in the same run, after the exact rows (drift check)
     res["tw_ms_after"] = time_ms(tw_step, reps)
     # per-phase device timeline of one step (gaps include host-side work)
@@ -509,6 +527,13 @@ def main(argv=None):
               f"fwd {r['tw_exact_fwd_ms'][0]:.3f} ms (default {r['tw_fwd_ms'][0]:.3f}); the default "
               f"({r['tw_compared_path']}) gave "
               f"its bits: {r['tw_exact_bits_equal']}; extra memory {r['tw_exact_extra_peak_MB']:.0f} MB")
+    for r in results:
+        d = r["dh_by_neuron"]
+        print(f"{r['workload']} dh by neuron (TWELLPY_TRAIN_DH_BY_NEURON, default {int(d['default'])}): "
+              f"bwd {d['on']['bwd_ms'][0]:.3f} ms against {d['off']['bwd_ms'][0]:.3f} by rows, step "
+              f"{d['on']['step_ms'][0]:.3f} against {d['off']['step_ms'][0]:.3f} "
+              f"({r['torch_ms'][0] / d['on']['step_ms'][0]:.2f}x / {r['torch_ms'][0] / d['off']['step_ms'][0]:.2f}x "
+              f"dense); gradients' largest rel difference {d['rel_diff']:.2e}")
     for r in results:
         for label, name in (("", "twellpy"), ("exact_", "twellpy exact path")):
             print(f"{r['workload']} {name} phases (ms): " +

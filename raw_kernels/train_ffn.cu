@@ -1060,6 +1060,9 @@ twellpy_train_wgrad(const int* __restrict__ indptr, const int* __restrict__ rows
 #ifndef TW_DH_BATCH
 #define TW_DH_BATCH 4  // entries whose dy and x gathers are in flight together (NV = 1)
 #endif
+#ifndef TW_DH_PREFETCH
+#define TW_DH_PREFETCH 0  // 1: gather the next step's entries while this step reduces (2x registers)
+#endif
 template <typename T, int GATED, int NV>
 __global__ void __launch_bounds__(TW_DH_THREADS)
 twellpy_train_wgrad_dh(const int* __restrict__ indptr, const int* __restrict__ rows, const int* __restrict__ pos,
@@ -1094,17 +1097,15 @@ twellpy_train_wgrad_dh(const int* __restrict__ indptr, const int* __restrict__ r
             acc_b[q][i] = (in && GATED && base_b != nullptr) ? base_b[at] : A(0);
         }
     }
-    for (int e = e0; e < e1; e += E) {
-        long long m[E];
-        int p[E];
+    // one step's entries: rows, positions (-1 past the end) and their dy and x vectors, every
+    // gather issued before the first use (the loop is latency-bound)
+    auto load_step = [&](int eb, long long (&m)[E], int (&p)[E], uint4 (&dr)[E][NV], uint4 (&xr)[E][NV]) {
 #pragma unroll
         for (int j = 0; j < E; ++j) {
-            const bool live = e + j < e1;
-            m[j] = live ? rows[e + j] : 0;
-            p[j] = live ? pos[e + j] : -1;
+            const bool live = eb + j < e1;
+            m[j] = live ? rows[eb + j] : 0;
+            p[j] = live ? pos[eb + j] : -1;
         }
-        // every gather of the step is issued before the first use (the loop is latency-bound)
-        uint4 dr[E][NV], xr[E][NV];
 #pragma unroll
         for (int j = 0; j < E; ++j)
 #pragma unroll
@@ -1114,6 +1115,33 @@ twellpy_train_wgrad_dh(const int* __restrict__ indptr, const int* __restrict__ r
                 dr[j][q] = in ? __ldg(reinterpret_cast<const uint4*>(dy + m[j] * D) + v) : make_uint4(0u, 0u, 0u, 0u);
                 xr[j][q] = in ? __ldg(reinterpret_cast<const uint4*>(x + m[j] * D) + v) : make_uint4(0u, 0u, 0u, 0u);
             }
+    };
+    long long m[E];
+    int p[E];
+    uint4 dr[E][NV], xr[E][NV];
+#if TW_DH_PREFETCH
+    // the next step's gathers fly while this step reduces, syncs and accumulates
+    long long m_next[E];
+    int p_next[E];
+    uint4 dr_next[E][NV], xr_next[E][NV];
+    load_step(e0, m_next, p_next, dr_next, xr_next);
+#endif
+    for (int e = e0; e < e1; e += E) {
+#if TW_DH_PREFETCH
+#pragma unroll
+        for (int j = 0; j < E; ++j) {
+            m[j] = m_next[j];
+            p[j] = p_next[j];
+#pragma unroll
+            for (int q = 0; q < NV; ++q) {
+                dr[j][q] = dr_next[j][q];
+                xr[j][q] = xr_next[j][q];
+            }
+        }
+        if (e + E < e1) load_step(e + E, m_next, p_next, dr_next, xr_next);
+#else
+        load_step(e, m, p, dr, xr);
+#endif
 #pragma unroll
         for (int j = 0; j < E; ++j) {
             A s = A(0);

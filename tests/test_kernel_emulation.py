@@ -374,8 +374,8 @@ void row_maps(const int* counts, int* maps, long long M, int W, long long R, int
 
 
 @pytest.fixture(scope="module", params=[{}, {"TW_WARPS": 2, "TW_PACK_UNROLL": 3, "TW_MAP_ROWS": 3,
-                                             "TW_GATHER_THREADS": 32}],
-                ids=["default", "2warps-unroll3-maprows3"])
+                                             "TW_GATHER_THREADS": 32, "TW_DH_PREFETCH": 1}],
+                ids=["default", "2warps-unroll3-maprows3-dhprefetch"])
 def train_lib(request, tmp_path_factory):
     return _build(tmp_path_factory, "train_ffn.cu", _TRAIN_HARNESS, request.param)
 

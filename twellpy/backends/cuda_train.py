@@ -464,9 +464,9 @@ def ell_dx(w_up, w_gate, idx, nnz, da, db, dx, skip=None):
     return dx
 
 
-#: entries a step of twellpy_train_wgrad_dh gathers together (TW_DH_BATCH); None: the file's
-#: default. For probes that compare batches on the device.
-DH_BATCH = None
+#: defines twellpy_train_wgrad_dh is compiled with ({}: the file's defaults); for probes
+#: that compare TW_DH_BATCH and TW_DH_PREFETCH on the device.
+DH_DEFINES = {}
 
 
 def _by_neuron_nv(D, itemsize):
@@ -508,7 +508,7 @@ def ffn_backward_by_neuron(indptr, rows, pos, idx, x, dy, w_downT, da, db, gval,
         nv = _by_neuron_nv(D, dt.itemsize)
         per_nv = -(-(D // (16 // dt.itemsize)) // nv)  # threads holding one row's vectors
         kern = _registry.get_kernel(SOURCE, f"twellpy_train_wgrad_dh<{_registry.ctype(dt)},{int(gated)},{nv}>",
-                                    **({} if DH_BATCH is None else {"TW_DH_BATCH": DH_BATCH}))
+                                    **DH_DEFINES)
         kern((H,), (32 * -(-per_nv // 32),), (
             indptr, rows, pos, _i64(idx.size), x, dy, w_downT, da, db if gated else da, gval,
             uval if gated else gval, dw_a, dw_b if gated else dw_a, dw_dT, _i32(D), np.float64(l1_scale))
