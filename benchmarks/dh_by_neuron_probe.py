@@ -19,6 +19,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 VARIANTS = [("rows", False, {}), ("neuron b4", True, {}), ("neuron b2", True, {"TW_DH_BATCH": 2}),
+            ("neuron b1", True, {"TW_DH_BATCH": 1}),
             ("neuron b2 pf", True, {"TW_DH_BATCH": 2, "TW_DH_PREFETCH": 1}),
             ("neuron b4 pf", True, {"TW_DH_PREFETCH": 1})]
 

@@ -1076,8 +1076,8 @@ twellpy_train_wgrad_dh(const int* __restrict__ indptr, const int* __restrict__ r
     typedef typename accum<T>::type A;
     constexpr int N = VecN<T>::N;
     constexpr int E = (TW_DH_BATCH / NV) > 0 ? TW_DH_BATCH / NV : 1;
-    __shared__ A s_part[E][TW_DH_THREADS / 32];
-    __shared__ A s_coef[E][3];  // da, db, h of the step's entries, as T values
+    __shared__ A s_part[2][E][TW_DH_THREADS / 32];  // per-warp partial dots, two steps' buffers
+    int parity = 0;
     const long long k = blockIdx.x;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
     const int DV = D / N;
@@ -1099,12 +1099,18 @@ twellpy_train_wgrad_dh(const int* __restrict__ indptr, const int* __restrict__ r
     }
     // one step's entries: rows, positions (-1 past the end) and their dy and x vectors, every
     // gather issued before the first use (the loop is latency-bound)
-    auto load_step = [&](int eb, long long (&m)[E], int (&p)[E], uint4 (&dr)[E][NV], uint4 (&xr)[E][NV]) {
+    auto load_step = [&](int eb, long long (&m)[E], int (&p)[E], T (&gv)[E], T (&uv)[E], uint4 (&dr)[E][NV],
+                         uint4 (&xr)[E][NV]) {
 #pragma unroll
         for (int j = 0; j < E; ++j) {
             const bool live = eb + j < e1;
             m[j] = live ? rows[eb + j] : 0;
             p[j] = live ? pos[eb + j] : -1;
+        }
+#pragma unroll
+        for (int j = 0; j < E; ++j) {  // the entry's g and u (the same address in every thread)
+            gv[j] = p[j] >= 0 ? gval[p[j]] : zero_value<T>();
+            uv[j] = (GATED && p[j] >= 0) ? uval[p[j]] : gv[j];
         }
 #pragma unroll
         for (int j = 0; j < E; ++j)
@@ -1118,13 +1124,15 @@ twellpy_train_wgrad_dh(const int* __restrict__ indptr, const int* __restrict__ r
     };
     long long m[E];
     int p[E];
+    T gv[E], uv[E];
     uint4 dr[E][NV], xr[E][NV];
 #if TW_DH_PREFETCH
     // the next step's gathers fly while this step reduces, syncs and accumulates
     long long m_next[E];
     int p_next[E];
+    T gv_next[E], uv_next[E];
     uint4 dr_next[E][NV], xr_next[E][NV];
-    load_step(e0, m_next, p_next, dr_next, xr_next);
+    load_step(e0, m_next, p_next, gv_next, uv_next, dr_next, xr_next);
 #endif
     for (int e = e0; e < e1; e += E) {
 #if TW_DH_PREFETCH
@@ -1132,15 +1140,17 @@ twellpy_train_wgrad_dh(const int* __restrict__ indptr, const int* __restrict__ r
         for (int j = 0; j < E; ++j) {
             m[j] = m_next[j];
             p[j] = p_next[j];
+            gv[j] = gv_next[j];
+            uv[j] = uv_next[j];
 #pragma unroll
             for (int q = 0; q < NV; ++q) {
                 dr[j][q] = dr_next[j][q];
                 xr[j][q] = xr_next[j][q];
             }
         }
-        if (e + E < e1) load_step(e + E, m_next, p_next, dr_next, xr_next);
+        if (e + E < e1) load_step(e + E, m_next, p_next, gv_next, uv_next, dr_next, xr_next);
 #else
-        load_step(e, m, p, dr, xr);
+        load_step(e, m, p, gv, uv, dr, xr);
 #endif
 #pragma unroll
         for (int j = 0; j < E; ++j) {
@@ -1154,43 +1164,35 @@ twellpy_train_wgrad_dh(const int* __restrict__ indptr, const int* __restrict__ r
             }
 #pragma unroll
             for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-            if (lane == 0) s_part[j][warp] = s;
+            if (lane == 0) s_part[parity][j][warp] = s;
         }
         __syncthreads();
-#pragma unroll
-        for (int j = 0; j < E; ++j) {  // thread j finishes entry j (no dynamic index of p: registers)
-            if (tid != j || p[j] < 0) continue;
-            const long long at = p[j];
-            const T g = gval[at];
-            const T u = GATED ? uval[at] : g;
-            const A h = h_value<T, A, GATED>(g, u);
-            A a, b = A(0);
-            if (at < ell_size) {
-                A dh = A(0);
-                for (int w = 0; w < nwarps; ++w) dh += s_part[j][w];
-                // as bwd_slot_d: no L1 term (not 0 * sign, NaN for a NaN h) when l1 = 0
-                if (l1s != 0.0) dh += A(l1s) * sign_of<A>(h);
-                const T ta = from_acc<T, A>(GATED ? dh * to_acc<A, T>(g) : dh);
-                da[at] = ta;
-                a = to_acc<A, T>(ta);
-                if (GATED) {
-                    const T tb = from_acc<T, A>(dh * to_acc<A, T>(u));
-                    db[at] = tb;
-                    b = to_acc<A, T>(tb);
-                }
-            } else {
-                a = to_acc<A, T>(da[at]);
-                if (GATED) b = to_acc<A, T>(db[at]);
-            }
-            s_coef[j][0] = a;
-            s_coef[j][1] = b;
-            s_coef[j][2] = h;
-        }
-        __syncthreads();
+        // every thread finishes every entry itself (the same operations on the same values, so
+        // the same bits): one barrier a step; the partials alternate between two buffers, so
+        // the next step's writes never meet this step's reads
 #pragma unroll
         for (int j = 0; j < E; ++j) {
             if (p[j] < 0) continue;  // the same in every thread
-            const A a = s_coef[j][0], b = s_coef[j][1], h = s_coef[j][2];
+            const long long at = p[j];
+            const A h = h_value<T, A, GATED>(gv[j], uv[j]);
+            A a, b = A(0);
+            if (at < ell_size) {
+                A dh = A(0);
+                for (int w = 0; w < nwarps; ++w) dh += s_part[parity][j][w];
+                // as bwd_slot_d: no L1 term (not 0 * sign, NaN for a NaN h) when l1 = 0
+                if (l1s != 0.0) dh += A(l1s) * sign_of<A>(h);
+                const T ta = from_acc<T, A>(GATED ? dh * to_acc<A, T>(gv[j]) : dh);
+                a = to_acc<A, T>(ta);
+                if (tid == j) da[at] = ta;
+                if (GATED) {
+                    const T tb = from_acc<T, A>(dh * to_acc<A, T>(uv[j]));
+                    b = to_acc<A, T>(tb);
+                    if (tid == j) db[at] = tb;
+                }
+            } else {  // written by the backup rows' backward before this kernel
+                a = to_acc<A, T>(da[at]);
+                if (GATED) b = to_acc<A, T>(db[at]);
+            }
 #pragma unroll
             for (int q = 0; q < NV; ++q) {
                 const T* xe = reinterpret_cast<const T*>(&xr[j][q]);
@@ -1204,6 +1206,7 @@ twellpy_train_wgrad_dh(const int* __restrict__ indptr, const int* __restrict__ r
                 }
             }
         }
+        parity ^= 1;
     }
 #pragma unroll
     for (int q = 0; q < NV; ++q) {
