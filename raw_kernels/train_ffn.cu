@@ -1049,6 +1049,8 @@ twellpy_train_wgrad(const int* __restrict__ indptr, const int* __restrict__ rows
 // Then, entry by entry in the pattern's order (as twellpy_train_wgrad): dw_a[k] += da * x[m],
 // dw_b[k] += db * x[m] (GATED), dw_downT[k] += h * dy[m]. Deterministic; dh's summation order
 // differs from the row-oriented kernels', so da and db may differ from theirs in the last bit.
+// Off by default: on an H100 (2026-12-07) it moved its bytes at about 40% of
+// twellpy_train_wgrad's rate (the per-step reduction and barrier), so the backward was slower.
 //   indptr (H+1,), rows, pos (nnz,) int       transposed pattern (twellpy_train_tr_place)
 //   x, dy (M, D) T; w_downT (H, D) T; gval, uval, da, db: combined value buffers
 //   dw_a, dw_b, dw_downT (H, D) T out; base_a, base_b, base_h (H, D) A or null, as in

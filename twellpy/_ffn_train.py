@@ -106,7 +106,9 @@ COUNT_PACK = _switch_setting("TWELLPY_TRAIN_COUNT_PACK", os.environ.get("TWELLPY
 #: gradients, from the dy and x rows those gather anyway, so no w_down row is gathered per
 #: entry; dx follows from du and dg (``ell_dx``). On the GPU the dot products are summed in
 #: another (fixed) order than the row-oriented kernels', so du and dg may differ from
-#: theirs in the last bit; the CPU computes the same values either way. Off until timed.
+#: theirs in the last bit; the CPU computes the same values either way. Off: on an H100
+#: (2026-12-07) its backward was slower (2.37 against 1.72 ms at W1-16k; the per-entry
+#: block reduction and barrier leave the kernel latency-bound; docs/performance.md).
 DH_BY_NEURON = _switch_setting("TWELLPY_TRAIN_DH_BY_NEURON", os.environ.get("TWELLPY_TRAIN_DH_BY_NEURON", "0"))
 
 #: Set to a list to collect ``(phase, cupy.cuda.Event, host seconds)`` marks
