@@ -447,6 +447,19 @@ def test_backup_row_kernels_match_numpy_twins(train_lib, dtype, gated, R, H, gri
             assert np.isnan(hh.astype(np.float32)).all()  # a null h is never written
 
 
+def _wgrad_pattern(rng, M, K, H):
+    """An ELL pattern of M rows of up to K sorted columns of H, rows 4 and 9 backup rows
+    (row map 0 and 1, no slots)."""
+    idx = np.full((M, K), -1, np.int32)
+    for r in range(M):
+        n = int(rng.integers(0, K + 1))
+        idx[r, :n] = np.sort(rng.choice(H, n, replace=False))
+    row_map = np.full(M, -1, np.int32)
+    row_map[[4, 9]] = [0, 1]
+    idx[[4, 9]] = -1
+    return idx, row_map
+
+
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("D,vec", [(264, 1), (300, 0), (8, 1), (5, 0)])
@@ -459,13 +472,7 @@ def test_weight_grad_kernel_adds_the_pattern_to_its_base(train_lib, dtype, gated
 
     rng = np.random.default_rng(D + 7 * gated)
     M, K, H, R = 13, 3, 9, 2
-    idx = np.full((M, K), -1, np.int32)
-    for r in range(M):
-        n = int(rng.integers(0, K + 1))
-        idx[r, :n] = np.sort(rng.choice(H, n, replace=False))
-    row_map = np.full(M, -1, np.int32)
-    row_map[[4, 9]] = [0, 1]
-    idx[[4, 9]] = -1
+    idx, row_map = _wgrad_pattern(rng, M, K, H)
     bk = np.where(rng.random((R, H)) < 0.5, rng.standard_normal((R, H)), 0).astype(np.float32)
     if not with_base:  # the backup rows go through the gather too
         indptr, rows, pos = cpu_train.transpose_pattern(idx, row_map, bk.astype(dtype), H)
@@ -520,13 +527,7 @@ def test_weight_grad_dh_kernel_computes_dh_and_the_weight_grads(train_lib, dtype
     keep their poison; several warps and a partial last warp reduce each dot."""
     rng = np.random.default_rng(D + 7 * gated + 3 * nv)
     M, K, H, R = 13, 3, 9, 2
-    idx = np.full((M, K), -1, np.int32)
-    for r in range(M):
-        n = int(rng.integers(0, K + 1))
-        idx[r, :n] = np.sort(rng.choice(H, n, replace=False))
-    row_map = np.full(M, -1, np.int32)
-    row_map[[4, 9]] = [0, 1]
-    idx[[4, 9]] = -1
+    idx, row_map = _wgrad_pattern(rng, M, K, H)
     idx[7] = [0, 1, 2]   # neurons with many entries span several steps of the kernel
     bk = np.where(rng.random((R, H)) < 0.5, rng.standard_normal((R, H)), 0).astype(np.float32)
     from twellpy.backends import cpu_train

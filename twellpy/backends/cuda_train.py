@@ -485,6 +485,19 @@ def by_neuron_ok(D, *arrays):
     return bool(_vec_ok(D, *arrays)) and _by_neuron_nv(D, arrays[0].dtype.itemsize) is not None
 
 
+def _grad_outputs(H, D, dtype, gated, base):
+    """The (H, D) weight-gradient outputs ``dw_a, dw_b (gated) or None, dw_downT`` and
+    the kernels' three ``base`` pointers' arrays (checked; None when there is no base)."""
+    cp = _cp()
+    dw_a = cp.empty((H, D), dtype=dtype)
+    dw_b = cp.empty((H, D), dtype=dtype) if gated else None
+    dw_dT = cp.empty((H, D), dtype=dtype)
+    if base is not None:
+        _check_base(base, dtype, H, D, gated)
+        base = (base[0], base[1] if gated else base[0], base[2])
+    return dw_a, dw_b, dw_dT, base
+
+
 def ffn_backward_by_neuron(indptr, rows, pos, idx, x, dy, w_downT, da, db, gval, uval, l1_scale, n_neurons,
                            gated, base=None):
     """dh on the ELL entries (du, dg into the combined ``da``, ``db``; backup entries'
@@ -494,16 +507,8 @@ def ffn_backward_by_neuron(indptr, rows, pos, idx, x, dy, w_downT, da, db, gval,
     Returns ``dw_up (H, D), dw_gate (H, D) or None, dw_downT (H, D)`` as
     :func:`ffn_weight_grads`, ``base`` likewise. Needs :func:`by_neuron_ok`.
     """
-    cp = _cp()
-    M, D = x.shape
-    H = int(n_neurons)
-    dt = x.dtype
-    dw_a = cp.empty((H, D), dtype=dt)
-    dw_b = cp.empty((H, D), dtype=dt) if gated else None
-    dw_dT = cp.empty((H, D), dtype=dt)
-    if base is not None:
-        _check_base(base, dt, H, D, gated)
-        base = (base[0], base[1] if gated else base[0], base[2])
+    H, D, dt = int(n_neurons), x.shape[1], x.dtype
+    dw_a, dw_b, dw_dT, base = _grad_outputs(H, D, dt, gated, base)
     if H and D:
         nv = _by_neuron_nv(D, dt.itemsize)
         per_nv = -(-(D // (16 // dt.itemsize)) // nv)  # threads holding one row's vectors
@@ -582,16 +587,8 @@ def ffn_weight_grads(indptr, rows, pos, x, dy, da, db, gval, uval, n_neurons, ga
 
     Returns ``dw_up (H, D), dw_gate (H, D) or None, dw_downT (H, D)``.
     """
-    cp = _cp()
-    M, D = x.shape
-    H = int(n_neurons)
-    dt = x.dtype
-    dw_a = cp.empty((H, D), dtype=dt)
-    dw_b = cp.empty((H, D), dtype=dt) if gated else None
-    dw_dT = cp.empty((H, D), dtype=dt)
-    if base is not None:
-        _check_base(base, dt, H, D, gated)
-        base = (base[0], base[1] if gated else base[0], base[2])
+    H, D, dt = int(n_neurons), x.shape[1], x.dtype
+    dw_a, dw_b, dw_dT, base = _grad_outputs(H, D, dt, gated, base)
     if H and D:
         vec = _vec_ok(D, x, dy, dw_a, dw_b, dw_dT)
         g, b = _gather_grid(H, D, dt.itemsize)
