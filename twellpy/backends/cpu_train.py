@@ -412,13 +412,14 @@ def ell_dh(dy, w_downT, idx, gval, uval, l1_scale, gated, da, db):
 def ell_dx(w_up, w_gate, idx, nnz, da, db, dx, skip=None):
     """``dx = da @ w_up (+ db @ w_gate)`` over the ELL part, into ``dx`` (M, D); rows with
     ``skip[r] >= 0`` (the row map: backup rows, whose dx is already written) are left alone."""
-    keep = np.arange(idx.shape[0]) if skip is None else np.flatnonzero(np.asarray(skip) < 0)
-    if not keep.size or not dx.shape[1]:
+    # every row (no copies) or the rows not skipped
+    keep = slice(None) if skip is None else np.flatnonzero(np.asarray(skip) < 0)
+    part_idx = idx[keep]
+    if not part_idx.shape[0] or not dx.shape[1]:
         return dx
     gated = db is not None
-    part_idx = idx[keep]
     if gated:
-        out = np.empty((keep.size, dx.shape[1]), dtype=compute_dtype(dx.dtype))
+        out = np.empty((part_idx.shape[0], dx.shape[1]), dtype=compute_dtype(dx.dtype))
         _slots_spmm2(_up(da[keep]), _up(db[keep]), part_idx, _up(w_up), _up(w_gate), out)
         dx[keep] = out.astype(dx.dtype, copy=False)
     else:
