@@ -1065,6 +1065,9 @@ twellpy_train_wgrad(const int* __restrict__ indptr, const int* __restrict__ rows
 #ifndef TW_DH_PREFETCH
 #define TW_DH_PREFETCH 0  // 1: gather the next step's entries while this step reduces (2x registers)
 #endif
+// thread j writes entry j's du, dg: a step's entries must not outnumber a warp
+static_assert(TW_DH_BATCH >= 1 && TW_DH_BATCH <= 32, "TW_DH_BATCH must be in [1, 32]");
+static_assert(TW_DH_THREADS % 32 == 0 && TW_DH_THREADS <= 1024, "TW_DH_THREADS must be a multiple of 32, <= 1024");
 template <typename T, int GATED, int NV>
 __global__ void __launch_bounds__(TW_DH_THREADS)
 twellpy_train_wgrad_dh(const int* __restrict__ indptr, const int* __restrict__ rows, const int* __restrict__ pos,

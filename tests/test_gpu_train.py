@@ -1159,7 +1159,9 @@ def test_dh_by_neuron_matches_the_row_flow_and_the_reference_gpu(monkeypatch, ro
     x, wg, wu, wd, dy = _gpu_problem(case, dtype, gated, seed=61)
     monkeypatch.setattr(T, "DH_BY_NEURON", False)
     poison()
-    rows, _, _ = step_outputs(x, wg, wu, wd, dy, width, gated)
+    ctxs = []
+    rows, _, _ = step_outputs(x, wg, wu, wd, dy, width, gated, ctxs)
+    wide = np.flatnonzero(ctxs[0].row_map.get() >= 0)  # backup rows: dx from the same step 2 both ways
     monkeypatch.setattr(T, "DH_BY_NEURON", True)
     runs = []
     for _ in range(2):
@@ -1172,6 +1174,7 @@ def test_dh_by_neuron_matches_the_row_flow_and_the_reference_gpu(monkeypatch, ro
         assert runs[1][k].tobytes() == runs[0][k].tobytes(), k
         if not k.startswith("grad"):
             assert runs[0][k].tobytes() == rows[k].tobytes(), k
+    assert runs[0]["grad0"][wide].tobytes() == rows["grad0"][wide].tobytes(), "the backup rows' dx"
     for i, name in enumerate(names):
         got = runs[0][f"grad{i}"]
         assert rel(got, rows[f"grad{i}"]) <= TOL[dtype], (name, rel(got, rows[f"grad{i}"]))

@@ -518,8 +518,9 @@ def test_weight_grad_kernel_adds_the_pattern_to_its_base(train_lib, dtype, gated
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("D,nv", [(264, 1), (264, 2), (8, 1), (1032, 2)])
-@pytest.mark.parametrize("with_base", [True, False], ids=["base", "nobase"])
-def test_weight_grad_dh_kernel_computes_dh_and_the_weight_grads(train_lib, dtype, gated, D, nv, with_base):
+@pytest.mark.parametrize("with_base,l1s", [(True, 0.25), (False, 0.25), (False, 0.0)],
+                         ids=["base", "nobase", "nobase-l1_0"])
+def test_weight_grad_dh_kernel_computes_dh_and_the_weight_grads(train_lib, dtype, gated, D, nv, with_base, l1s):
     """twellpy_train_wgrad_dh (the backward's dh by neuron): for ELL entries dh =
     dy[m] . w_downT[k] + l1s * sign(h), written as du, dg (or dh) at the entry's
     position, and for backup entries the da, db already there; the weight gradients
@@ -546,7 +547,6 @@ def test_weight_grad_dh_kernel_computes_dh_and_the_weight_grads(train_lib, dtype
     w_downT = rng.standard_normal((H, D)).astype(np.float32).astype(dtype)
     base = [rng.standard_normal((H, D)).astype(np.float32) * 3 for _ in range(3)] if with_base else None
     outs = [np.full((H, D), np.nan, np.float32).astype(dtype) for _ in range(3)]
-    l1s = 0.25
     threads = 32 * -(-(D // (16 // dtype.itemsize)) // nv // 32)
     getattr(train_lib, f"wgrad_dh_{_suffix(dtype, gated)}")(
         _ptr(indptr), _ptr(rows), _ptr(pos), ctypes.c_longlong(ell_size), _ptr(x), _ptr(dy), _ptr(w_downT),
@@ -1519,6 +1519,17 @@ def test_training_row_loops_give_the_vector_loop_bits(row_libs, dtype, D, gated)
     for name in ("y", "dx"):
         assert not np.isnan(new[name].astype(np.float32)).any(), name
         assert not new[name][[0, M - 1]].astype(np.float32).any(), name + ": backup rows stay 0"
+    # ell_dx with a skip map (the by-neuron backward's row map): rows with skip >= 0 keep
+    # what the backup rows' step wrote; the others get the same bits as without it
+    skip = np.full(M, -1, np.int32)
+    skip[[3, 7, M - 1]] = [0, 1, 2]
+    for vec in (2, 1):
+        dx_s = np.full((M, D), 7.0, np.float32).astype(dtype)
+        getattr(bwd_lib, f"ell_dx_{sfx}")(int(gated), _ptr(w_up), _ptr(w_gate), _ptr(idx), _ptr(nnz),
+                                         _ptr(new["du"]), _ptr(new["dg"]), _ptr(dx_s), ctypes.c_longlong(M), W, D,
+                                         vec, _ptr(skip))
+        assert (dx_s[skip >= 0].astype(np.float32) == 7.0).all(), "skipped rows are left alone"
+        np.testing.assert_array_equal(dx_s[skip < 0].view(bits), new["dx"][skip < 0].view(bits))
     # and y is the product it claims to be (h = g * u rounded to the storage type)
     g64 = gval.astype(np.float64)
     h = (g64 * new["u"].astype(np.float64)).astype(dtype).astype(np.float64) if gated else g64

@@ -279,6 +279,10 @@ def test_training_row_loop_constants_and_setting():
     from twellpy.backends import cuda_train as ct
 
     assert ct.ROW_XREG == _define_default("train_ffn.cu", "TW_XREG")
+    # the by-neuron launcher sizes blocks up to DH_THREADS: the kernel's launch bound
+    assert ct.DH_THREADS == _define_default("train_ffn.cu", "TW_DH_THREADS")
+    assert ct._by_neuron_nv(8 * 512, 2) == 1 and ct._by_neuron_nv(8 * 513, 2) == 2
+    assert ct._by_neuron_nv(8 * 1024, 2) == 2 and ct._by_neuron_nv(8 * 1025, 2) is None
     for macro in ct._ROW_TUNABLES:
         _define_default("train_ffn.cu", macro)  # each is a #ifndef tunable of the file
     assert ct._rows_setting("0") is None

@@ -509,6 +509,9 @@ def ffn_backward_by_neuron(indptr, rows, pos, idx, x, dy, w_downT, da, db, gval,
     """
     H, D, dt = int(n_neurons), x.shape[1], x.dtype
     dw_a, dw_b, dw_dT, base = _grad_outputs(H, D, dt, gated, base)
+    if not by_neuron_ok(D, x, dy, w_downT):
+        raise ValueError(f"ffn_backward_by_neuron: rows of {D} {dt} elements need 16-byte aligned rows of at "
+                         f"most {DH_THREADS * max(BY_NEURON_NV)} vectors; use ffn_weight_grads")
     if H and D:
         nv = _by_neuron_nv(D, dt.itemsize)
         per_nv = -(-(D // (16 // dt.itemsize)) // nv)  # threads holding one row's vectors
