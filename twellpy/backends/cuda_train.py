@@ -438,9 +438,7 @@ def ffn_backward_ell(dy, w_downT, w_up, w_gate, idx, nnz, gval, uval, l1_scale, 
             g, b, (dy, w_downT, w_up, w_gate if gated else w_up, idx, nnz, gval, uval if gated else gval, da,
                    db if gated else da, dx, _i64(M), _i32(W), _i32(D), np.float64(l1_scale), _i32(vec)))
         if two:
-            _k("ell_dx", dy.dtype, gated, **_row_defines())(
-                g, b, (w_up, w_gate if gated else w_up, idx, nnz, da, db if gated else da, dx, _i64(M), _i32(W),
-                       _i32(D), _i32(vec), _NULL_PTR))
+            ell_dx(w_up, w_gate if gated else None, idx, nnz, da, db if gated else None, dx)
         if plan is not None:
             # rows' entries are idx[r, :nnz[r]] (stride W); backup rows have nnz 0: dx 0, as fused
             cuda._resident_spmm(idx, da, w_up, dx, plan, row_count=nnz, stride=W, row_cap=W,
