@@ -3,6 +3,8 @@
 Usage on the H200 (repository root)::
 
     PYTHONPATH=. python benchmarks/profile_kernels.py            # runs ncu on itself
+    PYTHONPATH=. python benchmarks/profile_kernels.py --set train  # the training step's kernels
+    PYTHONPATH=. python benchmarks/profile_kernels.py --set all    # both
 
 The parent process re-runs this script under Nsight Compute (``ncu
 --clock-control none --profile-from-start off``; the clocks are left alone,
@@ -52,7 +54,22 @@ COLUMNS = (
 STALL_PREFIX, STALL_SUFFIX = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
 
 
-def child():
+def train_steps():
+    """The W1-16k training step's kernels (bf16, the library's defaults): one forward, one backward."""
+    from benchmarks.train import L1, train_inputs
+    from twellpy import ffn as T
+
+    x, wg, wu, wd, dy = train_inputs("W1-16k")
+    state = {}
+
+    def forward():
+        state["ctx"] = T.gated_forward_train(x, wg, wu, wd, l1=L1, check_finite=False)[1]
+
+    return [("train W1-16k forward", forward),
+            ("train W1-16k backward", lambda: T.gated_backward(state["ctx"], dy))]
+
+
+def child(which="infer"):
     import cupy as cp
     import numpy as np
 
@@ -81,12 +98,14 @@ def child():
         finally:
             tc.SPMM_MAX_ITERS, tc.SPMM_DEFINES, tc.SPMM_ROW_BLOCK = saved
 
-    steps = [("dense->TwELL", lambda: tc.dense_to_twell(hb, 256, 32)),
+    steps = [] if which == "train" else [("dense->TwELL", lambda: tc.dense_to_twell(hb, 256, 32)),
              ("TwELL @ W (row-block, default)", lambda: tc.twell_spmm(vals, idx, counts, wb)),
              ("TwELL @ W (warp-per-row)", spmm_warp_per_row),
              (f"dense {label}", dense_fn),
              ("copy 1 GiB", lambda: dst.data.copy_from_device_async(src.data, n_bytes)),
              ("FFN W1-16k sparse", lambda: ffn(w["x"]))]
+    if which in ("train", "all"):
+        steps += train_steps()
     for _, fn in steps:  # compile, plan and warm every kernel outside the window
         fn(), fn()
     cp.cuda.Device().synchronize()
@@ -142,7 +161,7 @@ def parent():
            "--print-units", "base"]
     for s in SECTIONS:
         cmd += ["--section", s]
-    cmd += [sys.executable, os.path.abspath(__file__), "--child"]
+    cmd += [sys.executable, os.path.abspath(__file__), "--child", *sys.argv[1:]]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, TWELLPY_PROFILE_CHILD="1"))
     with open(os.path.join(out, "ncu_raw.csv"), "w") as f:
         f.write(proc.stdout)
@@ -158,7 +177,10 @@ def parent():
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    which = sys.argv[sys.argv.index("--set") + 1] if "--set" in sys.argv else "infer"
+    if which not in ("infer", "train", "all"):
+        sys.exit(f"--set must be infer, train or all, not {which!r}")
     if "--child" in sys.argv:
-        child()
+        child(which)
     else:
         sys.exit(parent())
