@@ -1585,6 +1585,46 @@ twellpy_train_transpose_dense(const U* __restrict__ in, U* __restrict__ out, lon
     }
 }
 
+// twellpy_train_transpose_pairs: twellpy_train_transpose_dense<unsigned short> with
+// every global access a 32-bit word (two 16-bit elements): the loads read two
+// neighbours of a row, the stores write two neighbours of an output row (two rows
+// of the input, one column). A warp then moves 128 bytes a request instead of 64,
+// and a block a 64 x 64 tile. The 65-element tile rows keep both phases free of
+// shared-memory bank conflicts (word of element (i, j) = (65 i + j) / 2).
+//   in   (rows, cols) 16-bit elements as words, rows and cols even, 4-byte aligned
+//   out  (cols, rows) likewise
+// Block (32, 8); the grid strides over the tiles in both directions.
+__global__ void __launch_bounds__(256)
+twellpy_train_transpose_pairs(const unsigned int* __restrict__ in, unsigned int* __restrict__ out, long long rows,
+                              long long cols) {
+    __shared__ unsigned short tile[64][65];
+    const long long tiles_r = (rows + 63) / 64, tiles_c = (cols + 63) / 64;
+    const long long in_words = cols / 2, out_words = rows / 2;  // words a row
+    const int tx = threadIdx.x;
+    for (long long tr = blockIdx.y; tr < tiles_r; tr += gridDim.y) {
+        for (long long tc = blockIdx.x; tc < tiles_c; tc += gridDim.x) {
+            const long long r0 = tr * 64, c0 = tc * 64;
+            const long long cw = c0 / 2 + tx;  // this lane's word of a tile row
+            for (int j = threadIdx.y; j < 64; j += 8) {
+                const long long r = r0 + j;
+                if (r < rows && cw < in_words) {
+                    const unsigned int v = in[r * in_words + cw];
+                    tile[j][2 * tx] = (unsigned short)(v & 0xffffu);  // the lower address holds the low half
+                    tile[j][2 * tx + 1] = (unsigned short)(v >> 16);
+                }
+            }
+            __syncthreads();
+            const long long ow = r0 / 2 + tx;  // output word: input rows r0 + 2 tx and r0 + 2 tx + 1
+            for (int j = threadIdx.y; j < 64; j += 8) {
+                const long long o = c0 + j;
+                if (o < cols && ow < out_words)
+                    out[o * out_words + ow] = (unsigned int)tile[2 * tx][j] | ((unsigned int)tile[2 * tx + 1][j] << 16);
+            }
+            __syncthreads();
+        }
+    }
+}
+
 // twellpy_train_row_maps: where each row of a Hybrid goes, from the rows'
 // non-zero counts and the chosen ELL width W (replaces a host computation and
 // an upload between the forward's one synchronisation and its next kernels).

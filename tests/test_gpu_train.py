@@ -308,7 +308,8 @@ def _bits_of(a):
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
-@pytest.mark.parametrize("shape", [(1, 1), (1, 70001), (33, 65), (70001, 3), (2048, 5632)])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 70001), (33, 65), (70001, 3), (2048, 5632), (66, 130), (2, 140002),
+                                   (140002, 4)])
 def test_transpose_copy_is_bit_exact(dtype, shape):
     from twellpy.backends import cuda_train as CT
 
@@ -331,6 +332,19 @@ def test_transpose_copy_of_a_strided_view():
     np.testing.assert_array_equal(_bits_of(_host(got)), _bits_of(a[:, ::2].T))
     with pytest.raises(ValueError, match="2-D"):
         CT.transpose_copy(to_gpu(a)[0])
+
+
+def test_transpose_copy_of_a_view_off_word_alignment():
+    """A contiguous 16-bit view starting 2 bytes into a word takes the one-element
+    kernel (the pairwise one needs 4-byte aligned rows): still the transpose's bits."""
+    from twellpy.backends import cuda_train as CT
+
+    flat = np.random.default_rng(4).standard_normal(1 + 64 * 96).astype(bfloat16)
+    dev = to_gpu(flat)[1:].reshape(64, 96)
+    assert dev.data.ptr % 4 == 2 and dev.flags.c_contiguous
+    poison()
+    got = CT.transpose_copy(dev)
+    np.testing.assert_array_equal(_bits_of(_host(got)), _bits_of(flat[1:].reshape(64, 96).T))
 
 
 def _backup_problem(dtype, R, H, seed):
@@ -1179,3 +1193,58 @@ def test_dh_by_neuron_matches_the_row_flow_and_the_reference_gpu(monkeypatch, ro
         got = runs[0][f"grad{i}"]
         assert rel(got, rows[f"grad{i}"]) <= TOL[dtype], (name, rel(got, rows[f"grad{i}"]))
         assert rel(got, ref[name]) <= TOL[dtype], (name, rel(got, ref[name]))
+
+
+def _poison_both_streams():
+    """Poison the pools of the caller's stream and of this thread's side stream."""
+    from twellpy.backends import cuda_train
+
+    poison()
+    with cuda_train._side_stream():
+        poison()
+
+
+@pytest.mark.parametrize("on_user_stream", [False, True], ids=["null_stream", "user_stream"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
+@pytest.mark.parametrize("case", ["uniform", "uneven03", "hot2000", "M1", "odd", "wide_D"])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
+def test_side_stream_gives_the_in_order_bits_gpu(fresh_layouts, monkeypatch, on_user_stream, case, dtype, gated):
+    """TWELLPY_TRAIN_SIDE_STREAM on (the default: the backward's transpose beside the ELL
+    kernel, a counted-and-packed forward's row maps and backup rows beside the ELL
+    forward) and off give the same bits for the exact step, a speculative hit and the
+    backup rows' GEMM route, pools of both streams poisoned; on the caller's own
+    non-blocking stream too, where nothing orders the two streams but the events."""
+    import cupy as cp
+
+    from twellpy.backends import cuda_train
+
+    x, wg, wu, wd, dy = _gpu_problem(case, dtype, gated, seed=61)
+    made = []
+    real = cuda_train.SideWork
+    monkeypatch.setattr(cuda_train, "SideWork", lambda: made.append(1) or real())
+    user = cp.cuda.Stream(non_blocking=True) if on_user_stream else cp.cuda.Stream.null
+
+    def run(side, **kw):
+        monkeypatch.setattr(T, "SIDE_STREAM", side)
+        monkeypatch.setattr(T, "_LAYOUTS", type(T._LAYOUTS)())
+        outs, ctxs = [], []
+        with user:
+            for speculate in (False, True, True):  # exact, then a remembered layout's hit
+                _poison_both_streams()
+                outs.append(step_outputs(x, wg, wu, wd, dy, "auto", gated, ctxs, speculate=speculate, **kw)[0])
+        assert [c.speculation for c in ctxs] == ["off", "exact", "hit"]
+        return outs
+
+    for gemm_route in (False, True):
+        # the route's thresholds at 0: every backup row's weight gradients by GEMM (ell-only transpose)
+        monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM_MIN_ROWS", 0 if gemm_route else T.BACKUP_WGRAD_GEMM_MIN_ROWS)
+        monkeypatch.setattr(T, "BACKUP_WGRAD_GEMM_MIN_MEAN", 0 if gemm_route else T.BACKUP_WGRAD_GEMM_MIN_MEAN)
+        made.clear()
+        on = run(True)
+        assert len(made) >= 4  # a backward per step, the hit's forward (count and pack)
+        made.clear()
+        off = run(False)
+        assert made == []
+        for a, b in zip(on, off):
+            for k in b:
+                assert a[k].tobytes() == b[k].tobytes(), (gemm_route, k)

@@ -350,6 +350,9 @@ void transpose_##SUFFIX(const U* in, U* out, long long rows, long long cols, int
 TRANSPOSE(u16, unsigned short)
 TRANSPOSE(u32, unsigned int)
 TRANSPOSE(u64, unsigned long long)
+void transpose_pairs(const unsigned int* in, unsigned int* out, long long rows, long long cols, int gx, int gy) {
+    emu::launch(twellpy_train_transpose_pairs, dim3(gx, gy), dim3(32, 8), 0, in, out, rows, cols);
+}
 #define TO_HYBRID(SUFFIX, T)                                                                          \
 void relu_to_hybrid_##SUFFIX(const T* z, long long M, int H, int vec, int vec_store, const int* row_map, int W, \
                              T* ell_val, int* ell_idx, int* ell_nnz, T* backup, int* neuron_counts) {       \
@@ -667,6 +670,23 @@ def test_tiled_transpose_is_exact(train_lib, width, name, shape):
         getattr(train_lib, f"transpose_{name}")(_ptr(a), _ptr(out), ctypes.c_longlong(rows),
                                                  ctypes.c_longlong(cols), grid[0], grid[1])
         np.testing.assert_array_equal(out, a.T)
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (70, 100), (64, 64), (66, 130), (2, 300), (300, 2), (128, 62)])
+def test_pairwise_transpose_is_exact(train_lib, shape):
+    """twellpy_train_transpose_pairs (16-bit elements moved as 32-bit words, 64 x 64
+    tiles; even shapes): the transpose's bits, partial tiles and grid strides included,
+    and nothing written outside the output."""
+    rng = np.random.default_rng(sum(shape))
+    a = rng.integers(0, 0xFFFF, size=shape, dtype=np.uint16)
+    rows, cols = shape
+    full = (-(-cols // 64), -(-rows // 64))
+    for grid in (full, (1, 1), (2, 3)):
+        out = np.full((cols * rows + 8,), 0x5A5A, np.uint16)  # 8 guard elements past the end
+        train_lib.transpose_pairs(_ptr(a), _ptr(out), ctypes.c_longlong(rows), ctypes.c_longlong(cols),
+                                  grid[0], grid[1])
+        np.testing.assert_array_equal(out[:-8].reshape(cols, rows), a.T)
+        assert (out[-8:] == 0x5A5A).all()
 
 
 # ---------------------------------------------------------------------------

@@ -111,6 +111,32 @@ COUNT_PACK = _switch_setting("TWELLPY_TRAIN_COUNT_PACK", os.environ.get("TWELLPY
 #: block reduction and barrier leave the kernel latency-bound; docs/performance.md).
 DH_BY_NEURON = _switch_setting("TWELLPY_TRAIN_DH_BY_NEURON", os.environ.get("TWELLPY_TRAIN_DH_BY_NEURON", "0"))
 
+#: Work that does not feed the next kernel runs beside it on a second stream
+#: (TWELLPY_TRAIN_SIDE_STREAM=1|0): in the backward, the pattern's transpose (counting
+#: sort, several small launches) beside the fused ELL backward kernel, which does not
+#: need it; in a forward that counts and packs in one read, the row maps and the wide
+#: rows' backup rows beside the ELL forward kernel. Same kernels, same bits.
+SIDE_STREAM = _switch_setting("TWELLPY_TRAIN_SIDE_STREAM", os.environ.get("TWELLPY_TRAIN_SIDE_STREAM", "1"))
+
+
+class _InOrder:
+    """Stands in for a backend's ``SideWork`` when the side stream is off."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def join(self):
+        pass
+
+
+def _side_work(be, wanted=True):
+    """``be.SideWork()`` when the side stream is on and ``wanted``, else in-order work."""
+    return be.SideWork() if SIDE_STREAM and wanted else _InOrder()
+
+
 #: Set to a list to collect ``(phase, cupy.cuda.Event, host seconds)`` marks
 #: (benchmarks/train.py): the event gives the device timeline, the host clock
 #: says how much of a phase was Python and synchronisation.
@@ -728,28 +754,37 @@ def _forward_pass(be, xp, named, x, w_gate, w_up, w_down, l1, width, gated, chec
     else:
         W, cap = spec.width, spec.capacity
     # [row_map (M,) | backup_rows (cap,)], built where the counts are (on the GPU:
-    # one launch, no host work or upload while the device waits)
-    maps = be.row_maps(token_counts, W, cap, capacity=spec is not None)
-    row_map = maps[:M]
-    _mark("width + row maps", xp)
-    if packed is not None:
-        gvals, idx, ell_nnz, neuron_counts = packed[:4]
-        be.backup_rows_from_z(z, row_map, gvals, W, cap)
-        del z, packed
-    elif one_chunk:
-        gvals, idx, ell_nnz, neuron_counts = be.relu_to_hybrid(z, row_map, W, cap)
-        del z
-    else:
-        gvals, idx, ell_nnz = be.csr_to_hybrid(indptr, col, val, row_map, W, H, cap)
-        del col, val, indptr
-    g_ell, _ = be.split_combined(gvals, M, W, cap, H)
+    # one launch, no host work or upload while the device waits). After a count and
+    # pack the ELL forward kernel needs neither the maps nor the backup rows (wide
+    # rows kept no ELL entries), so they are built beside it
+    side = _side_work(be, packed is not None)
+    with side:
+        maps = be.row_maps(token_counts, W, cap, capacity=spec is not None)
+        row_map = maps[:M]
+        if packed is not None:
+            be.backup_rows_from_z(z, row_map, packed[0], W, cap)
+    try:  # the side work reads z and writes gvals: joined before either may be freed
+        _mark("width + row maps", xp)
+        if packed is not None:
+            gvals, idx, ell_nnz, neuron_counts = packed[:4]
+            del packed
+        elif one_chunk:
+            gvals, idx, ell_nnz, neuron_counts = be.relu_to_hybrid(z, row_map, W, cap)
+            z = None  # no side work read it
+        else:
+            gvals, idx, ell_nnz = be.csr_to_hybrid(indptr, col, val, row_map, W, H, cap)
+            del col, val, indptr
+        g_ell, _ = be.split_combined(gvals, M, W, cap, H)
 
-    # 3) forward on the pattern: ELL rows in one fused kernel (which also sums
-    # |h| per row for the L1 statistic), backup rows dense
-    uvals = xp.empty_like(gvals) if gated else None
-    u_ell = be.split_combined(uvals, M, W, cap, H)[0] if gated else None
-    _mark("pattern -> hybrid", xp)
-    y, h_abs_rows = be.ffn_forward_ell(x, w_up, w_downT, idx, ell_nnz, g_ell, u_ell, gated)
+        # 3) forward on the pattern: ELL rows in one fused kernel (which also sums
+        # |h| per row for the L1 statistic), backup rows dense
+        uvals = xp.empty_like(gvals) if gated else None
+        u_ell = be.split_combined(uvals, M, W, cap, H)[0] if gated else None
+        _mark("pattern -> hybrid", xp)
+        y, h_abs_rows = be.ffn_forward_ell(x, w_up, w_downT, idx, ell_nnz, g_ell, u_ell, gated)
+    finally:
+        side.join()
+    z = None
     _mark("fused fwd kernel", xp)
     if spec is not None:
         # the host waits here, with the ELL kernel queued behind the counts' copy
@@ -876,6 +911,11 @@ def _backward(ctx, dy, gated):
         indptr, rows, pos = _transpose_for_grads(ctx, g_bk, ell_only=bool(wgrad_gemm and R))
         _mark("transpose (counting sort)", xp)
     else:
+        # the transpose needs only the forward's pattern: it runs beside the ELL kernel
+        # (with the backup rows' GEMM route it leaves their entries out: step 2 sums them)
+        side = _side_work(be)
+        with side:
+            transposed = _transpose_for_grads(ctx, g_bk, ell_only=bool(wgrad_gemm and R))
         dx = be.ffn_backward_ell(dy, ctx.w_downT, ctx.w_up, ctx.w_gate, ctx.idx, ctx.ell_nnz, g_ell, u_ell,
                                  l1s, gated, da_ell, db_ell)
         _mark("fused bwd kernel", xp)
@@ -940,7 +980,9 @@ def _backward(ctx, dy, gated):
                   skip=ctx.row_map if R else None)
         _mark("ELL dx", xp)
     else:
-        indptr, rows, pos = _transpose_for_grads(ctx, g_bk, ell_only=base is not None)
+        side.join()
+        indptr, rows, pos = transposed
+        del transposed
         _mark("transpose (counting sort)", xp)
         dw_up, dw_gate, dw_downT = be.ffn_weight_grads(indptr, rows, pos, ctx.x, dy, da, db, ctx.gvals,
                                                        ctx.uvals, H, gated, base=base)

@@ -614,6 +614,19 @@ def ffn_weight_grads(indptr, rows, pos, x, dy, da, db, gval, uval, n_neurons, ga
 
 # ---------------------------------------------------------------------------
 # dense helpers (same names as in cuda_train, where they avoid CuPy bfloat16 gaps)
+class SideWork:
+    """The CPU runs everything in order: a no-op twin of ``cuda_train.SideWork``."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def join(self):
+        pass
+
+
 def bits(a):
     return a
 

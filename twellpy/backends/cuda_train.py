@@ -8,6 +8,7 @@ kernel is deterministic: none uses floating-point atomics (see the header of
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 
@@ -58,6 +59,7 @@ def _names():
                 names.append(f"twellpy_train_wgrad_dh<{t},{gated},{nv}>")
     for u in _BIT_CTYPES.values():
         names.append(f"twellpy_train_transpose_dense<{u}>")
+    names.append("twellpy_train_transpose_pairs")
     names.append("twellpy_train_row_maps")
     return names
 
@@ -693,10 +695,69 @@ def transpose_copy(a):
     rows, cols = a.shape
     out = cp.empty((cols, rows), dtype=a.dtype)
     if a.size:
-        k = _registry.get_kernel(SOURCE, f"twellpy_train_transpose_dense<{_BIT_CTYPES[a.dtype.itemsize]}>")
-        grid = (min(-(-cols // 32), 1 << 20), min(-(-rows // 32), 65535))
+        if a.dtype.itemsize == 2 and rows % 2 == 0 and cols % 2 == 0 and a.data.ptr % 4 == 0:
+            # 16-bit elements two at a time (32-bit words; 64 x 64 tiles)
+            k, tile = _registry.get_kernel(SOURCE, "twellpy_train_transpose_pairs"), 64
+        else:
+            k, tile = _registry.get_kernel(SOURCE, f"twellpy_train_transpose_dense<{_BIT_CTYPES[a.dtype.itemsize]}>"), 32
+        grid = (min(-(-cols // tile), 1 << 20), min(-(-rows // tile), 65535))
         k(grid, (32, 8), (a, out, _i64(rows), _i64(cols)))
     return out
+
+
+_SIDE_STREAMS = threading.local()  # per thread: {device id: its high-priority side stream}
+
+
+def _side_stream():
+    """This thread's side stream on the current device: non-blocking (no implicit
+    ordering with the legacy stream) and of the device's highest priority, so its
+    blocks are dispatched as soon as the main stream's long kernel frees a slot."""
+    cp = _cp()
+    dev = cp.cuda.Device().id
+    streams = getattr(_SIDE_STREAMS, "by_device", None)
+    if streams is None:
+        streams = _SIDE_STREAMS.by_device = {}
+    s = streams.get(dev)
+    if s is None:
+        _, greatest = cp.cuda.runtime.deviceGetStreamPriorityRange()
+        s = streams[dev] = cp.cuda.Stream(non_blocking=True, priority=greatest)
+    return s
+
+
+class SideWork:
+    """Kernels queued on a second stream, to run beside what the current stream runs next.
+
+    ``with side:`` makes the side stream current after it waits for everything
+    queued so far on the current (main) stream; leaving the block records where
+    the side work ends and makes the main stream current again. ``join()`` makes
+    the main stream wait for that point; call it before the main stream uses the
+    side work's results, and before any array the side work reads or writes can be
+    freed (a freed block goes back to the main stream's pool and may be reused at
+    once). Arrays the side work allocates return to the side stream's pool, whose
+    every later use starts by waiting for the main stream, so their reuse is safe.
+    Events only, so a CUDA graph capture of the main stream takes the side work in.
+    """
+
+    def __init__(self):
+        cp = _cp()
+        self._main = cp.cuda.get_current_stream()
+        self._side = _side_stream()
+        self._end = None
+
+    def __enter__(self):
+        self._side.wait_event(self._main.record())
+        self._side.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._side.__exit__(*exc)
+        self._end = self._side.record()
+        return False
+
+    def join(self):
+        if self._end is not None:
+            self._main.wait_event(self._end)
+            self._end = None
 
 
 def _acc_dtype(dtype):
