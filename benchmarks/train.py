@@ -265,7 +265,36 @@ def time_row_variants(fwd, dy, reps, on_row=None):
     return rows
 
 
-def bench(name, reps, widths=()):
+class _Skip(Exception):
+    """Leaves a variant's block early under --quick."""
+
+
+def time_side_stream(tw_step, bwd, reps, rounds=3):
+    """The step and the backward with TWELLPY_TRAIN_SIDE_STREAM off and on, in alternating
+    rounds (so drift hits both), and whether the two give the same bits."""
+    cp = _cp()
+    saved = T.SIDE_STREAM
+    try:
+        outs = {}
+        for on in (False, True):
+            T.SIDE_STREAM = on
+            outs[on] = tw_step()
+        same = all(bool((a.view(cp.uint16) == b.view(cp.uint16)).all()) for a, b in zip(outs[False], outs[True]))
+        del outs
+        step = {False: [], True: []}
+        back = {False: [], True: []}
+        for _ in range(rounds):
+            for on in (False, True):
+                T.SIDE_STREAM = on
+                step[on].append(time_ms(tw_step, reps)[0])
+                back[on].append(time_ms(bwd, reps)[0])
+    finally:
+        T.SIDE_STREAM = saved
+    return {"default": saved, "same_bits": same,
+            **{("on" if on else "off"): {"step_ms": step[on], "bwd_ms": back[on]} for on in (False, True)}}
+
+
+def bench(name, reps, widths=(), quick=False):
     import torch
 
     cp = _cp()
@@ -298,7 +327,7 @@ def bench(name, reps, widths=()):
     res["tw_bwd_ms"] = time_ms(lambda: T.gated_backward(ctx, dy), reps)
     # the ELL kernels' row loops (TWELLPY_TRAIN_ROWS, TWELLPY_TRAIN_TWO_PASS): off (the x / dy
     # row re-read for every slot) and the define sets; each must give the first one's bits
-    res["rows"] = time_row_variants(tw_fwd, dy, reps)
+    res["rows"] = [] if quick else time_row_variants(tw_fwd, dy, reps)
     # the split step (TWELLPY_TRAIN_SPLIT: y from a shared-memory slice of w_down, dx
     # from slices of w_up and w_gate, twellpy_spmm_resident), against the fused
     # kernels: the backward on the same context, the forward's y
@@ -311,7 +340,11 @@ def bench(name, reps, widths=()):
         calls.append(1)
         return launch(*a, **k)
 
+    if quick:
+        res["tw_split_ran"] = None
     try:
+        if quick:
+            raise _Skip
         ct.SPLIT = False
         fused_grads = T.gated_backward(ctx, dy)
         ct.SPLIT, tc._resident_spmm = True, counted
@@ -327,9 +360,14 @@ def bench(name, reps, widths=()):
         res["tw_bwd_split_ms"] = time_ms(lambda: T.gated_backward(ctx, dy), reps)
         res["tw_fwd_split_ms"] = time_ms(tw_fwd, reps)
         res["tw_split_ms"] = time_ms(tw_step, reps)
+        del split_grads, fused_grads
+    except _Skip:
+        pass
     finally:
         ct.SPLIT, tc._resident_spmm = saved_split, launch
-    del ctx, y, split_grads, fused_grads
+    # the side stream (TWELLPY_TRAIN_SIDE_STREAM) off and on, on fresh contexts each step
+    res["side_stream"] = time_side_stream(tw_step, lambda: T.gated_backward(ctx, dy), reps)
+    del ctx, y
     # the exact path (issue 5): the host waits for the token counts before the ELL
     # kernel; the default (speculative on the GPU) must give its bits
     exact_outs = tw_step(False)
@@ -346,6 +384,8 @@ def bench(name, reps, widths=()):
     # flow, each way on one context: the gradients differ only by the dot products' order
     saved_dh = T.DH_BY_NEURON
     try:
+        if quick:
+            raise _Skip
         y_n, ctx_n = tw_fwd()
         flows = {}
         for on in (False, True):
@@ -358,6 +398,8 @@ def bench(name, reps, widths=()):
         for on in (False, True):
             res["dh_by_neuron"]["on" if on else "off"] = {k: flows[on][k] for k in ("bwd_ms", "step_ms")}
         del y_n, ctx_n, flows, grads
+    except _Skip:
+        pass
     finally:
         T.DH_BY_NEURON = saved_dh
     # the default again in the same run, after the exact rows (drift check)
@@ -472,6 +514,8 @@ def main(argv=None):
     ap.add_argument("--widths", nargs="*", default=[],
                     help="also time the step with these ELL widths (ints or strategies, e.g. 1 32 "
                          "quantile:0.5); rows wider than W take the dense backup-row GEMMs")
+    ap.add_argument("--quick", action="store_true",
+                    help="leave out the variant tables (row loops, split step, dh by neuron)")
     ap.add_argument("--cpu", action="store_true",
                     help="time the CPU (Numba) step of a small model (D=256, H=1024, M=4096) instead")
     args = ap.parse_args(argv)
@@ -486,7 +530,7 @@ def main(argv=None):
     dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     results = []
     for name in args.workloads:
-        r = bench(name, args.reps, [int(w) if w.isdigit() else w for w in args.widths])
+        r = bench(name, args.reps, [int(w) if w.isdigit() else w for w in args.widths], quick=args.quick)
         print(json.dumps(r), flush=True)
         results.append(r)
         cp.get_default_memory_pool().free_all_blocks()
@@ -515,6 +559,8 @@ def main(argv=None):
             print(f"{r['workload']} row loops (TWELLPY_TRAIN_ROWS) {row['variant']:>14}: fwd {row['fwd_ms'][0]:.3f} ms, "
                   f"bwd {row['bwd_ms'][0]:.3f} ms, same bits as {ROW_VARIANTS[0][0]}: {row['same_bits']}")
     for r in results:
+        if r["tw_split_ran"] is None:
+            continue
         print(f"{r['workload']} split step (TWELLPY_TRAIN_SPLIT): fwd {r['tw_fwd_split_ms'][0]:.3f} ms "
               f"(fused {r['tw_fwd_ms'][0]:.3f}), bwd {r['tw_bwd_split_ms'][0]:.3f} ms "
               f"(fused {r['tw_bwd_ms'][0]:.3f}), step {r['tw_split_ms'][0]:.3f} ms "
@@ -528,6 +574,15 @@ def main(argv=None):
               f"({r['tw_compared_path']}) gave "
               f"its bits: {r['tw_exact_bits_equal']}; extra memory {r['tw_exact_extra_peak_MB']:.0f} MB")
     for r in results:
+        d = r["side_stream"]
+        print(f"{r['workload']} side stream (TWELLPY_TRAIN_SIDE_STREAM, default {int(d['default'])}), "
+              f"alternating rounds: step on " + "/".join(f"{v:.3f}" for v in d["on"]["step_ms"]) + " ms, off "
+              + "/".join(f"{v:.3f}" for v in d["off"]["step_ms"]) + "; bwd on "
+              + "/".join(f"{v:.3f}" for v in d["on"]["bwd_ms"]) + ", off "
+              + "/".join(f"{v:.3f}" for v in d["off"]["bwd_ms"]) + f"; same bits: {d['same_bits']}")
+    for r in results:
+        if "on" not in r.get("dh_by_neuron", {}):
+            continue
         d = r["dh_by_neuron"]
         print(f"{r['workload']} dh by neuron (TWELLPY_TRAIN_DH_BY_NEURON, default {int(d['default'])}): "
               f"bwd {d['on']['bwd_ms'][0]:.3f} ms against {d['off']['bwd_ms'][0]:.3f} by rows, step "
