@@ -269,29 +269,37 @@ class _Skip(Exception):
     """Leaves a variant's block early under --quick."""
 
 
-def time_side_stream(tw_step, bwd, reps, rounds=3):
-    """The step and the backward with TWELLPY_TRAIN_SIDE_STREAM off and on, in alternating
-    rounds (so drift hits both), and whether the two give the same bits."""
+def time_setting(attr, values, tw_step, bwd, reps, rounds=3):
+    """The step and the backward with ``twellpy._ffn_train.<attr>`` at each of ``values``,
+    in alternating rounds (so drift hits each alike), and whether each gives the
+    first value's bits."""
     cp = _cp()
-    saved = T.SIDE_STREAM
+    saved = getattr(T, attr)
     try:
-        outs = {}
-        for on in (False, True):
-            T.SIDE_STREAM = on
-            outs[on] = tw_step()
-        same = all(bool((a.view(cp.uint16) == b.view(cp.uint16)).all()) for a, b in zip(outs[False], outs[True]))
-        del outs
-        step = {False: [], True: []}
-        back = {False: [], True: []}
+        base, same = None, {}
+        for v in values:
+            setattr(T, attr, v)
+            outs = tw_step()
+            base = outs if base is None else base
+            same[v] = all(bool((a.view(cp.uint16) == b.view(cp.uint16)).all()) for a, b in zip(outs, base))
+            del outs
+        del base
+        times = {v: {"step_ms": [], "bwd_ms": []} for v in values}
         for _ in range(rounds):
-            for on in (False, True):
-                T.SIDE_STREAM = on
-                step[on].append(time_ms(tw_step, reps)[0])
-                back[on].append(time_ms(bwd, reps)[0])
+            for v in values:
+                setattr(T, attr, v)
+                times[v]["step_ms"].append(time_ms(tw_step, reps)[0])
+                times[v]["bwd_ms"].append(time_ms(bwd, reps)[0])
     finally:
-        T.SIDE_STREAM = saved
-    return {"default": saved, "same_bits": same,
-            **{("on" if on else "off"): {"step_ms": step[on], "bwd_ms": back[on]} for on in (False, True)}}
+        setattr(T, attr, saved)
+    return {"default": saved, "values": [{"value": v, "same_bits": same[v], **times[v]} for v in values]}
+
+
+def setting_line(workload, label, d):
+    """One printed line of a :func:`time_setting` result."""
+    parts = [f"{v['value']!s}: step " + "/".join(f"{t:.3f}" for t in v["step_ms"]) + " ms, bwd "
+             + "/".join(f"{t:.3f}" for t in v["bwd_ms"]) + f", same bits {v['same_bits']}" for v in d["values"]]
+    return f"{workload} {label} (default {d['default']!s}), alternating rounds: " + "; ".join(parts)
 
 
 def bench(name, reps, widths=(), quick=False):
@@ -366,7 +374,11 @@ def bench(name, reps, widths=(), quick=False):
     finally:
         ct.SPLIT, tc._resident_spmm = saved_split, launch
     # the side stream (TWELLPY_TRAIN_SIDE_STREAM) off and on, on fresh contexts each step
-    res["side_stream"] = time_side_stream(tw_step, lambda: T.gated_backward(ctx, dy), reps)
+    res["side_stream"] = time_setting("SIDE_STREAM", (False, True), tw_step, lambda: T.gated_backward(ctx, dy),
+                                      reps)
+    # the gate GEMM and the count and pack over row chunks (TWELLPY_TRAIN_GATE_CHUNKS)
+    res["gate_chunks"] = time_setting("GATE_CHUNKS", (1, 2, 4, 8), tw_step, lambda: T.gated_backward(ctx, dy),
+                                      reps)
     del ctx, y
     # the exact path (issue 5): the host waits for the token counts before the ELL
     # kernel; the default (speculative on the GPU) must give its bits
@@ -574,12 +586,8 @@ def main(argv=None):
               f"({r['tw_compared_path']}) gave "
               f"its bits: {r['tw_exact_bits_equal']}; extra memory {r['tw_exact_extra_peak_MB']:.0f} MB")
     for r in results:
-        d = r["side_stream"]
-        print(f"{r['workload']} side stream (TWELLPY_TRAIN_SIDE_STREAM, default {int(d['default'])}), "
-              f"alternating rounds: step on " + "/".join(f"{v:.3f}" for v in d["on"]["step_ms"]) + " ms, off "
-              + "/".join(f"{v:.3f}" for v in d["off"]["step_ms"]) + "; bwd on "
-              + "/".join(f"{v:.3f}" for v in d["on"]["bwd_ms"]) + ", off "
-              + "/".join(f"{v:.3f}" for v in d["off"]["bwd_ms"]) + f"; same bits: {d['same_bits']}")
+        print(setting_line(r["workload"], "side stream (TWELLPY_TRAIN_SIDE_STREAM)", r["side_stream"]))
+        print(setting_line(r["workload"], "gate chunks (TWELLPY_TRAIN_GATE_CHUNKS)", r["gate_chunks"]))
     for r in results:
         if "on" not in r.get("dh_by_neuron", {}):
             continue

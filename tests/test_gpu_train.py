@@ -1248,3 +1248,34 @@ def test_side_stream_gives_the_in_order_bits_gpu(fresh_layouts, monkeypatch, on_
         for a, b in zip(on, off):
             for k in b:
                 assert a[k].tobytes() == b[k].tobytes(), (gemm_route, k)
+
+
+@pytest.mark.parametrize("chunks", [2, 3, 7])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
+@pytest.mark.parametrize("case", ["uniform", "uneven03", "hot2000", "M1", "odd", "empty_rows"])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
+def test_gate_chunks_give_the_one_chunk_bits_gpu(fresh_layouts, monkeypatch, chunks, case, dtype, gated):
+    """TWELLPY_TRAIN_GATE_CHUNKS: a counted-and-packed forward whose gate GEMM and count
+    and pack take turns over row chunks (one relu_count_pack call a chunk, each on its
+    rows only) gives the one-chunk step's bits, pools poisoned."""
+    from twellpy.backends import cuda_train
+
+    x, wg, wu, wd, dy = _gpu_problem(case, dtype, gated, seed=67)
+    calls, real = [], cuda_train.relu_count_pack
+    monkeypatch.setattr(cuda_train, "relu_count_pack", lambda *a, **k: calls.append(k.get("rows")) or real(*a, **k))
+    got = {}
+    for n in (1, chunks):
+        monkeypatch.setattr(T, "GATE_CHUNKS", n)
+        monkeypatch.setattr(T, "_LAYOUTS", type(T._LAYOUTS)())
+        ctxs = []
+        step_outputs(x, wg, wu, wd, dy, "auto", gated, ctxs, speculate=True)
+        calls.clear()
+        poison()
+        got[n], _, _ = step_outputs(x, wg, wu, wd, dy, "auto", gated, ctxs, speculate=True)
+        assert [c.speculation for c in ctxs] == ["exact", "hit"]
+        M = x.shape[0]
+        step = -(-M // n)
+        want = [None] if n == 1 or step >= M else [(a, min(M, a + step)) for a in range(0, M, step)]
+        assert calls == want
+    for k in got[1]:
+        assert got[chunks][k].tobytes() == got[1][k].tobytes(), k

@@ -101,6 +101,18 @@ _DIRECT_PACK = True
 #: against 3.37 ms, the exact path's bits.
 COUNT_PACK = _switch_setting("TWELLPY_TRAIN_COUNT_PACK", os.environ.get("TWELLPY_TRAIN_COUNT_PACK", "1"))
 
+#: Row chunks of a counted-and-packed forward's gate GEMM (TWELLPY_TRAIN_GATE_CHUNKS, a
+#: positive integer; 1 by default): the GEMM and the count-and-pack take turns over them,
+#: so each chunk's pack reads gate output the L2 may still hold. Same bits for any value.
+def _positive_setting(name, value):
+    """The int of a positive-integer environment variable ``name`` (anything else raises)."""
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+GATE_CHUNKS = _positive_setting("TWELLPY_TRAIN_GATE_CHUNKS", os.environ.get("TWELLPY_TRAIN_GATE_CHUNKS", "1"))
+
 #: The backward's dh by neuron (TWELLPY_TRAIN_DH_BY_NEURON=1|0): one pass over the
 #: transposed pattern computes dh, du and dg on the ELL entries together with the weight
 #: gradients, from the dy and x rows those gather anyway, so no w_down row is gathered per
@@ -702,11 +714,11 @@ def _forward_pass(be, xp, named, x, w_gate, w_up, w_down, l1, width, gated, chec
     spec = layout if one_chunk else None
     packed = None  # relu_count_pack's outputs (a speculative one-chunk forward, COUNT_PACK)
     if one_chunk:
-        z = be.gemm(x, w_act.T, dt)
         if spec is not None and COUNT_PACK:
-            packed = be.relu_count_pack(z, spec.width, spec.capacity, out=counts_out)
+            z, packed = be.gate_count_pack(x, w_act, spec.width, spec.capacity, out=counts_out, chunks=GATE_CHUNKS)
             token_counts = packed[4]
         else:
+            z = be.gemm(x, w_act.T, dt)
             token_counts = be.relu_count(z, out=counts_out)
     else:
         counts, cols, vals = [], [], []

@@ -184,6 +184,13 @@ def relu_count_pack(z, width, n_backup, out=None):
     return vals, ell_idx, ell_nnz, neuron_counts, counts
 
 
+def gate_count_pack(x, w_act, width, n_backup, out=None, chunks=1):
+    """``z = x @ w_act.T`` and :func:`relu_count_pack` of it; see the CUDA twin
+    (``chunks``, an L2 matter there, changes nothing here)."""
+    z = gemm(x, w_act.T, x.dtype)
+    return z, relu_count_pack(z, width, n_backup, out=out)
+
+
 def backup_rows_from_z(z, row_map, vals, width, n_backup):
     """relu(z) of the rows ``row_map`` routes to backup rows, into ``vals``' backup part."""
     M, H = z.shape

@@ -281,52 +281,86 @@ def relu_to_hybrid(z, row_map, width, n_backup):
     return _launch_relu_to_hybrid(z, 0, width, n_backup, row_map=row_map)
 
 
-def relu_count_pack(z, width, n_backup, out=None):
+def relu_count_pack(z, width, n_backup, out=None, rows=None, into=None):
     """``relu_count`` and ``relu_to_hybrid`` in one read of ``z`` when W is known
     before the counts (a speculative forward): every row is packed into the ELL
     part; rows with more than ``width`` active entries keep padding there (their
     dense backup rows come from :func:`backup_rows_from_z` once ``row_maps`` has
     placed them). ``out``: as ``relu_count``'s.
 
+    ``rows=(a, b)`` packs rows ``a`` to ``b`` only (of the whole ``z``), into the
+    outputs ``into`` of an earlier call on the same ``z`` (None: new outputs for
+    every row), so a caller can pack each row chunk of ``z`` just after writing it.
+
     Returns ``vals, ell_idx, ell_nnz, neuron_counts, token_counts``; the backup
     part of ``vals`` is unwritten.
     """
-    token_counts = _cp().empty(z.shape[0], dtype=np.int32) if out is None else out
-    return _launch_relu_to_hybrid(z, 1, width, n_backup, token_counts=token_counts) + (token_counts,)
+    M, H = z.shape
+    if into is None:
+        cp = _cp()
+        into = (cp.empty(M * width + n_backup * H, dtype=z.dtype), cp.empty((M, width), dtype=cp.int32),
+                cp.empty(M, dtype=cp.int32), cp.zeros(H, dtype=cp.int32),
+                cp.empty(M, dtype=np.int32) if out is None else out)
+    _launch_relu_to_hybrid(z, 1, width, n_backup, into[:4], token_counts=into[4], rows=rows)
+    return into
+
+
+def gate_count_pack(x, w_act, width, n_backup, out=None, chunks=1):
+    """``z = x @ w_act.T`` and :func:`relu_count_pack` of it, the GEMM and the pack
+    taking turns over ``chunks`` row chunks, so that each chunk's pack reads the
+    part of ``z`` the GEMM has just written while the L2 still holds it.
+
+    Returns ``z, (vals, ell_idx, ell_nnz, neuron_counts, token_counts)``.
+    """
+    M = x.shape[0]
+    step = max(1, -(-M // max(1, int(chunks))))
+    if step >= M:
+        z = gemm(x, w_act.T, x.dtype)
+        return z, relu_count_pack(z, width, n_backup, out=out)
+    z = _cp().empty((M, w_act.shape[0]), dtype=x.dtype)
+    packed = None
+    for a in range(0, M, step):
+        b = min(M, a + step)
+        gemm(x[a:b], w_act.T, x.dtype, into=z[a:b])
+        packed = relu_count_pack(z, width, n_backup, out=out, rows=(a, b), into=packed)
+    return z, packed
 
 
 def backup_rows_from_z(z, row_map, vals, width, n_backup):
     """The dense backup rows (relu(z) of the rows ``row_map`` routes there) into the
     combined buffer ``vals`` of :func:`relu_count_pack`; other rows are not read."""
     if n_backup:
-        _launch_relu_to_hybrid(z, 2, width, n_backup, row_map=row_map, vals=vals)
+        _launch_relu_to_hybrid(z, 2, width, n_backup, (vals, None, None, None), row_map=row_map)
 
 
-def _launch_relu_to_hybrid(z, mode, width, n_backup, row_map=None, vals=None, token_counts=None):
-    """One launch of ``twellpy_train_relu_to_hybrid`` in ``mode`` (see train_ffn.cu).
-    Without ``vals`` (modes 0 and 1) it allocates the Hybrid's buffers and returns
-    ``vals, ell_idx, ell_nnz, neuron_counts``; mode 2 writes into ``vals``' backup part."""
+def _launch_relu_to_hybrid(z, mode, width, n_backup, bufs=None, row_map=None, token_counts=None, rows=None):
+    """One launch of ``twellpy_train_relu_to_hybrid`` in ``mode`` (see train_ffn.cu)
+    over rows ``a`` to ``b`` of ``z`` (``rows=(a, b)``; all rows without it).
+    ``bufs`` is ``vals, ell_idx, ell_nnz, neuron_counts`` of the whole Hybrid (mode
+    2 needs only ``vals``); without it (mode 0) they are allocated. Returns ``bufs``."""
     cp = _cp()
     M, H = z.shape
-    ell_idx = ell_nnz = neuron_counts = None
-    if vals is None:
-        vals = cp.empty(M * width + n_backup * H, dtype=z.dtype)
-        ell_idx = cp.empty((M, width), dtype=cp.int32)
-        ell_nnz = cp.empty(M, dtype=cp.int32)
-        neuron_counts = cp.zeros(H, dtype=cp.int32)
+    if bufs is None:
+        bufs = (cp.empty(M * width + n_backup * H, dtype=z.dtype), cp.empty((M, width), dtype=cp.int32),
+                cp.empty(M, dtype=cp.int32), cp.zeros(H, dtype=cp.int32))
+    vals, ell_idx, ell_nnz, neuron_counts = bufs
     ell_val, backup = split_combined(vals, M, width, n_backup, H)
-    if M:
-        g, b = _rows_grid(M)
-        vec = _vec_ok(H, z)
+    a, b = (0, M) if rows is None else (int(rows[0]), int(rows[1]))
+    if not 0 <= a <= b <= M:
+        raise ValueError(f"rows {rows} are not a row range of z, which has {M} rows")
+    if b > a:
+        g, blk = _rows_grid(b - a)
+        vec = _vec_ok(H, z)  # H * itemsize % 16 == 0 too, so every row of z starts aligned
         vec_store = vec and (not n_backup or _vec_ok(H, backup))  # backup starts after M*W values
 
-        def ptr(a):
-            return _NULL_PTR if a is None else a
+        def part(arr):  # the launch's rows of a per-row array; NULL for an absent one
+            return _NULL_PTR if arr is None else arr[a:b]
 
-        _k("relu_to_hybrid", z.dtype)(g, b, (z, _i64(M), _i32(H), _i32(vec), _i32(vec_store), ptr(row_map),
-                                             _i32(width), ell_val, ptr(ell_idx), ptr(ell_nnz), backup,
-                                             ptr(neuron_counts), ptr(token_counts), _i32(mode)))
-    return vals, ell_idx, ell_nnz, neuron_counts
+        _k("relu_to_hybrid", z.dtype)(g, blk, (
+            z[a:b], _i64(b - a), _i32(H), _i32(vec), _i32(vec_store), part(row_map), _i32(width), ell_val[a:b],
+            part(ell_idx), part(ell_nnz), backup, _NULL_PTR if neuron_counts is None else neuron_counts,
+            part(token_counts), _i32(mode)))
+    return bufs
 
 
 def csr_to_hybrid(indptr, col, val, row_map, width, n_cols, n_backup):
@@ -960,14 +994,15 @@ def _gemm_operand(a):
     return _CUBLAS_OP_N, max(1, a.shape[1]), a
 
 
-def gemm(a, b, out_dtype, out=None):
+def gemm(a, b, out_dtype, out=None, into=None):
     """Dense ``a @ b`` through cublasGemmEx with fp32 (fp64) accumulation.
 
     ``a`` (m, k) and ``b`` (k, n) may be C-contiguous or transposed views of
     C-contiguous arrays (no copy then). Inputs share one dtype; the result is
     (m, n) in ``out_dtype`` (any supported float dtype, e.g. float32 from
     bfloat16 inputs). With ``out`` (a C-contiguous (m, n) ``out_dtype``
-    array) the product is added to it (cuBLAS beta = 1) and ``out`` returned.
+    array) the product is added to it (cuBLAS beta = 1) and ``out`` returned;
+    with ``into`` (the same kind of array) it is written there (beta = 0).
     """
     cp = _cp()
     from cupy_backends.cuda.libs import cublas
@@ -979,15 +1014,20 @@ def gemm(a, b, out_dtype, out=None):
     k2, n = b.shape
     if k != k2:
         raise ValueError(f"gemm shapes {tuple(a.shape)} and {tuple(b.shape)} do not chain")
+    if out is not None and into is not None:
+        raise ValueError("gemm takes out (add to it) or into (write there), not both")
     if out is not None:
         _check_operand("out", out, out_dtype, (m, n))
         c, beta = out, 1
+    elif into is not None:
+        _check_operand("into", into, out_dtype, (m, n))
+        c, beta = into, 0
     else:
         c, beta = cp.empty((m, n), dtype=out_dtype), 0
     if m == 0 or n == 0:
         return c
     if k == 0:
-        if out is None:
+        if out is None:  # a fresh or written-into result is zeros; an added-to one is unchanged
             c.view(np.uint8)[...] = 0
         return c
     # row-major C = A B  <=>  column-major C^T = B^T A^T
