@@ -23,6 +23,11 @@
 #ifndef TW_PACK_UNROLL
 #define TW_PACK_UNROLL 4  // 16-byte loads in flight per lane in relu_to_hybrid's ELL rows (as ffn_rowpack)
 #endif
+// 1: relu_to_hybrid reads the gate output with streaming (evict-first) loads, as
+// ffn_rowpack does; 0: read-only cached loads. benchmarks/count_pack_probe.py times both.
+#ifndef TW_PACK_STREAM
+#define TW_PACK_STREAM 0
+#endif
 // vec = 2 in twellpy_train_fwd / _bwd: each lane keeps its TW_XREG 16-byte vectors of
 // the x (dy) row in registers (so D <= 32 * TW_XREG * 16 / sizeof(T)) instead of
 // re-reading the row for every slot's dot product, and the dot products of
@@ -504,7 +509,11 @@ twellpy_train_relu_to_hybrid(const T* __restrict__ z, long long M, int H, int ve
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int c = b0 + (u * 32 + lane) * N;  // H % N == 0 here: a vector is all in or all out
+#if TW_PACK_STREAM
+                raw[u] = c < H ? __ldcs(reinterpret_cast<const uint4*>(zr + c)) : make_uint4(0u, 0u, 0u, 0u);
+#else
                 raw[u] = c < H ? __ldg(reinterpret_cast<const uint4*>(zr + c)) : make_uint4(0u, 0u, 0u, 0u);
+#endif
             }
 #pragma unroll
             for (int u = 0; u < U; ++u) {

@@ -265,6 +265,12 @@ def queue_to_host(arr):
     return PendingHost(arr, cp.cuda.get_current_stream())
 
 
+#: Compile-time defines of ``twellpy_train_relu_to_hybrid`` (tunings such as
+#: ``TW_PACK_STREAM``, ``TW_PACK_UNROLL``, ``TW_WARPS``; its launch follows ``TW_WARPS``
+#: here). Every tuning gives the same bits.
+PACK_DEFINES = {}
+
+
 def relu_to_hybrid(z, row_map, width, n_backup):
     """relu(z) packed straight into a Hybrid (no CSR): the one-chunk forward's path.
 
@@ -349,14 +355,15 @@ def _launch_relu_to_hybrid(z, mode, width, n_backup, bufs=None, row_map=None, to
     if not 0 <= a <= b <= M:
         raise ValueError(f"rows {rows} are not a row range of z, which has {M} rows")
     if b > a:
-        g, blk = _rows_grid(b - a)
+        warps = int(PACK_DEFINES.get("TW_WARPS", WARPS))  # one warp a row
+        g, blk = (max(1, -(-(b - a) // warps)),), (32 * warps,)
         vec = _vec_ok(H, z)  # H * itemsize % 16 == 0 too, so every row of z starts aligned
         vec_store = vec and (not n_backup or _vec_ok(H, backup))  # backup starts after M*W values
 
         def part(arr):  # the launch's rows of a per-row array; NULL for an absent one
             return _NULL_PTR if arr is None else arr[a:b]
 
-        _k("relu_to_hybrid", z.dtype)(g, blk, (
+        _k("relu_to_hybrid", z.dtype, **PACK_DEFINES)(g, blk, (
             z[a:b], _i64(b - a), _i32(H), _i32(vec), _i32(vec_store), part(row_map), _i32(width), ell_val[a:b],
             part(ell_idx), part(ell_nnz), backup, _NULL_PTR if neuron_counts is None else neuron_counts,
             part(token_counts), _i32(mode)))

@@ -1,0 +1,93 @@
+"""Where the training forward's count and pack spends its time (issue 5, one GPU call).
+
+At W1-16k on an H100 (2026-12-07) the forward's gate GEMM plus count and pack took
+0.705 ms against 0.514 ms for the GEMM alone: about 0.19 ms for one read of the 184 MB
+gate output, while the inference row pack (``twellpy_ffn_rowpack``) reads the same
+bytes in about 0.07 ms. This probe times, on the workload's own gate output ``z``:
+
+* the gate GEMM alone, and followed by the count and pack in 1, 2, 4 and 8 row chunks
+  (``gate_count_pack``; chunks let each pack read what the GEMM has just written);
+* ``relu_count`` (a read of z, no writes), the inference row pack, a copy of z;
+* ``relu_count_pack`` with its default tuning and with each of ``TW_PACK_STREAM=1``,
+  ``TW_PACK_UNROLL`` 2 / 8 and ``TW_WARPS`` 4 / 16, each checked for the default's bits.
+
+It prints one line per measurement: median ms and the z read rate (GB/s).
+
+Usage (device, repository root): ``PYTHONPATH=. python benchmarks/count_pack_probe.py [--workload W1-16k] [--reps 50]``
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.train import L1, time_ms, train_inputs  # noqa: E402
+from twellpy import _ffn_train as T  # noqa: E402
+from twellpy._array import bfloat16  # noqa: E402
+from twellpy.backends import _registry  # noqa: E402
+from twellpy.backends import cuda_train as ct  # noqa: E402
+
+VARIANTS = ({}, {"TW_PACK_STREAM": 1}, {"TW_PACK_UNROLL": 2}, {"TW_PACK_UNROLL": 8}, {"TW_WARPS": 4},
+            {"TW_WARPS": 16}, {"TW_PACK_STREAM": 1, "TW_WARPS": 16})
+
+
+def main(argv=None):
+    import cupy as cp
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", default="W1-16k")
+    ap.add_argument("--reps", type=int, default=50)
+    args = ap.parse_args(argv)
+    x, wg, wu, wd, dy = train_inputs(args.workload)
+    _, ctx = T.gated_forward_train(x, wg, wu, wd, l1=L1, check_finite=False)
+    W, cap = ctx.width, max(8, 2 * ctx.R)
+    del ctx
+    z = ct.gemm(x, wg.T, bfloat16)
+    M, H = z.shape
+    z_gb = z.nbytes / 1e9
+    rows = []
+
+    def add(label, fn, reads_z=True):
+        ms = time_ms(fn, args.reps)[0]
+        rows.append({"what": label, "ms": ms, "z_GBps": z_gb / (ms * 1e-3) if reads_z else None})
+        print(f"{label:55s} {ms:8.4f} ms" + (f"  {rows[-1]['z_GBps']:7.0f} GB/s of z" if reads_z else ""),
+              flush=True)
+
+    add("gate GEMM", lambda: ct.gemm(x, wg.T, bfloat16), reads_z=False)
+    for chunks in (1, 2, 4, 8):
+        add(f"gate GEMM + count and pack, {chunks} chunk(s)",
+            lambda: ct.gate_count_pack(x, wg, W, cap, chunks=chunks), reads_z=False)
+    add("relu_count (reads z, writes M counts)", lambda: ct.relu_count(z))
+    capr = 64
+    lidx = cp.empty((M, capr), cp.int32)
+    lval = cp.empty((M, capr), cp.float32)
+    rcount = cp.empty(M, cp.int32)
+    rowpack = _registry.get_kernel("ffn_pack.cu", f"twellpy_ffn_rowpack<{_registry.ctype(z.dtype)}>")
+    add("inference ffn_rowpack (cap 64)", lambda: rowpack(((M + 7) // 8,), (256,), (
+        z, cp.int64(H), cp.int32(M), cp.int32(H), cp.int32(capr), lidx, lval, rcount, ct._NULL_PTR)))
+    add("copy of z (read + write)", lambda: z.copy())
+    base = None
+    try:
+        for defs in VARIANTS:
+            ct.PACK_DEFINES = dict(defs)
+            got = [a.copy() for a in ct.relu_count_pack(z, W, cap)]
+            got[0] = got[0][:M * W]  # the backup part is unwritten
+            if base is None:
+                base = got
+            same = all(bool((a.view(cp.uint8) == b.view(cp.uint8)).all()) for a, b in zip(got, base))
+            add(f"relu_count_pack {json.dumps(defs)} same bits {same}", lambda: ct.relu_count_pack(z, W, cap))
+    finally:
+        ct.PACK_DEFINES = {}
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "count_pack_probe.json").write_text(json.dumps(
+            {"workload": args.workload, "M": M, "H": H, "W": W, "cap": cap, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
