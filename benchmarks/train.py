@@ -376,9 +376,14 @@ def bench(name, reps, widths=(), quick=False):
     # the side stream (TWELLPY_TRAIN_SIDE_STREAM) off and on, on fresh contexts each step
     res["side_stream"] = time_setting("SIDE_STREAM", (False, True), tw_step, lambda: T.gated_backward(ctx, dy),
                                       reps)
-    # the gate GEMM and the count and pack over row chunks (TWELLPY_TRAIN_GATE_CHUNKS)
-    res["gate_chunks"] = time_setting("GATE_CHUNKS", (1, 2, 4, 8), tw_step, lambda: T.gated_backward(ctx, dy),
-                                      reps)
+    # the gate GEMM and the count and pack over row chunks (TWELLPY_TRAIN_GATE_CHUNKS); a
+    # batch larger than one gate chunk speculates chunk by chunk (TWELLPY_TRAIN_SPECULATE_CHUNKED)
+    if M * wg.shape[0] * x.dtype.itemsize <= T.GATE_CHUNK_BYTES:
+        res["gate_chunks"] = time_setting("GATE_CHUNKS", (1, 2, 4, 8), tw_step,
+                                          lambda: T.gated_backward(ctx, dy), reps)
+    else:
+        res["speculate_chunked"] = time_setting("SPECULATE_CHUNKED", (False, True), tw_step,
+                                                lambda: T.gated_backward(ctx, dy), reps)
     del ctx, y
     # the exact path (issue 5): the host waits for the token counts before the ELL
     # kernel; the default (speculative on the GPU) must give its bits
@@ -587,7 +592,11 @@ def main(argv=None):
               f"its bits: {r['tw_exact_bits_equal']}; extra memory {r['tw_exact_extra_peak_MB']:.0f} MB")
     for r in results:
         print(setting_line(r["workload"], "side stream (TWELLPY_TRAIN_SIDE_STREAM)", r["side_stream"]))
-        print(setting_line(r["workload"], "gate chunks (TWELLPY_TRAIN_GATE_CHUNKS)", r["gate_chunks"]))
+        if "gate_chunks" in r:
+            print(setting_line(r["workload"], "gate chunks (TWELLPY_TRAIN_GATE_CHUNKS)", r["gate_chunks"]))
+        if "speculate_chunked" in r:
+            print(setting_line(r["workload"], "chunked speculation (TWELLPY_TRAIN_SPECULATE_CHUNKED)",
+                               r["speculate_chunked"]))
     for r in results:
         if "on" not in r.get("dh_by_neuron", {}):
             continue

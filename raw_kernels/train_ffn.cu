@@ -1653,6 +1653,11 @@ twellpy_train_transpose_pairs(const unsigned int* __restrict__ in, unsigned int*
 // consecutive rows per thread: per-thread flags, a warp scan, a scan of the
 // warp totals and a carry between rounds, so positions come from prefix
 // counts (deterministic, rows ascending) and M = 16384 takes two rounds.
+// Row chunks (a forward that packs the gate output a chunk at a time): a launch
+// maps rows row0 to row0 + n only; running (a device int, or null for 0) holds the
+// wide rows of the earlier rows and is advanced by this launch's, so launches over
+// consecutive chunks, in order, give one launch's maps. fill_rest = 1 (the last
+// chunk) marks the room no wide row took.
 #ifndef TW_MAP_THREADS
 #define TW_MAP_THREADS 1024
 #endif
@@ -1664,19 +1669,21 @@ static_assert(TW_MAP_THREADS % 32 == 0 && TW_MAP_THREADS >= 32 && TW_MAP_THREADS
 static_assert(TW_MAP_ROWS >= 1 && TW_MAP_ROWS <= 32, "TW_MAP_ROWS must be in [1, 32]");
 __global__ void __launch_bounds__(TW_MAP_THREADS)
 twellpy_train_row_maps(const int* __restrict__ counts, int* __restrict__ maps, long long M, int W,
-                       long long R) {
+                       long long R, long long row0, long long n, int* __restrict__ running, int fill_rest) {
     __shared__ int warp_below[32];  // backup rows of lower warps in this round
     __shared__ int round_total;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n_warps = blockDim.x >> 5;
-    long long carry = 0;  // backup rows of earlier rounds (the same in every thread)
-    for (long long base = 0; base < M; base += (long long)blockDim.x * TW_MAP_ROWS) {
+    const long long end = row0 + n;
+    // backup rows of earlier chunks and rounds (the same in every thread)
+    long long carry = running != nullptr ? *running : 0;
+    for (long long base = row0; base < end; base += (long long)blockDim.x * TW_MAP_ROWS) {
         const long long r0 = base + (long long)threadIdx.x * TW_MAP_ROWS;
         unsigned wide = 0u;  // bit q: row r0 + q has more than W non-zeros
 #pragma unroll
         for (int q = 0; q < TW_MAP_ROWS; ++q) {
             const long long r = r0 + q;
-            if (r < M && counts[r] > W) wide |= 1u << q;
+            if (r < end && counts[r] > W) wide |= 1u << q;
         }
         const int mine = __popc(wide);
         const int incl = warp_inclusive_sum(mine, lane);
@@ -1694,7 +1701,7 @@ twellpy_train_row_maps(const int* __restrict__ counts, int* __restrict__ maps, l
 #pragma unroll
         for (int q = 0; q < TW_MAP_ROWS; ++q) {
             const long long r = r0 + q;
-            if (r < M) {
+            if (r < end) {
                 if ((wide >> q) & 1u) {
                     maps[r] = k < R ? (int)k : -1;
                     if (k < R) maps[M + k] = (int)r;
@@ -1709,5 +1716,10 @@ twellpy_train_row_maps(const int* __restrict__ counts, int* __restrict__ maps, l
     }
     // room no wide row took (a capacity larger than needed): -1, never left unset;
     // carry is now the number of wide rows in every thread
-    for (long long k = carry + threadIdx.x; k < R; k += blockDim.x) maps[M + k] = -1;
+    if (fill_rest)
+        for (long long k = carry + threadIdx.x; k < R; k += blockDim.x) maps[M + k] = -1;
+    if (running != nullptr) {
+        __syncthreads();  // every thread has read *running
+        if (threadIdx.x == 0) *running = (int)carry;
+    }
 }

@@ -927,3 +927,44 @@ def test_dh_by_neuron_gives_the_row_flows_bits_on_the_cpu(monkeypatch, route, wi
     names = ("dx", "dw_gate", "dw_up", "dw_down") if gated else ("dx", "dw_up", "dw_down")
     for i, name in enumerate(names):
         assert rel(neuron[f"grad{i}"], ref[name]) <= TOL[dtype], name
+
+
+CHUNKED_CASES = {
+    "uniform": dict(M=700, D=24, H=256, nnz=12),
+    "uneven": dict(M=600, D=24, H=256, nnz=12, sigma=0.6),
+    "hot": dict(M=520, D=16, H=1024, nnz=8, hot=(300, 900), empty=(0, 257, 519)),
+}
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
+@pytest.mark.parametrize("case", list(CHUNKED_CASES))
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
+@pytest.mark.parametrize("width", ["auto", 3])
+def test_speculative_chunked_batch_gives_the_exact_bits(fresh_layouts, monkeypatch, case, dtype, gated, width):
+    """TWELLPY_TRAIN_SPECULATE_CHUNKED: a batch of several gate chunks (256 rows each
+    here) speculates by counting and packing each chunk as it is GEMM'd; a hit gives
+    the exact (CSR) path's bits, and a layout too small runs the step again exactly."""
+    from twellpy.backends import cpu_train
+
+    monkeypatch.setattr(T, "GATE_CHUNK_BYTES", 1)  # every chunk is the 256-row minimum
+    monkeypatch.setattr(T, "SPECULATE_CHUNKED", True)
+    calls, real = [], cpu_train.gate_count_pack_streamed
+    monkeypatch.setattr(cpu_train, "gate_count_pack_streamed", lambda *a, **k: calls.append(a[4]) or real(*a, **k))
+    prob = _cast(make_problem(**CHUNKED_CASES[case], seed=43, gated=gated), dtype)
+    x, wg, wu, wd, dy = prob if gated else (prob[0], None, *prob[1:])
+    ctxs = []
+    step_outputs(x, wg, wu, wd, dy, width, gated, ctxs, speculate=True)
+    spec, l1_spec, w_spec = step_outputs(x, wg, wu, wd, dy, width, gated, ctxs, speculate=True)
+    exact, l1_exact, w_exact = step_outputs(x, wg, wu, wd, dy, width, gated, ctxs, speculate=False)
+    assert [c.speculation for c in ctxs] == ["exact", "hit", "off"] and calls == [256]
+    assert w_spec == w_exact and l1_spec == l1_exact and spec.keys() == exact.keys()
+    for k in spec:
+        assert spec[k].shape == exact[k].shape and spec[k].tobytes() == exact[k].tobytes(), k
+    if ctxs[-1].R:
+        # room for one backup row fewer than the batch has: the step runs again, exactly
+        (key,) = fresh_layouts
+        fresh_layouts[key] = T._Layout(ctxs[-1].width, ctxs[-1].R - 1, T._SPEC_SLACK)
+        again, _, _ = step_outputs(x, wg, wu, wd, dy, width, gated, ctxs, speculate=True)
+        assert ctxs[-1].speculation == "rerun" and len(calls) == 2
+        for k in exact:
+            assert again[k].tobytes() == exact[k].tobytes(), k

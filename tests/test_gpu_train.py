@@ -1279,3 +1279,41 @@ def test_gate_chunks_give_the_one_chunk_bits_gpu(fresh_layouts, monkeypatch, chu
         assert calls == want
     for k in got[1]:
         assert got[chunks][k].tobytes() == got[1][k].tobytes(), k
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
+@pytest.mark.parametrize("case", ["uniform", "uneven03", "uneven1", "hot2000", "odd", "wide_D"])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
+@pytest.mark.parametrize("width", ["auto", 3])
+def test_speculative_chunked_batch_gives_the_exact_bits_gpu(fresh_layouts, monkeypatch, case, dtype, gated, width):
+    """TWELLPY_TRAIN_SPECULATE_CHUNKED on the device: gate chunks of 256 rows, each GEMM'd
+    into one reused buffer, counted and packed, mapped with the running count of wide
+    rows (twellpy_train_row_maps over a row range) and its wide rows written (mode 2
+    over a row range) before the next; a hit gives the exact (CSR) path's bits, pools
+    poisoned, and a capacity one short runs the step again exactly."""
+    from twellpy.backends import cuda_train
+
+    monkeypatch.setattr(T, "GATE_CHUNK_BYTES", 1)
+    monkeypatch.setattr(T, "SPECULATE_CHUNKED", True)
+    calls, real = [], cuda_train.gate_count_pack_streamed
+    monkeypatch.setattr(cuda_train, "gate_count_pack_streamed", lambda *a, **k: calls.append(a[4]) or real(*a, **k))
+    x, wg, wu, wd, dy = _gpu_problem(case, dtype, gated, seed=71)
+    ctxs = []
+    poison()
+    step_outputs(x, wg, wu, wd, dy, width, gated, ctxs, speculate=True)
+    poison()
+    spec, l1_spec, w_spec = step_outputs(x, wg, wu, wd, dy, width, gated, ctxs, speculate=True)
+    poison()
+    exact, l1_exact, w_exact = step_outputs(x, wg, wu, wd, dy, width, gated, ctxs, speculate=False)
+    assert [c.speculation for c in ctxs] == ["exact", "hit", "off"] and calls == [256]
+    assert w_spec == w_exact and l1_spec == l1_exact
+    for k in exact:
+        assert spec[k].shape == exact[k].shape and spec[k].tobytes() == exact[k].tobytes(), k
+    if ctxs[-1].R:
+        (key,) = fresh_layouts
+        fresh_layouts[key] = T._Layout(ctxs[-1].width, ctxs[-1].R - 1, T._SPEC_SLACK)
+        poison()
+        again, _, _ = step_outputs(x, wg, wu, wd, dy, width, gated, ctxs, speculate=True)
+        assert ctxs[-1].speculation == "rerun" and len(calls) == 2
+        for k in exact:
+            assert again[k].tobytes() == exact[k].tobytes(), k

@@ -370,7 +370,12 @@ void relu_count_pack_##SUFFIX(const T* z, long long M, int H, int vec, int vec_s
 TO_HYBRID(f32, float)
 TO_HYBRID(bf16, __nv_bfloat16)
 void row_maps(const int* counts, int* maps, long long M, int W, long long R, int threads) {
-    emu::launch(twellpy_train_row_maps, dim3(1), dim3(threads), 0, counts, maps, M, W, R);
+    emu::launch(twellpy_train_row_maps, dim3(1), dim3(threads), 0, counts, maps, M, W, R, 0LL, M, (int*)nullptr, 1);
+}
+void row_maps_rows(const int* counts, int* maps, long long M, int W, long long R, long long row0, long long n,
+                   int* running, int fill_rest, int threads) {
+    emu::launch(twellpy_train_row_maps, dim3(1), dim3(threads), 0, counts, maps, M, W, R, row0, n, running,
+                fill_rest);
 }
 }
 """
@@ -1697,6 +1702,32 @@ def test_row_maps_kernel_matches_numpy_twin(train_lib, threads, M, W, kind, room
         assert wide == 0
     if kind == "all wide":
         assert wide == M
+
+
+@pytest.mark.parametrize("chunk", [1, 95, 96, 700])
+@pytest.mark.parametrize("room", ["exact", "more", "fewer"])
+def test_row_maps_kernel_in_row_chunks_gives_one_launchs_maps(train_lib, chunk, room):
+    """Launches over consecutive row chunks with a running count (the forward that packs
+    its gate output a chunk at a time) give the maps of one launch over every row;
+    the running count ends at the number of wide rows."""
+    from twellpy.backends import cpu_train
+
+    M, W, threads = 2000, 30, 96
+    rng = np.random.default_rng(chunk)
+    counts = rng.poisson(30, M).astype(np.int32)
+    counts[rng.random(M) < 0.05] = 500
+    wide = int(np.count_nonzero(counts > W))
+    R = {"exact": wide, "more": wide + 40, "fewer": wide // 2}[room]
+    want = cpu_train.row_maps(counts, W, R, capacity=room != "exact")
+    maps = np.full(M + R + 3, -0x3C3C3C3C, np.int32)
+    running = np.zeros(1, np.int32)
+    for a in range(0, M, chunk):
+        b = min(M, a + chunk)
+        train_lib.row_maps_rows(_ptr(counts), _ptr(maps), M, W, R, ctypes.c_longlong(a), ctypes.c_longlong(b - a),
+                                _ptr(running), int(b == M), threads)
+    np.testing.assert_array_equal(maps[:M + R], want)
+    assert (maps[M + R:] == -0x3C3C3C3C).all()
+    assert int(running[0]) == wide
 
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)

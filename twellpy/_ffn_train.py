@@ -101,6 +101,15 @@ _DIRECT_PACK = True
 #: against 3.37 ms, the exact path's bits.
 COUNT_PACK = _switch_setting("TWELLPY_TRAIN_COUNT_PACK", os.environ.get("TWELLPY_TRAIN_COUNT_PACK", "1"))
 
+#: A batch whose gate output passes ``GATE_CHUNK_BYTES`` speculates too
+#: (TWELLPY_TRAIN_SPECULATE_CHUNKED=1|0): with a remembered layout, each row chunk's GEMM
+#: output is counted and packed into the Hybrid, mapped and its wide rows written while it
+#: is there (``gate_count_pack_streamed``), instead of going through a CSR of the chunk and
+#: waiting for the counts. Same bits as the exact path (a step whose layout differs runs
+#: again). Off until timed on a GPU.
+SPECULATE_CHUNKED = _switch_setting("TWELLPY_TRAIN_SPECULATE_CHUNKED",
+                                    os.environ.get("TWELLPY_TRAIN_SPECULATE_CHUNKED", "0"))
+
 #: Row chunks of a counted-and-packed forward's gate GEMM (TWELLPY_TRAIN_GATE_CHUNKS, a
 #: positive integer; 1 by default): the GEMM and the count-and-pack take turns over them,
 #: so each chunk's pack reads gate output the L2 may still hold. Same bits for any value.
@@ -711,9 +720,16 @@ def _forward_pass(be, xp, named, x, w_gate, w_up, w_down, l1, width, gated, chec
     w_act = w_gate if gated else w_up
     chunk = max(256, GATE_CHUNK_BYTES // max(1, H * dt.itemsize))
     one_chunk = _DIRECT_PACK and 0 < M <= chunk
-    spec = layout if one_chunk else None
-    packed = None  # relu_count_pack's outputs (a speculative one-chunk forward, COUNT_PACK)
-    if one_chunk:
+    # a batch larger than one chunk speculates only by counting and packing each chunk
+    # as its GEMM writes it (no CSR, maps and backup rows chunk by chunk)
+    streamed = not one_chunk and SPECULATE_CHUNKED and COUNT_PACK and M > 0
+    spec = layout if one_chunk or streamed else None
+    packed = None  # relu_count_pack's outputs (a speculative forward, COUNT_PACK)
+    maps = None  # the row maps, when the pattern step built them already
+    if spec is not None and streamed:
+        packed, maps = be.gate_count_pack_streamed(x, w_act, spec.width, spec.capacity, chunk, out=counts_out)
+        token_counts = packed[4]
+    elif one_chunk:
         if spec is not None and COUNT_PACK:
             z, packed = be.gate_count_pack(x, w_act, spec.width, spec.capacity, out=counts_out, chunks=GATE_CHUNKS)
             token_counts = packed[4]
@@ -721,6 +737,7 @@ def _forward_pass(be, xp, named, x, w_gate, w_up, w_down, l1, width, gated, chec
             z = be.gemm(x, w_act.T, dt)
             token_counts = be.relu_count(z, out=counts_out)
     else:
+        streamed = False  # the exact path: the CSR of each chunk
         counts, cols, vals = [], [], []
         for a in range(0, M, chunk):
             zc = be.gemm(x[a:a + chunk], w_act.T, dt)
@@ -751,7 +768,7 @@ def _forward_pass(be, xp, named, x, w_gate, w_up, w_down, l1, width, gated, chec
     _mark("gate GEMM + pattern", xp)
     # work that does not need the width is queued before the host reads the
     # counts, so the device keeps busy while the host picks W
-    if not one_chunk:
+    if not one_chunk and not streamed:
         neuron_counts = count_in_range(col, H)  # no host sync (cupy.bincount would sync twice)
     w_downT = be.transpose_copy(w_down)
     _mark("neuron counts + w_down^T", xp)
@@ -769,12 +786,13 @@ def _forward_pass(be, xp, named, x, w_gate, w_up, w_down, l1, width, gated, chec
     # one launch, no host work or upload while the device waits). After a count and
     # pack the ELL forward kernel needs neither the maps nor the backup rows (wide
     # rows kept no ELL entries), so they are built beside it
-    side = _side_work(be, packed is not None)
+    side = _side_work(be, packed is not None and maps is None)
     with side:
-        maps = be.row_maps(token_counts, W, cap, capacity=spec is not None)
+        if maps is None:
+            maps = be.row_maps(token_counts, W, cap, capacity=spec is not None)
+            if packed is not None:
+                be.backup_rows_from_z(z, maps[:M], packed[0], W, cap)
         row_map = maps[:M]
-        if packed is not None:
-            be.backup_rows_from_z(z, row_map, packed[0], W, cap)
     try:  # the side work reads z and writes gvals: joined before either may be freed
         _mark("width + row maps", xp)
         if packed is not None:

@@ -247,11 +247,20 @@ def row_maps(counts, width, n_backup, capacity=False):
     M = int(counts.shape[0])
     maps = cp.empty(M + int(n_backup), dtype=cp.int32)
     if M:
-        _registry.get_kernel(SOURCE, "twellpy_train_row_maps")(
-            (1,), (MAP_THREADS,), (counts, maps, _i64(M), _i32(width), _i64(n_backup)))
+        _launch_row_maps(counts, maps, width, n_backup, 0, M, None, True)
     elif n_backup:
         maps.fill(-1)  # no row, so no launch: the capacity is all unused
     return maps
+
+
+def _launch_row_maps(counts, maps, width, n_backup, row0, n, running, fill_rest):
+    """One launch of ``twellpy_train_row_maps`` over rows ``row0`` to ``row0 + n`` of
+    the whole ``counts`` into the whole ``maps``; ``running`` a (1,) int32 device count
+    of the wide rows before ``row0`` (advanced by the launch) or None (0)."""
+    M = int(counts.shape[0])
+    _registry.get_kernel(SOURCE, "twellpy_train_row_maps")(
+        (1,), (MAP_THREADS,), (counts, maps, _i64(M), _i32(width), _i64(n_backup), _i64(row0), _i64(n),
+                               _NULL_PTR if running is None else running, _i32(int(bool(fill_rest)))))
 
 
 def queue_to_host(arr):
@@ -294,21 +303,33 @@ def relu_count_pack(z, width, n_backup, out=None, rows=None, into=None):
     dense backup rows come from :func:`backup_rows_from_z` once ``row_maps`` has
     placed them). ``out``: as ``relu_count``'s.
 
-    ``rows=(a, b)`` packs rows ``a`` to ``b`` only (of the whole ``z``), into the
-    outputs ``into`` of an earlier call on the same ``z`` (None: new outputs for
-    every row), so a caller can pack each row chunk of ``z`` just after writing it.
+    ``rows=(a, b)``: ``z`` holds rows ``a`` to ``b`` of the gate output only, packed
+    into the outputs ``into`` of the whole batch (an earlier call's, or from
+    :func:`_count_pack_outputs`), so a caller can pack each row chunk just after
+    its GEMM wrote it.
 
     Returns ``vals, ell_idx, ell_nnz, neuron_counts, token_counts``; the backup
     part of ``vals`` is unwritten.
     """
-    M, H = z.shape
+    if rows is not None and into is None:
+        raise ValueError("relu_count_pack of a row range needs into, the outputs of the whole batch")
     if into is None:
-        cp = _cp()
-        into = (cp.empty(M * width + n_backup * H, dtype=z.dtype), cp.empty((M, width), dtype=cp.int32),
-                cp.empty(M, dtype=cp.int32), cp.zeros(H, dtype=cp.int32),
-                cp.empty(M, dtype=np.int32) if out is None else out)
+        into = _count_pack_outputs(z.shape[0], z.shape[1], width, n_backup, z.dtype, out)
     _launch_relu_to_hybrid(z, 1, width, n_backup, into[:4], token_counts=into[4], rows=rows)
     return into
+
+
+def _count_pack_outputs(M, H, width, n_backup, dtype, out=None):
+    """Fresh ``vals, ell_idx, ell_nnz, neuron_counts (zeros), token_counts`` (``out``
+    if given) of :func:`relu_count_pack` for a batch of ``M`` rows."""
+    cp = _cp()
+    return (cp.empty(M * width + n_backup * H, dtype=dtype), cp.empty((M, width), dtype=cp.int32),
+            cp.empty(M, dtype=cp.int32), cp.zeros(H, dtype=cp.int32),
+            cp.empty(M, dtype=np.int32) if out is None else out)
+
+
+def _row_chunks(M, step):
+    return [(a, min(M, a + step)) for a in range(0, M, max(1, int(step)))]
 
 
 def gate_count_pack(x, w_act, width, n_backup, out=None, chunks=1):
@@ -319,17 +340,47 @@ def gate_count_pack(x, w_act, width, n_backup, out=None, chunks=1):
     Returns ``z, (vals, ell_idx, ell_nnz, neuron_counts, token_counts)``.
     """
     M = x.shape[0]
-    step = max(1, -(-M // max(1, int(chunks))))
+    step = -(-M // max(1, int(chunks)))
     if step >= M:
         z = gemm(x, w_act.T, x.dtype)
         return z, relu_count_pack(z, width, n_backup, out=out)
     z = _cp().empty((M, w_act.shape[0]), dtype=x.dtype)
-    packed = None
-    for a in range(0, M, step):
-        b = min(M, a + step)
+    packed = _count_pack_outputs(M, w_act.shape[0], width, n_backup, x.dtype, out)
+    for a, b in _row_chunks(M, step):
         gemm(x[a:b], w_act.T, x.dtype, into=z[a:b])
-        packed = relu_count_pack(z, width, n_backup, out=out, rows=(a, b), into=packed)
+        relu_count_pack(z[a:b], width, n_backup, rows=(a, b), into=packed)
     return z, packed
+
+
+def gate_count_pack_streamed(x, w_act, width, n_backup, chunk_rows, out=None):
+    """A speculative forward's whole pattern step for a batch whose gate output is
+    larger than one chunk: ``z`` exists a chunk of ``chunk_rows`` rows at a time (one
+    buffer), and each chunk is GEMM'd, counted and packed, mapped (``row_maps`` with
+    a running count of wide rows, so chunk by chunk it gives one launch's maps) and
+    its wide rows' dense backup rows written, before the next chunk overwrites it.
+
+    Returns ``(vals, ell_idx, ell_nnz, neuron_counts, token_counts), maps`` with
+    ``maps`` as :func:`row_maps` (``capacity=True``) gives.
+    """
+    cp = _cp()
+    M, H = x.shape[0], w_act.shape[0]
+    packed = _count_pack_outputs(M, H, width, n_backup, x.dtype, out)
+    maps = cp.empty(M + int(n_backup), dtype=cp.int32)
+    if M == 0:
+        maps.fill(-1)
+        return packed, maps
+    running = cp.zeros(1, dtype=cp.int32)
+    zbuf = cp.empty((min(M, max(1, int(chunk_rows))), H), dtype=x.dtype)
+    chunks = _row_chunks(M, zbuf.shape[0])
+    for a, b in chunks:
+        z = zbuf[:b - a]
+        gemm(x[a:b], w_act.T, x.dtype, into=z)
+        relu_count_pack(z, width, n_backup, rows=(a, b), into=packed)
+        _launch_row_maps(packed[4], maps, width, n_backup, a, b - a, running, b == M)
+        if n_backup:
+            _launch_relu_to_hybrid(z, 2, width, n_backup, (packed[0], None, None, None), row_map=maps[:M],
+                                   rows=(a, b))
+    return packed, maps
 
 
 def backup_rows_from_z(z, row_map, vals, width, n_backup):
@@ -340,20 +391,25 @@ def backup_rows_from_z(z, row_map, vals, width, n_backup):
 
 
 def _launch_relu_to_hybrid(z, mode, width, n_backup, bufs=None, row_map=None, token_counts=None, rows=None):
-    """One launch of ``twellpy_train_relu_to_hybrid`` in ``mode`` (see train_ffn.cu)
-    over rows ``a`` to ``b`` of ``z`` (``rows=(a, b)``; all rows without it).
-    ``bufs`` is ``vals, ell_idx, ell_nnz, neuron_counts`` of the whole Hybrid (mode
-    2 needs only ``vals``); without it (mode 0) they are allocated. Returns ``bufs``."""
+    """One launch of ``twellpy_train_relu_to_hybrid`` in ``mode`` (see train_ffn.cu).
+    ``z`` holds every row of the gate output, or with ``rows=(a, b)`` rows ``a`` to
+    ``b`` only; ``bufs`` (``vals, ell_idx, ell_nnz, neuron_counts``; mode 2 needs only
+    ``vals``), ``row_map`` and ``token_counts`` are always the whole batch's. Without
+    ``bufs`` (mode 0) they are allocated. Returns ``bufs``."""
     cp = _cp()
-    M, H = z.shape
+    rz, H = z.shape
+    a, b = (0, rz) if rows is None else (int(rows[0]), int(rows[1]))
+    if b - a != rz:
+        raise ValueError(f"z has {rz} rows, not the {b - a} of rows {rows}")
     if bufs is None:
-        bufs = (cp.empty(M * width + n_backup * H, dtype=z.dtype), cp.empty((M, width), dtype=cp.int32),
-                cp.empty(M, dtype=cp.int32), cp.zeros(H, dtype=cp.int32))
+        bufs = (cp.empty(rz * width + n_backup * H, dtype=z.dtype), cp.empty((rz, width), dtype=cp.int32),
+                cp.empty(rz, dtype=cp.int32), cp.zeros(H, dtype=cp.int32))
     vals, ell_idx, ell_nnz, neuron_counts = bufs
-    ell_val, backup = split_combined(vals, M, width, n_backup, H)
-    a, b = (0, M) if rows is None else (int(rows[0]), int(rows[1]))
+    M = (vals.shape[0] - n_backup * H) // width if width else next(
+        int(v.shape[0]) for v in (row_map, token_counts, ell_nnz) if v is not None)
     if not 0 <= a <= b <= M:
-        raise ValueError(f"rows {rows} are not a row range of z, which has {M} rows")
+        raise ValueError(f"rows {rows} are not a row range of the batch's {M} rows")
+    ell_val, backup = split_combined(vals, M, width, n_backup, H)
     if b > a:
         warps = int(PACK_DEFINES.get("TW_WARPS", WARPS))  # one warp a row
         g, blk = (max(1, -(-(b - a) // warps)),), (32 * warps,)
@@ -364,7 +420,7 @@ def _launch_relu_to_hybrid(z, mode, width, n_backup, bufs=None, row_map=None, to
             return _NULL_PTR if arr is None else arr[a:b]
 
         _k("relu_to_hybrid", z.dtype, **PACK_DEFINES)(g, blk, (
-            z[a:b], _i64(b - a), _i32(H), _i32(vec), _i32(vec_store), part(row_map), _i32(width), ell_val[a:b],
+            z, _i64(b - a), _i32(H), _i32(vec), _i32(vec_store), part(row_map), _i32(width), ell_val[a:b],
             part(ell_idx), part(ell_nnz), backup, _NULL_PTR if neuron_counts is None else neuron_counts,
             part(token_counts), _i32(mode)))
     return bufs
