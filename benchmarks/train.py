@@ -269,16 +269,17 @@ class _Skip(Exception):
     """Leaves a variant's block early under --quick."""
 
 
-def time_setting(attr, values, tw_step, bwd, reps, rounds=3):
-    """The step and the backward with ``twellpy._ffn_train.<attr>`` at each of ``values``,
-    in alternating rounds (so drift hits each alike), and whether each gives the
-    first value's bits."""
+def time_setting(attr, values, tw_step, bwd, reps, rounds=3, module=None):
+    """The step and the backward with ``module.<attr>`` (``twellpy._ffn_train`` by
+    default) at each of ``values``, in alternating rounds (so drift hits each alike),
+    and whether each gives the first value's bits."""
     cp = _cp()
-    saved = getattr(T, attr)
+    T_ = T if module is None else module
+    saved = getattr(T_, attr)
     try:
         base, same = None, {}
         for v in values:
-            setattr(T, attr, v)
+            setattr(T_, attr, v)
             outs = tw_step()
             base = outs if base is None else base
             same[v] = all(bool((a.view(cp.uint16) == b.view(cp.uint16)).all()) for a, b in zip(outs, base))
@@ -287,11 +288,11 @@ def time_setting(attr, values, tw_step, bwd, reps, rounds=3):
         times = {v: {"step_ms": [], "bwd_ms": []} for v in values}
         for _ in range(rounds):
             for v in values:
-                setattr(T, attr, v)
+                setattr(T_, attr, v)
                 times[v]["step_ms"].append(time_ms(tw_step, reps)[0])
                 times[v]["bwd_ms"].append(time_ms(bwd, reps)[0])
     finally:
-        setattr(T, attr, saved)
+        setattr(T_, attr, saved)
     return {"default": saved, "values": [{"value": v, "same_bits": same[v], **times[v]} for v in values]}
 
 
@@ -376,6 +377,8 @@ def bench(name, reps, widths=(), quick=False):
     # the side stream (TWELLPY_TRAIN_SIDE_STREAM) off and on, on fresh contexts each step
     res["side_stream"] = time_setting("SIDE_STREAM", (False, True), tw_step, lambda: T.gated_backward(ctx, dy),
                                       reps)
+    res["pair_transpose"] = time_setting("PAIR_TRANSPOSE", (False, True), tw_step,
+                                         lambda: T.gated_backward(ctx, dy), reps, module=ct)
     # the gate GEMM and the count and pack over row chunks (TWELLPY_TRAIN_GATE_CHUNKS); a
     # batch larger than one gate chunk speculates chunk by chunk (TWELLPY_TRAIN_SPECULATE_CHUNKED)
     if M * wg.shape[0] * x.dtype.itemsize <= T.GATE_CHUNK_BYTES:
@@ -592,6 +595,7 @@ def main(argv=None):
               f"its bits: {r['tw_exact_bits_equal']}; extra memory {r['tw_exact_extra_peak_MB']:.0f} MB")
     for r in results:
         print(setting_line(r["workload"], "side stream (TWELLPY_TRAIN_SIDE_STREAM)", r["side_stream"]))
+        print(setting_line(r["workload"], "pair transpose (TWELLPY_PAIR_TRANSPOSE)", r["pair_transpose"]))
         if "gate_chunks" in r:
             print(setting_line(r["workload"], "gate chunks (TWELLPY_TRAIN_GATE_CHUNKS)", r["gate_chunks"]))
         if "speculate_chunked" in r:

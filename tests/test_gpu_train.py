@@ -310,8 +310,13 @@ def _bits_of(a):
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1, 1), (1, 70001), (33, 65), (70001, 3), (2048, 5632), (66, 130), (2, 140002),
                                    (140002, 4)])
-def test_transpose_copy_is_bit_exact(dtype, shape):
+@pytest.mark.parametrize("pairs", [False, True], ids=["one_by_one", "pairs"])
+def test_transpose_copy_is_bit_exact(monkeypatch, dtype, shape, pairs):
+    """Both kernels (16-bit elements one at a time, or as word pairs where the shape
+    allows): the transpose's bits, NaN payloads included."""
     from twellpy.backends import cuda_train as CT
+
+    monkeypatch.setattr(CT, "PAIR_TRANSPOSE", pairs)
 
     rng = np.random.default_rng(shape[0] * 7 + shape[1])
     a = rng.standard_normal(shape).astype(dtype)
@@ -334,11 +339,12 @@ def test_transpose_copy_of_a_strided_view():
         CT.transpose_copy(to_gpu(a)[0])
 
 
-def test_transpose_copy_of_a_view_off_word_alignment():
+def test_transpose_copy_of_a_view_off_word_alignment(monkeypatch):
     """A contiguous 16-bit view starting 2 bytes into a word takes the one-element
     kernel (the pairwise one needs 4-byte aligned rows): still the transpose's bits."""
     from twellpy.backends import cuda_train as CT
 
+    monkeypatch.setattr(CT, "PAIR_TRANSPOSE", True)
     flat = np.random.default_rng(4).standard_normal(1 + 64 * 96).astype(bfloat16)
     dev = to_gpu(flat)[1:].reshape(64, 96)
     assert dev.data.ptr % 4 == 2 and dev.flags.c_contiguous

@@ -136,8 +136,9 @@ DH_BY_NEURON = _switch_setting("TWELLPY_TRAIN_DH_BY_NEURON", os.environ.get("TWE
 #: (TWELLPY_TRAIN_SIDE_STREAM=1|0): in the backward, the pattern's transpose (counting
 #: sort, several small launches) beside the fused ELL backward kernel, which does not
 #: need it; in a forward that counts and packs in one read, the row maps and the wide
-#: rows' backup rows beside the ELL forward kernel. Same kernels, same bits.
-SIDE_STREAM = _switch_setting("TWELLPY_TRAIN_SIDE_STREAM", os.environ.get("TWELLPY_TRAIN_SIDE_STREAM", "1"))
+#: rows' backup rows beside the ELL forward kernel. Same kernels, same bits. Off until
+#: it has run on a GPU.
+SIDE_STREAM = _switch_setting("TWELLPY_TRAIN_SIDE_STREAM", os.environ.get("TWELLPY_TRAIN_SIDE_STREAM", "0"))
 
 
 class _InOrder:

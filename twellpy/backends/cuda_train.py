@@ -776,6 +776,12 @@ def concat(arrays):
     return _unbits(cp.concatenate([bits(a).reshape(-1) for a in arrays]), dt)
 
 
+#: 16-bit ``transpose_copy`` through ``twellpy_train_transpose_pairs`` (32-bit words, 64 x 64
+#: tiles) where the shape and alignment allow (TWELLPY_PAIR_TRANSPOSE=1|0; off until it has
+#: run on a GPU: tested on the CPU emulation only).
+PAIR_TRANSPOSE = os.environ.get("TWELLPY_PAIR_TRANSPOSE", "0") == "1"
+
+
 def transpose_copy(a):
     """C-contiguous copy of ``a.T`` (``a`` 2-D) for any value dtype.
 
@@ -792,7 +798,7 @@ def transpose_copy(a):
     rows, cols = a.shape
     out = cp.empty((cols, rows), dtype=a.dtype)
     if a.size:
-        if a.dtype.itemsize == 2 and rows % 2 == 0 and cols % 2 == 0 and a.data.ptr % 4 == 0:
+        if PAIR_TRANSPOSE and a.dtype.itemsize == 2 and rows % 2 == 0 and cols % 2 == 0 and a.data.ptr % 4 == 0:
             # 16-bit elements two at a time (32-bit words; 64 x 64 tiles)
             k, tile = _registry.get_kernel(SOURCE, "twellpy_train_transpose_pairs"), 64
         else:
