@@ -854,6 +854,17 @@ def fresh_layouts(monkeypatch):
     return T._LAYOUTS
 
 
+def _hit_and_exact(x, wg, wu, wd, dy, width, gated, ctxs):
+    """A first speculative step (it remembers the layout), a second (a hit) and a
+    non-speculative one, pools poisoned before each: ``step_outputs`` of the last two."""
+    poison()
+    step_outputs(x, wg, wu, wd, dy, width, gated, ctxs, speculate=True)
+    poison()
+    hit = step_outputs(x, wg, wu, wd, dy, width, gated, ctxs, speculate=True)
+    poison()
+    return hit, step_outputs(x, wg, wu, wd, dy, width, gated, ctxs, speculate=False)
+
+
 def _gpu_problem(case, dtype, gated, seed):
     prob = [to_gpu(a.astype(dtype)) for a in make_problem(**CASES[case], seed=seed, gated=gated)]
     return prob if gated else (prob[0], None, *prob[1:])
@@ -871,12 +882,7 @@ def test_speculative_step_gives_the_exact_bits_gpu(fresh_layouts, case, dtype, g
     x, wg, wu, wd, dy = _gpu_problem(case, dtype, gated, seed=51)
     for width in ("auto", 2):
         ctxs = []
-        poison()
-        step_outputs(x, wg, wu, wd, dy, width, gated, ctxs, speculate=True)
-        poison()
-        spec, l1_spec, w_spec = step_outputs(x, wg, wu, wd, dy, width, gated, ctxs, speculate=True)
-        poison()
-        exact, l1_exact, w_exact = step_outputs(x, wg, wu, wd, dy, width, gated, ctxs, speculate=False)
+        (spec, l1_spec, w_spec), (exact, l1_exact, w_exact) = _hit_and_exact(x, wg, wu, wd, dy, width, gated, ctxs)
         assert [c.speculation for c in ctxs] == ["exact", "hit", "off"], width
         assert w_spec == w_exact and l1_spec == l1_exact, width
         for k in exact:
@@ -1227,7 +1233,13 @@ def test_side_stream_gives_the_in_order_bits_gpu(fresh_layouts, monkeypatch, on_
     x, wg, wu, wd, dy = _gpu_problem(case, dtype, gated, seed=61)
     made = []
     real = cuda_train.SideWork
-    monkeypatch.setattr(cuda_train, "SideWork", lambda: made.append(1) or real())
+
+    def counted(enabled=True):  # counts the side streams really used
+        if enabled:
+            made.append(1)
+        return real(enabled)
+
+    monkeypatch.setattr(cuda_train, "SideWork", counted)
     user = cp.cuda.Stream(non_blocking=True) if on_user_stream else cp.cuda.Stream.null
 
     def run(side, **kw):
@@ -1305,12 +1317,7 @@ def test_speculative_chunked_batch_gives_the_exact_bits_gpu(fresh_layouts, monke
     monkeypatch.setattr(cuda_train, "gate_count_pack_streamed", lambda *a, **k: calls.append(a[4]) or real(*a, **k))
     x, wg, wu, wd, dy = _gpu_problem(case, dtype, gated, seed=71)
     ctxs = []
-    poison()
-    step_outputs(x, wg, wu, wd, dy, width, gated, ctxs, speculate=True)
-    poison()
-    spec, l1_spec, w_spec = step_outputs(x, wg, wu, wd, dy, width, gated, ctxs, speculate=True)
-    poison()
-    exact, l1_exact, w_exact = step_outputs(x, wg, wu, wd, dy, width, gated, ctxs, speculate=False)
+    (spec, l1_spec, w_spec), (exact, l1_exact, w_exact) = _hit_and_exact(x, wg, wu, wd, dy, width, gated, ctxs)
     assert [c.speculation for c in ctxs] == ["exact", "hit", "off"] and calls == [256]
     assert w_spec == w_exact and l1_spec == l1_exact
     for k in exact:

@@ -141,22 +141,9 @@ DH_BY_NEURON = _switch_setting("TWELLPY_TRAIN_DH_BY_NEURON", os.environ.get("TWE
 SIDE_STREAM = _switch_setting("TWELLPY_TRAIN_SIDE_STREAM", os.environ.get("TWELLPY_TRAIN_SIDE_STREAM", "0"))
 
 
-class _InOrder:
-    """Stands in for a backend's ``SideWork`` when the side stream is off."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def join(self):
-        pass
-
-
 def _side_work(be, wanted=True):
-    """``be.SideWork()`` when the side stream is on and ``wanted``, else in-order work."""
-    return be.SideWork() if SIDE_STREAM and wanted else _InOrder()
+    """``be.SideWork``, on a second stream when the side stream is on and ``wanted``."""
+    return be.SideWork(enabled=SIDE_STREAM and wanted)
 
 
 #: Set to a list to collect ``(phase, cupy.cuda.Event, host seconds)`` marks

@@ -839,22 +839,27 @@ class SideWork:
     once). Arrays the side work allocates return to the side stream's pool, whose
     every later use starts by waiting for the main stream, so their reuse is safe.
     Events only, so a CUDA graph capture of the main stream takes the side work in.
+    ``enabled=False`` leaves the work on the main stream, in order (every method a no-op).
     """
 
-    def __init__(self):
-        cp = _cp()
-        self._main = cp.cuda.get_current_stream()
-        self._side = _side_stream()
+    def __init__(self, enabled=True):
+        self._on = bool(enabled)
         self._end = None
+        if self._on:
+            cp = _cp()
+            self._main = cp.cuda.get_current_stream()
+            self._side = _side_stream()
 
     def __enter__(self):
-        self._side.wait_event(self._main.record())
-        self._side.__enter__()
+        if self._on:
+            self._side.wait_event(self._main.record())
+            self._side.__enter__()
         return self
 
     def __exit__(self, *exc):
-        self._side.__exit__(*exc)
-        self._end = self._side.record()
+        if self._on:
+            self._side.__exit__(*exc)
+            self._end = self._side.record()
         return False
 
     def join(self):
