@@ -110,9 +110,6 @@ COUNT_PACK = _switch_setting("TWELLPY_TRAIN_COUNT_PACK", os.environ.get("TWELLPY
 SPECULATE_CHUNKED = _switch_setting("TWELLPY_TRAIN_SPECULATE_CHUNKED",
                                     os.environ.get("TWELLPY_TRAIN_SPECULATE_CHUNKED", "0"))
 
-#: Row chunks of a counted-and-packed forward's gate GEMM (TWELLPY_TRAIN_GATE_CHUNKS, a
-#: positive integer; 1 by default): the GEMM and the count-and-pack take turns over them,
-#: so each chunk's pack reads gate output the L2 may still hold. Same bits for any value.
 def _positive_setting(name, value):
     """The int of a positive-integer environment variable ``name`` (anything else raises)."""
     if not value.isdigit() or int(value) < 1:
@@ -120,6 +117,9 @@ def _positive_setting(name, value):
     return int(value)
 
 
+#: Row chunks of a counted-and-packed forward's gate GEMM (TWELLPY_TRAIN_GATE_CHUNKS, a
+#: positive integer; 1 by default): the GEMM and the count-and-pack take turns over them,
+#: so each chunk's pack reads gate output the L2 may still hold. Same bits for any value.
 GATE_CHUNKS = _positive_setting("TWELLPY_TRAIN_GATE_CHUNKS", os.environ.get("TWELLPY_TRAIN_GATE_CHUNKS", "1"))
 
 #: The backward's dh by neuron (TWELLPY_TRAIN_DH_BY_NEURON=1|0): one pass over the
