@@ -836,10 +836,7 @@ def test_row_maps_kernel_matches_cpu(M, W):
     np.testing.assert_array_equal(cp.asnumpy(got), want)
     # the kernel itself, into a larger poisoned buffer: the words past M + R stay
     if M:
-        from twellpy.backends import _registry
-
-        k = _registry.get_kernel(cuda_train.SOURCE, "twellpy_train_row_maps")
-        k((1,), (cuda_train.MAP_THREADS,), (cp.asarray(counts), guard, np.int64(M), np.int32(W), np.int64(R)))
+        cuda_train._launch_row_maps(cp.asarray(counts), guard, W, R, 0, M, None, True)
         np.testing.assert_array_equal(cp.asnumpy(guard[:M + R]), want)
         assert bool((guard[M + R:] == -0x3C3C3C3C).all())
 
@@ -1115,7 +1112,7 @@ def test_row_maps_kernel_with_a_capacity_matches_cpu(M, W, room):
     past M + capacity; the same as the numpy twin."""
     import cupy as cp
 
-    from twellpy.backends import _registry, cpu_train, cuda_train
+    from twellpy.backends import cpu_train, cuda_train
 
     rng = np.random.default_rng(M + W + 1)
     counts = rng.poisson(30, M).astype(np.int32)
@@ -1126,8 +1123,7 @@ def test_row_maps_kernel_with_a_capacity_matches_cpu(M, W, room):
     got = cuda_train.row_maps(cp.asarray(counts), W, cap, capacity=True)
     np.testing.assert_array_equal(cp.asnumpy(got), want)
     guard = cp.full(M + cap + 64, -0x3C3C3C3C, dtype=cp.int32)
-    k = _registry.get_kernel(cuda_train.SOURCE, "twellpy_train_row_maps")
-    k((1,), (cuda_train.MAP_THREADS,), (cp.asarray(counts), guard, np.int64(M), np.int32(W), np.int64(cap)))
+    cuda_train._launch_row_maps(cp.asarray(counts), guard, W, cap, 0, M, None, True)
     np.testing.assert_array_equal(cp.asnumpy(guard[:M + cap]), want)
     assert bool((guard[M + cap:] == -0x3C3C3C3C).all())
 
@@ -1299,8 +1295,14 @@ def test_gate_chunks_give_the_one_chunk_bits_gpu(fresh_layouts, monkeypatch, chu
         assert got[chunks][k].tobytes() == got[1][k].tobytes(), k
 
 
+#: the cases of CASES with more than one 256-row gate chunk, and two more that have
+CHUNKED_CASES = {**{k: CASES[k] for k in ("uniform", "uneven03", "uneven1", "odd")},
+                 "hot2000": dict(M=600, D=64, H=2304, nnz=20, hot=(300, 2000), empty=(0, 256, 599)),
+                 "wide_D": dict(M=520, D=4096, H=11008, nnz=30)}
+
+
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
-@pytest.mark.parametrize("case", ["uniform", "uneven03", "uneven1", "hot2000", "odd", "wide_D"])
+@pytest.mark.parametrize("case", list(CHUNKED_CASES))
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
 @pytest.mark.parametrize("width", ["auto", 3])
 def test_speculative_chunked_batch_gives_the_exact_bits_gpu(fresh_layouts, monkeypatch, case, dtype, gated, width):
@@ -1315,7 +1317,9 @@ def test_speculative_chunked_batch_gives_the_exact_bits_gpu(fresh_layouts, monke
     monkeypatch.setattr(T, "SPECULATE_CHUNKED", True)
     calls, real = [], cuda_train.gate_count_pack_streamed
     monkeypatch.setattr(cuda_train, "gate_count_pack_streamed", lambda *a, **k: calls.append(a[4]) or real(*a, **k))
-    x, wg, wu, wd, dy = _gpu_problem(case, dtype, gated, seed=71)
+    prob = [to_gpu(a.astype(dtype)) for a in make_problem(**CHUNKED_CASES[case], seed=71, gated=gated)]
+    x, wg, wu, wd, dy = prob if gated else (prob[0], None, *prob[1:])
+    assert x.shape[0] > 256  # more than one gate chunk: the batch streams
     ctxs = []
     (spec, l1_spec, w_spec), (exact, l1_exact, w_exact) = _hit_and_exact(x, wg, wu, wd, dy, width, gated, ctxs)
     assert [c.speculation for c in ctxs] == ["exact", "hit", "off"] and calls == [256]

@@ -809,6 +809,7 @@ def transpose_copy(a):
 
 
 _SIDE_STREAMS = threading.local()  # per thread: {device id: its high-priority side stream}
+_HIGHEST_PRIORITY = -1000  # lower is higher; clamped by CUDA to the device's greatest
 
 
 def _side_stream():
@@ -822,8 +823,9 @@ def _side_stream():
         streams = _SIDE_STREAMS.by_device = {}
     s = streams.get(dev)
     if s is None:
-        _, greatest = cp.cuda.runtime.deviceGetStreamPriorityRange()
-        s = streams[dev] = cp.cuda.Stream(non_blocking=True, priority=greatest)
+        # CuPy has no cudaDeviceGetStreamPriorityRange; CUDA clamps a priority past the
+        # range to its greatest (H100: -5), so this asks for the highest there is
+        s = streams[dev] = cp.cuda.Stream(non_blocking=True, priority=_HIGHEST_PRIORITY)
     return s
 
 
