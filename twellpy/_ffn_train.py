@@ -710,11 +710,11 @@ def _forward_pass(be, xp, named, x, w_gate, w_up, w_down, l1, width, gated, chec
     one_chunk = _DIRECT_PACK and 0 < M <= chunk
     # a batch larger than one chunk speculates only by counting and packing each chunk
     # as its GEMM writes it (no CSR, maps and backup rows chunk by chunk)
-    streamed = not one_chunk and SPECULATE_CHUNKED and COUNT_PACK and M > 0
-    spec = layout if one_chunk or streamed else None
+    spec = layout if one_chunk or (M > 0 and SPECULATE_CHUNKED and COUNT_PACK) else None
+    streamed = spec is not None and not one_chunk
     packed = None  # relu_count_pack's outputs (a speculative forward, COUNT_PACK)
     maps = None  # the row maps, when the pattern step built them already
-    if spec is not None and streamed:
+    if streamed:
         packed, maps = be.gate_count_pack_streamed(x, w_act, spec.width, spec.capacity, chunk, out=counts_out)
         token_counts = packed[4]
     elif one_chunk:
@@ -725,7 +725,6 @@ def _forward_pass(be, xp, named, x, w_gate, w_up, w_down, l1, width, gated, chec
             z = be.gemm(x, w_act.T, dt)
             token_counts = be.relu_count(z, out=counts_out)
     else:
-        streamed = False  # the exact path: the CSR of each chunk
         counts, cols, vals = [], [], []
         for a in range(0, M, chunk):
             zc = be.gemm(x[a:a + chunk], w_act.T, dt)

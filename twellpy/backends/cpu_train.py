@@ -193,8 +193,8 @@ def gate_count_pack(x, w_act, width, n_backup, out=None, chunks=1):
 
 def gate_count_pack_streamed(x, w_act, width, n_backup, chunk_rows, out=None):
     """The pattern step of a speculative forward of a batch larger than one chunk;
-    see the CUDA twin (the chunks, a memory matter there, are GEMM'd one at a time
-    here too, so the whole gate output never exists). Returns ``packed, maps``."""
+    see the CUDA twin. The chunks are GEMM'd, packed and their wide rows written one
+    at a time here too, so the whole gate output never exists. Returns ``packed, maps``."""
     M, H = x.shape[0], w_act.shape[0]
     step = max(1, int(chunk_rows))
     vals = np.zeros(M * width + n_backup * H, dtype=x.dtype)
@@ -203,7 +203,6 @@ def gate_count_pack_streamed(x, w_act, width, n_backup, chunk_rows, out=None):
     neuron_counts = np.zeros(H, dtype=np.int32)
     counts = np.empty(M, dtype=np.int32) if out is None else out
     ell_val = split_combined(vals, M, width, n_backup, H)[0]
-    zs = []
     for a in range(0, M, step):
         b = min(M, a + step)
         z = gemm(x[a:b], w_act.T, x.dtype)
@@ -211,22 +210,21 @@ def gate_count_pack_streamed(x, w_act, width, n_backup, chunk_rows, out=None):
         ell_val[a:b] = split_combined(cv, b - a, width, 0, H)[0]
         ell_idx[a:b], ell_nnz[a:b], counts[a:b] = ci, cn, cc
         neuron_counts += cnc
-        zs.append((a, b, z if bool((cc > width).any()) else None))  # only chunks with wide rows are kept
-    maps = row_maps(counts, width, n_backup, capacity=True)
-    for a, b, z in zs:
-        if z is not None:
-            backup_rows_from_z(z, maps[:M], vals, width, n_backup, rows=(a, b))
-    return (vals, ell_idx, ell_nnz, neuron_counts, counts), maps
+        if n_backup and bool((cc > width).any()):
+            # a row's backup position counts the wide rows before it only: the maps of
+            # the rows so far place this chunk's rows as the whole batch's maps will
+            so_far = row_maps(counts[:b], width, n_backup, capacity=True)
+            backup_rows_from_z(z, so_far[a:b], vals, width, n_backup, n_rows=M)
+    return (vals, ell_idx, ell_nnz, neuron_counts, counts), row_maps(counts, width, n_backup, capacity=True)
 
 
-def backup_rows_from_z(z, row_map, vals, width, n_backup, rows=None):
+def backup_rows_from_z(z, row_map, vals, width, n_backup, n_rows=None):
     """relu(z) of the rows ``row_map`` routes to backup rows, into ``vals``' backup part.
-    With ``rows=(a, b)``, ``z`` holds rows ``a`` to ``b`` of the batch only (``row_map``
-    is the whole batch's)."""
+    ``row_map``'s first ``len(z)`` entries are z's rows'; ``n_rows``: the rows of the
+    batch ``vals`` holds, when ``z`` is only a chunk of it (default: z's rows)."""
     n, H = z.shape
-    a = 0 if rows is None else int(rows[0])
-    M = n if rows is None else int(np.asarray(row_map).shape[0])
-    rm = np.asarray(row_map)[a:a + n]
+    M = n if n_rows is None else int(n_rows)
+    rm = np.asarray(row_map)[:n]
     sel = np.flatnonzero(rm >= 0)
     if sel.size and n_backup:
         zc = _up(z)[sel]

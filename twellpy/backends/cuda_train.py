@@ -405,8 +405,8 @@ def _launch_relu_to_hybrid(z, mode, width, n_backup, bufs=None, row_map=None, to
         bufs = (cp.empty(rz * width + n_backup * H, dtype=z.dtype), cp.empty((rz, width), dtype=cp.int32),
                 cp.empty(rz, dtype=cp.int32), cp.zeros(H, dtype=cp.int32))
     vals, ell_idx, ell_nnz, neuron_counts = bufs
-    M = (vals.shape[0] - n_backup * H) // width if width else next(
-        int(v.shape[0]) for v in (row_map, token_counts, ell_nnz) if v is not None)
+    # the batch's rows: z's own, or (a row range) those of the whole-batch array given
+    M = rz if rows is None else int((row_map if row_map is not None else token_counts).shape[0])
     if not 0 <= a <= b <= M:
         raise ValueError(f"rows {rows} are not a row range of the batch's {M} rows")
     ell_val, backup = split_combined(vals, M, width, n_backup, H)
