@@ -669,10 +669,14 @@ def test_speculation_option_and_layers(fresh_layouts, monkeypatch):
     monkeypatch.setattr(T, "_SPEC_MAX_LAYERS", 2)
     T.gated_forward_train(x, wg, wu, wd)
     assert len(fresh_layouts) == 2             # the least recently used layers are forgotten
-    # batches beyond one gate chunk (256 rows at least) go through the CSR path: always exact
+    # batches beyond one gate chunk (256 rows at least) speculate chunk by chunk, unless
+    # TWELLPY_TRAIN_SPECULATE_CHUNKED is off: then the CSR path, always exact
     monkeypatch.setattr(T, "GATE_CHUNK_BYTES", 1)
     xl, wgl, wul, wdl, _ = make_problem(**dict(CASES["uneven"], M=600), seed=45)
-    assert [T.gated_forward_train(xl, wgl, wul, wdl)[1].speculation for _ in range(2)] == ["exact", "exact"]
+    for chunked, want in ((False, ["exact", "exact"]), (True, ["exact", "hit"])):
+        monkeypatch.setattr(T, "SPECULATE_CHUNKED", chunked)
+        monkeypatch.setattr(T, "_LAYOUTS", type(T._LAYOUTS)())
+        assert [T.gated_forward_train(xl, wgl, wul, wdl)[1].speculation for _ in range(2)] == want
     # an empty batch has nothing to speculate on
     _, ctx = T.gated_forward_train(x[:0], wg, wu, wd, speculate=True)
     assert ctx.speculation == "off" and ctx.M == 0

@@ -1271,10 +1271,22 @@ def test_side_stream_gives_the_in_order_bits_gpu(fresh_layouts, monkeypatch, on_
 def test_gate_chunks_give_the_one_chunk_bits_gpu(fresh_layouts, monkeypatch, chunks, case, dtype, gated):
     """TWELLPY_TRAIN_GATE_CHUNKS: a counted-and-packed forward whose gate GEMM and count
     and pack take turns over row chunks (one relu_count_pack call a chunk, each on its
-    rows only) gives the one-chunk step's bits, pools poisoned."""
+    rows only) gives the one-chunk step's bits, pools poisoned, wherever cuBLAS computes
+    the row ranges' gate products as it does the whole batch's. It may pick another
+    kernel for fewer rows (on an H100 it did at D = 37): then the steps must agree to
+    the dtype's tolerance, as two exact steps from different gate bits do."""
+    import cupy as cp
     from twellpy.backends import cuda_train
 
     x, wg, wu, wd, dy = _gpu_problem(case, dtype, gated, seed=67)
+    w_act = wg if gated else wu
+    M = x.shape[0]
+    step = -(-M // chunks)
+    z_whole = cuda_train.gemm(x, w_act.T, x.dtype)
+    z_rows = cp.empty_like(z_whole)
+    for a in range(0, M, step):
+        cuda_train.gemm(x[a:a + step], w_act.T, x.dtype, into=z_rows[a:a + step])
+    same_gate_bits = z_whole.tobytes() == z_rows.tobytes()
     calls, real = [], cuda_train.relu_count_pack
     monkeypatch.setattr(cuda_train, "relu_count_pack", lambda *a, **k: calls.append(k.get("rows")) or real(*a, **k))
     got = {}
@@ -1287,12 +1299,14 @@ def test_gate_chunks_give_the_one_chunk_bits_gpu(fresh_layouts, monkeypatch, chu
         poison()
         got[n], _, _ = step_outputs(x, wg, wu, wd, dy, "auto", gated, ctxs, speculate=True)
         assert [c.speculation for c in ctxs] == ["exact", "hit"]
-        M = x.shape[0]
         step = -(-M // n)
         want = [None] if n == 1 or step >= M else [(a, min(M, a + step)) for a in range(0, M, step)]
         assert calls == want
     for k in got[1]:
-        assert got[chunks][k].tobytes() == got[1][k].tobytes(), k
+        if same_gate_bits:
+            assert got[chunks][k].tobytes() == got[1][k].tobytes(), k
+        else:
+            assert rel(got[chunks][k], got[1][k]) <= TOL[dtype], k
 
 
 #: the cases of CASES with more than one 256-row gate chunk, and two more that have

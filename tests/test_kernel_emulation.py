@@ -353,6 +353,11 @@ TRANSPOSE(u64, unsigned long long)
 void transpose_pairs(const unsigned int* in, unsigned int* out, long long rows, long long cols, int gx, int gy) {
     emu::launch(twellpy_train_transpose_pairs, dim3(gx, gy), dim3(32, 8), 0, in, out, rows, cols);
 }
+void tr_count_f32(const int* idx, const int* row_map, const float* backup, long long M, int K, int N, int rpb,
+                  int nb, int* counts, int* col_tot, int grid) {
+    emu::launch(twellpy_train_tr_count<float>, dim3(grid), dim3(32 * TW_WARPS), 0, idx, row_map, backup, M, K, N,
+                rpb, nb, counts, col_tot);
+}
 #define TO_HYBRID(SUFFIX, T)                                                                          \
 void relu_to_hybrid_##SUFFIX(const T* z, long long M, int H, int vec, int vec_store, const int* row_map, int W, \
                              T* ell_val, int* ell_idx, int* ell_nnz, T* backup, int* neuron_counts) {       \
@@ -692,6 +697,37 @@ def test_pairwise_transpose_is_exact(train_lib, shape):
                                   grid[0], grid[1])
         np.testing.assert_array_equal(out[:-8].reshape(cols, rows), a.T)
         assert (out[-8:] == 0x5A5A).all()
+
+
+@pytest.mark.parametrize("M, K, N, rpb", [(1, 4, 40, 1), (37, 9, 70, 4), (100, 40, 300, 16)])
+def test_transpose_count_gives_block_counts_and_column_totals(train_lib, M, K, N, rpb):
+    """twellpy_train_tr_count: entries per (row block, column) and per column (the totals
+    the host scans into the transpose's indptr), from slot rows (padding -1 and columns
+    out of [0, N) skipped) and dense backup rows (their non-zeros). One warp a row
+    block, so the grid (nb blocks) leaves warps past the last row block idle."""
+    rng = np.random.default_rng(M * K + N)
+    idx = np.full((M, K), -1, np.int32)
+    for r in range(M):
+        n = int(rng.integers(0, K + 1))
+        idx[r, :n] = rng.choice(N, size=n, replace=False)
+    if K > 1:
+        idx[0, -1] = N + 3  # out of range: skipped like padding
+    R = max(1, M // 5)
+    row_map = np.full(M, -1, np.int32)
+    row_map[rng.choice(M, size=R, replace=False)] = np.arange(R, dtype=np.int32)
+    backup = np.where(rng.random((R, N)) < 0.3, rng.standard_normal((R, N)), 0).astype(np.float32)
+    nb = -(-M // rpb)
+    want = np.zeros((nb, N), np.int64)
+    for r in range(M):
+        cols = np.flatnonzero(backup[row_map[r]]) if row_map[r] >= 0 else idx[r][(idx[r] >= 0) & (idx[r] < N)]
+        want[r // rpb, cols] += 1
+    counts = np.zeros((nb, N), np.int32)
+    col_tot = np.zeros(N + 4, np.int32)  # 4 guard counters past the end
+    train_lib.tr_count_f32(_ptr(idx), _ptr(row_map), _ptr(backup), ctypes.c_longlong(M), K, N, rpb, nb,
+                           _ptr(counts), _ptr(col_tot), nb)
+    np.testing.assert_array_equal(counts, want)
+    np.testing.assert_array_equal(col_tot[:N], want.sum(axis=0))
+    assert not col_tot[N:].any()
 
 
 # ---------------------------------------------------------------------------
