@@ -1,6 +1,10 @@
 """CPU tests of the sparse FFN training step against a float64 dense reference."""
+import math
+
 import numpy as np
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from twellpy import _ffn_train as T
 from twellpy._array import bfloat16
@@ -192,6 +196,45 @@ def test_choose_width_strategies():
         T.choose_width(counts, "quantile:2")
     with pytest.raises(TypeError, match="width must be an int"):
         T.choose_width(counts, 2.5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(counts=st.lists(st.integers(0, 300), max_size=200),
+       spec=st.sampled_from(["auto", "min_storage", "quantile:0", "quantile:0.37", "quantile:0.9", "quantile:1",
+                             "fixed:5", 3]),
+       n_cols=st.integers(1, 400), w=st.integers(0, 400))
+@example(counts=[1, 2], spec="fixed:5", n_cols=3, w=0)
+@example(counts=[], spec="auto", n_cols=8, w=3)
+def test_count_summary_gives_the_counts_answers(counts, spec, n_cols, w):
+    """The step's host summary of its token counts (one histogram) gives the width,
+    the wide rows, the ELL entries and the total that the counts themselves give."""
+    counts = np.array(counts, dtype=np.int32)
+    summary = T._CountSummary(counts)
+    sizes = dict(slot_bytes=8, n_cols=n_cols)
+    M = counts.size
+
+    def quantile(p):  # the sorted counts' entry at rank ceil(p M) - 1
+        return int(np.sort(counts)[min(max(math.ceil(p * M) - 1, 0), M - 1)]) if M else 0
+
+    def min_storage():  # the first width of least slot-plus-backup-row bytes, by brute force
+        cost = [M * v * 8 + int(np.count_nonzero(counts > v)) * 8 * n_cols for v in range(int(counts.max()) + 1)]
+        return int(np.argmin(cost))
+
+    if spec == "auto":
+        want = 1 if M == 0 else T._stable_width(max(min_storage(), quantile(0.9), 1), n_cols)
+    elif spec == "min_storage":
+        want = 1 if M == 0 else max(min_storage(), 1)
+    elif isinstance(spec, str) and spec.startswith("quantile:"):
+        want = max(quantile(float(spec.split(":")[1])), 1)
+    else:  # fixed widths, capped at the row length
+        want = min(int(str(spec).split(":")[-1]), n_cols)
+    assert T.choose_width(summary, spec, **sizes) == T.choose_width(counts, spec, **sizes) == want
+    assert summary.wider(w) == int(np.count_nonzero(counts > w))
+    assert summary.entries_upto(w) == int(counts[counts <= w].sum(dtype=np.int64))
+    assert summary.total == int(counts.sum(dtype=np.int64)) and summary.size == counts.size
+    lay, want = T._next_layout(summary, spec, **sizes, row_bytes=8 * n_cols), T._next_layout(
+        counts, spec, **sizes, row_bytes=8 * n_cols)
+    assert lay == want
 
 
 def test_small_training_loop_reduces_loss():

@@ -1264,6 +1264,31 @@ def test_side_stream_gives_the_in_order_bits_gpu(fresh_layouts, monkeypatch, on_
                 assert a[k].tobytes() == b[k].tobytes(), (gemm_route, k)
 
 
+@pytest.mark.parametrize("on_user_stream", [False, True], ids=["null_stream", "user_stream"])
+def test_side_work_started_early_sees_what_came_before_gpu(on_user_stream):
+    """SideWork.start_here(): side work queued after the main stream's next kernels
+    waits only for what the main stream had queued at start_here, reads those
+    values, and the main stream sees the side work's results after join()."""
+    import cupy as cp
+
+    from twellpy.backends import cuda_train
+
+    user = cp.cuda.Stream(non_blocking=True) if on_user_stream else cp.cuda.Stream.null
+    with user:
+        n = 1 << 22
+        a = cp.arange(n, dtype=cp.float32)
+        side = cuda_train.SideWork().start_here()
+        b = a * 3.0  # main stream, queued before the side work
+        for _ in range(20):
+            b = cp.sqrt(b * b + 1.0)  # keep the main stream busy
+        with side:
+            c = a + 1.0  # side stream
+        side.join()
+        got = (c - a).get()  # the main stream, after the join
+    assert (got == 1.0).all()
+    assert cp.asnumpy(b[:4]).tolist() == pytest.approx([np.sqrt(20.0 + 9.0 * k * k) for k in range(4)], rel=1e-5)
+
+
 @pytest.mark.parametrize("chunks", [2, 3, 7])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
 @pytest.mark.parametrize("case", ["uniform", "uneven03", "hot2000", "M1", "odd", "empty_rows"])

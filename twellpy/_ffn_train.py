@@ -51,7 +51,7 @@ from . import _array, backends
 from ._array import (as_array, check_finite as _check_finite, check_float, contiguous, count_in_range, device_of,
                      raise_nonfinite, same_device, to_caller, xp_of)
 from ._ffn_infer import _check_finite_mode
-from .hybrid import quantile_width
+from .hybrid import quantile_width_from_cumulative
 
 __all__ = ["gated_forward_train", "gated_backward", "relu_forward_train", "relu_backward",
            "TrainContext", "choose_width"]
@@ -167,6 +167,21 @@ def _mark(name, xp):
         _PROFILE.append((name, ev, time.perf_counter()))
 
 
+def _deferred_l1(xp, h_abs_rows, l1, M):
+    """The L1 statistic ``l1 * sum(|h|) / M`` as a read deferred to the first
+    ``ctx.stats["l1"]``: the rows' sums are summed then, on the forward's stream
+    (after its kernels), so the step launches no reduction on the host's path
+    from the forward's count read to the backward's first kernel."""
+    if xp is np:
+        return lambda: l1 * float(h_abs_rows.sum()) / M
+    stream = xp.cuda.get_current_stream()
+
+    def read():
+        with h_abs_rows.device, stream:
+            return l1 * float(h_abs_rows.sum()) / M
+    return read
+
+
 class _Stats(Mapping):
     """``ctx.stats``: a read-only mapping whose device scalars become floats on first read.
 
@@ -209,7 +224,8 @@ def choose_width(token_counts, spec="auto", *, slot_bytes=8, row_bytes=None, n_c
     Parameters
     ----------
     token_counts : numpy.ndarray of int
-        Non-zeros per row (host array).
+        Non-zeros per row (host array). (The training step passes a
+        ``_CountSummary`` of them, which gives the same width.)
     spec : int or str
         ``n`` or ``"fixed:n"``; ``"quantile:p"`` (row count at fraction ``p``
         of the rows, rounded up); ``"min_storage"`` (W minimising the bytes of
@@ -232,7 +248,9 @@ def choose_width(token_counts, spec="auto", *, slot_bytes=8, row_bytes=None, n_c
     int
         W >= 1. Rows with more than W non-zeros become backup rows.
     """
-    counts = np.asarray(token_counts, dtype=np.int64)
+    counts = token_counts if isinstance(token_counts, _CountSummary) else None
+    if counts is None:
+        counts = np.asarray(token_counts, dtype=np.int64)
     M = counts.size
     if isinstance(spec, (bool, np.bool_)):
         raise TypeError(f"width must be an int or a strategy string, got {spec!r}")
@@ -258,7 +276,7 @@ def choose_width(token_counts, spec="auto", *, slot_bytes=8, row_bytes=None, n_c
             raise ValueError(f"width {spec!r}: expected 'quantile:<p>' with 0 <= p <= 1") from None
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"width {spec!r}: quantile p must be in [0, 1], got {p}")
-        return max(quantile_width(counts, p), 1)
+        return max(_summary(counts).quantile_width(p), 1)
     if name in ("min_storage", "auto"):
         if arg or spec != name:  # "min_storage:3" would silently ignore its argument
             raise ValueError(f"width {spec!r}: {name!r} takes no argument")
@@ -268,16 +286,67 @@ def choose_width(token_counts, spec="auto", *, slot_bytes=8, row_bytes=None, n_c
             if n_cols is None:
                 raise ValueError("choose_width needs row_bytes or n_cols for min_storage")
             row_bytes = n_cols * slot_bytes
-        hist = np.bincount(counts)
-        rows_wider = M - np.cumsum(hist)  # rows_wider[w] = rows with count > w
-        ws = np.arange(hist.size, dtype=np.int64)
+        summary = _summary(counts)
+        rows_wider = M - summary.rows_upto  # rows_wider[w] = rows with count > w
+        ws = np.arange(rows_wider.size, dtype=np.int64)
         cost = M * ws * float(slot_bytes) + rows_wider * float(row_bytes)
         w = int(np.argmin(cost))
         if name == "auto":
-            return _stable_width(max(w, quantile_width(counts, 0.9), 1), n_cols)
+            return _stable_width(max(w, summary.quantile_width(0.9), 1), n_cols)
         return max(w, 1)
     raise ValueError(f"unknown width strategy {spec!r}; expected an int, 'fixed:n', 'quantile:p', "
                      f"'min_storage' or 'auto'")
+
+
+class _CountSummary:
+    """A step's token counts on the host, summarised once by their histogram.
+
+    The width choice (:func:`choose_width`), the wide rows at a width, the ELL
+    entries and the total all read the histogram (a few hundred bins) instead
+    of passing over the M counts each: at W1-16k those passes took about 0.1 ms
+    of host time, between the speculative forward's read of the counts and the
+    backward's first kernel, while the device ran out of queued work.
+
+    Parameters
+    ----------
+    counts : numpy.ndarray of int
+        Non-negative non-zeros per row (host, 1-D).
+    """
+
+    __slots__ = ("counts", "size", "rows_upto", "entries_upto_w")
+
+    def __init__(self, counts):
+        counts = np.asarray(counts)
+        self.counts = counts
+        self.size = int(counts.size)
+        hist = np.bincount(counts) if self.size else np.zeros(1, np.int64)
+        self.rows_upto = np.cumsum(hist)  # rows_upto[w]: rows with at most w entries
+        self.entries_upto_w = np.cumsum(hist * np.arange(hist.size, dtype=np.int64))
+
+    def _bin(self, w):
+        return min(int(w), self.rows_upto.size - 1)
+
+    def wider(self, w):
+        """Rows with more than ``w >= 0`` entries."""
+        return self.size - int(self.rows_upto[self._bin(w)])
+
+    def entries_upto(self, w):
+        """Entries of the rows with at most ``w >= 0`` entries (the ELL part at width w)."""
+        return int(self.entries_upto_w[self._bin(w)])
+
+    @property
+    def total(self):
+        """Entries of all rows."""
+        return int(self.entries_upto_w[-1])
+
+    def quantile_width(self, p):
+        """:func:`twellpy.hybrid.quantile_width` of the counts (0 for no rows)."""
+        return quantile_width_from_cumulative(self.rows_upto, p) if self.size else 0
+
+
+def _summary(counts):
+    """``counts`` as a :class:`_CountSummary` (made here unless it is one)."""
+    return counts if isinstance(counts, _CountSummary) else _CountSummary(counts)
 
 
 def _stable_width(w, n_cols=None):
@@ -526,8 +595,8 @@ def _next_layout(token_counts, width, *, n_cols, slot_bytes, row_bytes, slack=_S
 
     Parameters
     ----------
-    token_counts : numpy.ndarray of int
-        This step's active neurons per token (host).
+    token_counts : numpy.ndarray of int or _CountSummary
+        This step's active neurons per token (host), or their summary.
     width : int or str
         The caller's width strategy (see :func:`choose_width`).
     n_cols, slot_bytes, row_bytes : int
@@ -548,10 +617,9 @@ def _next_layout(token_counts, width, *, n_cols, slot_bytes, row_bytes, slack=_S
     """
     if overflowed:
         slack = min(max(2.0 * slack, _SPEC_SLACK), _SPEC_MAX_SLACK)
-    counts = np.asarray(token_counts)
+    counts = _summary(token_counts)
     W = choose_width(counts, width, slot_bytes=slot_bytes, row_bytes=row_bytes, n_cols=n_cols)
-    n_wide = int(np.count_nonzero(counts > W))
-    return _Layout(W, _backup_capacity(n_wide, counts.size, slack), slack, *backoff)
+    return _Layout(W, _backup_capacity(counts.wider(W), counts.size, slack), slack, *backoff)
 
 
 def _backoff_after(prev, how):
@@ -672,7 +740,7 @@ def _forward(x, w_gate, w_up, w_down, l1, width, deterministic, check_finite, ga
     if key is not None:
         # the slack grows only when the room was short for the layout's own W (not
         # when W alone changed): the wide rows counted at that W, not at the new one
-        short = how == "rerun" and int(np.count_nonzero(counts_host > lay.width)) > lay.capacity
+        short = how == "rerun" and counts_host.wider(lay.width) > lay.capacity
         _layout_put(key, _next_layout(counts_host, width, slack=lay.slack if lay else _SPEC_SLACK,
                                       overflowed=short, backoff=_backoff_after(lay, how), **sizes))
     ctx.__dict__.update(kind=kind, check_finite=check_finite, deterministic=bool(deterministic), speculation=how)
@@ -684,13 +752,13 @@ def _forward_pass(be, xp, named, x, w_gate, w_up, w_down, l1, width, gated, chec
 
     ``layout`` None: the exact path (the counts are read before the width is
     chosen). A :class:`_Layout`: its width and backup capacity are used
-    without reading the counts first (one-chunk forwards only; others take the
-    exact path); the counts are read once the ELL kernel is queued.
+    without reading the counts first (with chunked speculation, batches of
+    several gate chunks too); the counts are read once the ELL kernel is queued.
 
     Returns ``(y, ctx, counts, speculated)``: ``counts`` the token counts on
-    the host, ``speculated`` whether ``layout`` was used. When more rows are
-    wide than its capacity holds, ``y`` and ``ctx`` are None (nothing of that
-    pass may be used).
+    the host (a :class:`_CountSummary`), ``speculated`` whether ``layout`` was
+    used. When more rows are wide than its capacity holds, ``y`` and ``ctx``
+    are None (nothing of that pass may be used).
     """
     M, D = x.shape
     H = w_up.shape[0]
@@ -769,10 +837,10 @@ def _forward_pass(be, xp, named, x, w_gate, w_up, w_down, l1, width, gated, chec
     # 2) Hybrid layout: width from the counts (exact) or from the previous step
     # (speculative, with room for `cap` backup rows); backup rows for wider rows
     if spec is None:
-        counts_host = _counts_from_block(pending.read(), checked)
+        counts_host = _CountSummary(_counts_from_block(pending.read(), checked))
         _mark("counts to host (sync)", xp)
         W = choose_width(counts_host, width, **sizes)
-        R = cap = int(np.count_nonzero(counts_host > W))
+        R = cap = counts_host.wider(W)
     else:
         W, cap = spec.width, spec.capacity
     # [row_map (M,) | backup_rows (cap,)], built where the counts are (on the GPU:
@@ -811,8 +879,8 @@ def _forward_pass(be, xp, named, x, w_gate, w_up, w_down, l1, width, gated, chec
     _mark("fused fwd kernel", xp)
     if spec is not None:
         # the host waits here, with the ELL kernel queued behind the counts' copy
-        counts_host = _counts_from_block(pending.read(), checked)
-        R = int(np.count_nonzero(counts_host > W))
+        counts_host = _CountSummary(_counts_from_block(pending.read(), checked))
+        R = counts_host.wider(W)
         _mark("counts to host (wait)", xp)
         # a hit must be the layout the exact path picks from these counts (its W,
         # room for its wide rows), so that a step's bits never depend on the past
@@ -839,13 +907,12 @@ def _forward_pass(be, xp, named, x, w_gate, w_up, w_down, l1, width, gated, chec
         del hb, yb
 
     _mark("backup rows fwd", xp)
-    ell_entries = int(counts_host[counts_host <= W].sum(dtype=np.int64)) if M else 0
-    # 4) statistics (the L1 value stays on the device until read)
-    h_abs = h_abs_rows.sum() if M else 0.0
-    nnz_total = int(counts_host.sum())
+    ell_entries = counts_host.entries_upto(W)
+    # 4) statistics (the L1 value is summed and read only when asked for)
+    nnz_total = counts_host.total
     stats = _Stats({
         "l0": float(nnz_total) / M if M else 0.0,
-        "l1": (lambda: l1 * float(h_abs) / M) if M else 0.0,
+        "l1": _deferred_l1(xp, h_abs_rows, l1, M) if M else 0.0,
         "l1_coef": l1,
         "n_backup_rows": R,
         "width": W,
@@ -935,12 +1002,15 @@ def _backward(ctx, dy, gated):
         _mark("transpose (counting sort)", xp)
     else:
         # the transpose needs only the forward's pattern: it runs beside the ELL kernel
-        # (with the backup rows' GEMM route it leaves their entries out: step 2 sums them)
-        side = _side_work(be)
-        with side:
-            transposed = _transpose_for_grads(ctx, g_bk, ell_only=bool(wgrad_gemm and R))
+        # (with the backup rows' GEMM route it leaves their entries out: step 2 sums them).
+        # The ELL kernel is launched first: the device may have run out of queued work
+        # while the host finished the forward, and the transpose's dozen launches would
+        # keep it waiting for its longest kernel
+        side = _side_work(be).start_here()
         dx = be.ffn_backward_ell(dy, ctx.w_downT, ctx.w_up, ctx.w_gate, ctx.idx, ctx.ell_nnz, g_ell, u_ell,
                                  l1s, gated, da_ell, db_ell)
+        with side:
+            transposed = _transpose_for_grads(ctx, g_bk, ell_only=bool(wgrad_gemm and R))
         _mark("fused bwd kernel", xp)
 
     # 2) backup rows: dense products restricted to those rows, a chunk at a time;

@@ -39,11 +39,17 @@ def quantile_width(row_nnz, p):
     constructors and the training step both use it, so ``"quantile:p"`` means one
     thing everywhere. From a histogram: counts are small non-negative integers."""
     counts = np.asarray(_as_host(row_nnz), dtype=np.int64).ravel()
-    m = counts.size
-    if m == 0:
+    if counts.size == 0:
         return 0
+    return quantile_width_from_cumulative(np.cumsum(np.bincount(counts)), p)
+
+
+def quantile_width_from_cumulative(rows_upto, p):
+    """:func:`quantile_width` from ``rows_upto[w]``, the rows with at most ``w``
+    non-zeros (the cumulative histogram of the counts; ``rows_upto[-1]`` is M >= 1)."""
+    m = int(rows_upto[-1])
     rank = min(max(math.ceil(p * m) - 1, 0), m - 1)  # index into the sorted counts
-    return int(np.searchsorted(np.cumsum(np.bincount(counts)), rank, side="right"))
+    return int(np.searchsorted(rows_upto, rank, side="right"))
 
 
 def _min_storage_width(sorted_nnz, n_cols, itemsize):

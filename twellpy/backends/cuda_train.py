@@ -842,6 +842,9 @@ class SideWork:
     freed (a freed block goes back to the main stream's pool and may be reused at
     once). Arrays the side work allocates return to the side stream's pool, whose
     every later use starts by waiting for the main stream, so their reuse is safe.
+    ``start_here()`` makes the side work wait only for what is queued on the main
+    stream at that call, so that the main stream's next kernel can be launched
+    first and the side work, launched after it, still runs beside it.
     Events only, so a CUDA graph capture of the main stream takes the side work in.
     ``enabled=False`` leaves the work on the main stream, in order (every method a no-op).
     """
@@ -849,14 +852,21 @@ class SideWork:
     def __init__(self, enabled=True):
         self._on = bool(enabled)
         self._end = None
+        self._start = None
         if self._on:
             cp = _cp()
             self._main = cp.cuda.get_current_stream()
             self._side = _side_stream()
 
+    def start_here(self):
+        if self._on:
+            self._start = self._main.record()
+        return self
+
     def __enter__(self):
         if self._on:
-            self._side.wait_event(self._main.record())
+            start, self._start = self._start, None
+            self._side.wait_event(self._main.record() if start is None else start)
             self._side.__enter__()
         return self
 
