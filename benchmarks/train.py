@@ -406,11 +406,16 @@ def bench(name, reps, widths=(), quick=False):
                                       reps)
     res["pair_transpose"] = time_setting("PAIR_TRANSPOSE", (False, True), tw_step,
                                          lambda: T.gated_backward(ctx, dy), reps, module=ct)
-    # the gate GEMM and the count and pack over row chunks (TWELLPY_TRAIN_GATE_CHUNKS); a
-    # batch larger than one gate chunk speculates chunk by chunk (TWELLPY_TRAIN_SPECULATE_CHUNKED)
+    # the backward's ELL kernel launched before the transpose (TWELLPY_TRAIN_BWD_ELL_FIRST)
+    res["bwd_ell_first"] = time_setting("BWD_ELL_FIRST", (False, True), tw_step,
+                                        lambda: T.gated_backward(ctx, dy), reps)
+    # the gate GEMM and the count and pack over row chunks (TWELLPY_TRAIN_GATE_CHUNKS, slower
+    # at 2-8 chunks on an H100: not timed again unless asked); a batch larger than one gate
+    # chunk speculates chunk by chunk (TWELLPY_TRAIN_SPECULATE_CHUNKED)
     if M * wg.shape[0] * x.dtype.itemsize <= T.GATE_CHUNK_BYTES:
-        res["gate_chunks"] = time_setting("GATE_CHUNKS", (1, 2, 4, 8), tw_step,
-                                          lambda: T.gated_backward(ctx, dy), reps)
+        if not quick:
+            res["gate_chunks"] = time_setting("GATE_CHUNKS", (1, 2, 4, 8), tw_step,
+                                              lambda: T.gated_backward(ctx, dy), reps)
     else:
         res["speculate_chunked"] = time_setting("SPECULATE_CHUNKED", (False, True), tw_step,
                                                 lambda: T.gated_backward(ctx, dy), reps)
@@ -470,7 +475,13 @@ def bench(name, reps, widths=(), quick=False):
         res[f"tw_{label}phases_ms"] = phases
         res[f"tw_{label}host_phases_ms"] = host_phases  # host clock between the same marks
         del ctx, y
-    res["tw_device_lead_ms"] = device_lead(tw_fwd, dy)
+    saved_first = T.BWD_ELL_FIRST
+    try:
+        for first in (False, True):
+            T.BWD_ELL_FIRST = first
+            res[f"tw_device_lead_ms{'_ell_first' if first else ''}"] = device_lead(tw_fwd, dy)
+    finally:
+        T.BWD_ELL_FIRST = saved_first
     res["gate_gemm_ms"] = time_ms(lambda: ct.gemm(x, wg.T, bfloat16), reps)
 
     # memory: pool bytes in use during one step, minus the outputs it returns
@@ -626,6 +637,8 @@ def main(argv=None):
         print(setting_line(r["workload"], "pair transpose (TWELLPY_PAIR_TRANSPOSE)", r["pair_transpose"]))
         if "gate_chunks" in r:
             print(setting_line(r["workload"], "gate chunks (TWELLPY_TRAIN_GATE_CHUNKS)", r["gate_chunks"]))
+        print(setting_line(r["workload"], "backward's ELL kernel first (TWELLPY_TRAIN_BWD_ELL_FIRST)",
+                           r["bwd_ell_first"]))
         if "speculate_chunked" in r:
             print(setting_line(r["workload"], "chunked speculation (TWELLPY_TRAIN_SPECULATE_CHUNKED)",
                                r["speculate_chunked"]))
@@ -645,8 +658,9 @@ def main(argv=None):
             print(f"{r['workload']} {name} host clock between the same marks (ms): " +
                   ", ".join(f"{k} {v:.3f}" for k, v in r[f"tw_{label}host_phases_ms"].items()))
     for r in results:
-        print(f"{r['workload']} device lead over the host at each mark of one step (ms; near 0: the device "
-              "waited for the host): " + ", ".join(f"{k} {v:.3f}" for k, v in r["tw_device_lead_ms"].items()))
+        for key, how in (("tw_device_lead_ms", "transpose first"), ("tw_device_lead_ms_ell_first", "ELL first")):
+            print(f"{r['workload']} device lead over the host at each mark of one step, {how} (ms; near 0: "
+                  "the device waited for the host): " + ", ".join(f"{k} {v:.3f}" for k, v in r[key].items()))
     print("targets: speedup >= 2.0x at W1-16k, >= 1.2x at W2; memory ratio <= 0.5; rel err <= 1e-2")
     return 0
 

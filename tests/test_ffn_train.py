@@ -1015,3 +1015,20 @@ def test_speculative_chunked_batch_gives_the_exact_bits(fresh_layouts, monkeypat
         assert ctxs[-1].speculation == "rerun" and len(calls) == 2
         for k in exact:
             assert again[k].tobytes() == exact[k].tobytes(), k
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
+@pytest.mark.parametrize("case", ["uneven", "hot2000", "M1"])
+def test_backward_ell_kernel_first_gives_the_same_step(monkeypatch, case, gated):
+    """TWELLPY_TRAIN_BWD_ELL_FIRST (the backward's ELL kernel launched before the
+    transpose) changes only the launch order: the same outputs, gradients and L1
+    statistic, wide rows' backup rows included."""
+    prob = _cast(make_problem(**CASES[case], seed=29, gated=gated), bfloat16)
+    x, wg, wu, wd, dy = prob if gated else (prob[0], None, *prob[1:])
+    got = {}
+    for first in (False, True):
+        monkeypatch.setattr(T, "BWD_ELL_FIRST", first)
+        got[first] = step_outputs(x, wg, wu, wd, dy, "auto", gated)
+    for k in got[False][0]:
+        assert got[True][0][k].tobytes() == got[False][0][k].tobytes(), k
+    assert got[True][1:] == got[False][1:]

@@ -1221,7 +1221,8 @@ def test_side_stream_gives_the_in_order_bits_gpu(fresh_layouts, monkeypatch, on_
     kernel, a counted-and-packed forward's row maps and backup rows beside the ELL
     forward) and off give the same bits for the exact step, a speculative hit and the
     backup rows' GEMM route, pools of both streams poisoned; on the caller's own
-    non-blocking stream too, where nothing orders the two streams but the events."""
+    non-blocking stream too, where nothing orders the two streams but the events; and
+    with the backward's ELL kernel launched before the transpose (BWD_ELL_FIRST) too."""
     import cupy as cp
 
     from twellpy.backends import cuda_train
@@ -1238,8 +1239,9 @@ def test_side_stream_gives_the_in_order_bits_gpu(fresh_layouts, monkeypatch, on_
     monkeypatch.setattr(cuda_train, "SideWork", counted)
     user = cp.cuda.Stream(non_blocking=True) if on_user_stream else cp.cuda.Stream.null
 
-    def run(side, **kw):
+    def run(side, ell_first=False, **kw):
         monkeypatch.setattr(T, "SIDE_STREAM", side)
+        monkeypatch.setattr(T, "BWD_ELL_FIRST", ell_first)
         monkeypatch.setattr(T, "_LAYOUTS", type(T._LAYOUTS)())
         outs, ctxs = [], []
         with user:
@@ -1256,12 +1258,15 @@ def test_side_stream_gives_the_in_order_bits_gpu(fresh_layouts, monkeypatch, on_
         made.clear()
         on = run(True)
         assert len(made) >= 4  # a backward per step, the hit's forward (count and pack)
+        on_first = run(True, ell_first=True)
         made.clear()
         off = run(False)
         assert made == []
-        for a, b in zip(on, off):
-            for k in b:
-                assert a[k].tobytes() == b[k].tobytes(), (gemm_route, k)
+        off_first = run(False, ell_first=True)
+        for got in (on, on_first, off_first):
+            for a, b in zip(got, off):
+                for k in b:
+                    assert a[k].tobytes() == b[k].tobytes(), (gemm_route, k)
 
 
 @pytest.mark.parametrize("on_user_stream", [False, True], ids=["null_stream", "user_stream"])

@@ -147,6 +147,14 @@ DH_BY_NEURON = _switch_setting("TWELLPY_TRAIN_DH_BY_NEURON", os.environ.get("TWE
 SIDE_STREAM = _switch_setting("TWELLPY_TRAIN_SIDE_STREAM", os.environ.get("TWELLPY_TRAIN_SIDE_STREAM", "1"))
 
 
+#: The backward launches its fused ELL kernel before the pattern's transpose
+#: (TWELLPY_TRAIN_BWD_ELL_FIRST=1|0), which still runs beside it on the side stream:
+#: at W1-16k the host seemed to reach the backward's first kernel after the device had
+#: finished the forward, and the transpose's dozen launches came first. Same results.
+#: Off until timed on a GPU.
+BWD_ELL_FIRST = _switch_setting("TWELLPY_TRAIN_BWD_ELL_FIRST", os.environ.get("TWELLPY_TRAIN_BWD_ELL_FIRST", "0"))
+
+
 def _side_work(be, wanted=True):
     """``be.SideWork``, on a second stream when the side stream is on and ``wanted``."""
     return be.SideWork(enabled=SIDE_STREAM and wanted)
@@ -1003,14 +1011,26 @@ def _backward(ctx, dy, gated):
     else:
         # the transpose needs only the forward's pattern: it runs beside the ELL kernel
         # (with the backup rows' GEMM route it leaves their entries out: step 2 sums them).
-        # The ELL kernel is launched first: the device may have run out of queued work
-        # while the host finished the forward, and the transpose's dozen launches would
-        # keep it waiting for its longest kernel
-        side = _side_work(be).start_here()
-        dx = be.ffn_backward_ell(dy, ctx.w_downT, ctx.w_up, ctx.w_gate, ctx.idx, ctx.ell_nnz, g_ell, u_ell,
-                                 l1s, gated, da_ell, db_ell)
-        with side:
-            transposed = _transpose_for_grads(ctx, g_bk, ell_only=bool(wgrad_gemm and R))
+        # BWD_ELL_FIRST: the ELL kernel is launched first (the side work still starts
+        # where it would have), so that the device, which may have run out of queued work
+        # while the host finished the forward, need not wait for the transpose's launches
+        side = _side_work(be)
+
+        def transpose():
+            with side:
+                return _transpose_for_grads(ctx, g_bk, ell_only=bool(wgrad_gemm and R))
+
+        def ell_kernel():
+            return be.ffn_backward_ell(dy, ctx.w_downT, ctx.w_up, ctx.w_gate, ctx.idx, ctx.ell_nnz, g_ell, u_ell,
+                                       l1s, gated, da_ell, db_ell)
+
+        if BWD_ELL_FIRST:
+            side.start_here()
+            dx = ell_kernel()
+            transposed = transpose()
+        else:
+            transposed = transpose()
+            dx = ell_kernel()
         _mark("fused bwd kernel", xp)
 
     # 2) backup rows: dense products restricted to those rows, a chunk at a time;
