@@ -232,8 +232,7 @@ def choose_width(token_counts, spec="auto", *, slot_bytes=8, row_bytes=None, n_c
     Parameters
     ----------
     token_counts : numpy.ndarray of int
-        Non-zeros per row (host array). (The training step passes a
-        ``_CountSummary`` of them, which gives the same width.)
+        Non-zeros per row (host array).
     spec : int or str
         ``n`` or ``"fixed:n"``; ``"quantile:p"`` (row count at fraction ``p``
         of the rows, rounded up); ``"min_storage"`` (W minimising the bytes of
@@ -313,7 +312,8 @@ class _CountSummary:
     entries and the total all read the histogram (a few hundred bins) instead
     of passing over the M counts each: at W1-16k those passes took about 0.1 ms
     of host time, between the speculative forward's read of the counts and the
-    backward's first kernel, while the device ran out of queued work.
+    backward's first kernel, where the device may run out of queued work.
+    ``choose_width`` accepts a summary in place of the counts (same width).
 
     Parameters
     ----------
