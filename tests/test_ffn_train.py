@@ -1032,3 +1032,25 @@ def test_backward_ell_kernel_first_gives_the_same_step(monkeypatch, case, gated)
     for k in got[False][0]:
         assert got[True][0][k].tobytes() == got[False][0][k].tobytes(), k
     assert got[True][1:] == got[False][1:]
+
+
+@pytest.mark.parametrize("name", ["TWELLPY_PAIR_TRANSPOSE", "TWELLPY_TRAIN_TWO_PASS"])
+def test_gpu_training_switches_reject_bad_values(name):
+    """The training backend's on/off environment switches take 0 or 1; anything else
+    stops the import with a message naming the variable (checked in a fresh process:
+    the switches are read once, at import)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, **{name: "yes"})
+    r = subprocess.run([sys.executable, "-c", "import twellpy.backends.cuda_train"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert f"{name} must be 0 or 1, got 'yes'" in r.stderr
+    env[name] = "0"
+    r = subprocess.run([sys.executable, "-c", "import twellpy.backends.cuda_train as c; print(int(c.PAIR_TRANSPOSE), "
+                        "int(c.TWO_PASS))"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    want = {"TWELLPY_PAIR_TRANSPOSE": "0 1", "TWELLPY_TRAIN_TWO_PASS": "1 0"}[name]
+    assert r.stdout.strip().splitlines()[-1] == want
