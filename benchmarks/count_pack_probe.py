@@ -47,6 +47,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of the pack's tunings")
     args = ap.parse_args(argv)
+    if args.rounds < 1 or args.reps < 1:
+        ap.error(f"--rounds and --reps must be at least 1, got {args.rounds} and {args.reps}")
     x, wg, wu, wd, dy = train_inputs(args.workload)
     _, ctx = T.gated_forward_train(x, wg, wu, wd, l1=L1, check_finite=False)
     W, cap = ctx.width, max(8, 2 * ctx.R)

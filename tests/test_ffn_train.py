@@ -1043,7 +1043,8 @@ def test_gpu_training_switches_reject_bad_values(name):
     import subprocess
     import sys
 
-    env = dict(os.environ, **{name: "yes"})
+    env = {k: v for k, v in os.environ.items() if k not in ("TWELLPY_PAIR_TRANSPOSE", "TWELLPY_TRAIN_TWO_PASS")}
+    env[name] = "yes"
     r = subprocess.run([sys.executable, "-c", "import twellpy.backends.cuda_train"], env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0

@@ -177,15 +177,18 @@ def _mark(name, xp):
 
 def _deferred_l1(xp, h_abs_rows, l1, M):
     """The L1 statistic ``l1 * sum(|h|) / M`` as a read deferred to the first
-    ``ctx.stats["l1"]``: the rows' sums are summed then, on the forward's stream
-    (after its kernels), so the step launches no reduction on the host's path
-    from the forward's count read to the backward's first kernel."""
+    ``ctx.stats["l1"]``, so the step launches no reduction on the host's path
+    from the forward's count read to the backward's first kernel. The read waits
+    for an event recorded after the forward's kernels, then sums on the current
+    stream: the forward's own stream (a torch stream behind a CuPy
+    ExternalStream, say) may be gone by then."""
     if xp is np:
         return lambda: l1 * float(h_abs_rows.sum()) / M
-    stream = xp.cuda.get_current_stream()
+    written = xp.cuda.get_current_stream().record()
 
     def read():
-        with h_abs_rows.device, stream:
+        with h_abs_rows.device:
+            written.synchronize()
             return l1 * float(h_abs_rows.sum()) / M
     return read
 
@@ -257,7 +260,7 @@ def choose_width(token_counts, spec="auto", *, slot_bytes=8, row_bytes=None, n_c
     """
     counts = token_counts if isinstance(token_counts, _CountSummary) else None
     if counts is None:
-        counts = np.asarray(token_counts, dtype=np.int64)
+        counts = np.asarray(token_counts, dtype=np.int64).ravel()
     M = counts.size
     if isinstance(spec, (bool, np.bool_)):
         raise TypeError(f"width must be an int or a strategy string, got {spec!r}")

@@ -846,7 +846,10 @@ class SideWork:
     every later use starts by waiting for the main stream, so their reuse is safe.
     ``start_here()`` makes the side work wait only for what is queued on the main
     stream at that call, so that the main stream's next kernel can be launched
-    first and the side work, launched after it, still runs beside it.
+    first and the side work, launched after it, still runs beside it. The side
+    work must then not touch what the main stream does after that call: arrays it
+    writes, and blocks it frees (the side stream's pool blocks are safe to reuse
+    only after everything queued on the main stream before that point).
     Events only, so a CUDA graph capture of the main stream takes the side work in.
     ``enabled=False`` leaves the work on the main stream, in order (every method a no-op).
     """
