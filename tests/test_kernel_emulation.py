@@ -1748,7 +1748,8 @@ def test_row_maps_kernel_in_row_chunks_gives_one_launchs_maps(train_lib, chunk, 
     the running count ends at the number of wide rows."""
     from twellpy.backends import cpu_train
 
-    M, W, threads = 2000, 30, 96
+    # one-row chunks launch once a row: fewer rows keep the emulation quick (36 s at 2000)
+    M, W, threads = 240 if chunk == 1 else 2000, 30, 96
     rng = np.random.default_rng(chunk)
     counts = rng.poisson(30, M).astype(np.int32)
     counts[rng.random(M) < 0.05] = 500
