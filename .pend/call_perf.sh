@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
-# Session 35, device call: the new code's GPU tests, the training table with the side
-# stream / gate chunks / chunked speculation A/B, the count-and-pack probe, then Nsight
-# Compute counters with whatever time is left.
+# One device call for the training work: the GPU tests of what changed, the training table
+# (`train.py --quick`: each switch in alternating rounds, the device's lead over the host at
+# each mark of a step), the count-and-pack probe, then Nsight Compute counters of a W1-16k
+# step with whatever time is left (PROFILE=0 skips them).
+# TEST_K: the tests' -k selection (default: the thirty-sixth session's host-path changes);
+# TEST_LIMIT, TRAIN_LIMIT, CALL_LIMIT (s) and WORKLOADS as below.
 source benchmarks/_device_env.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
-git rev-parse --short HEAD > $OUT/commit.txt 2>/dev/null
 t0=$SECONDS
 timeout ${TEST_LIMIT:-150} python -m pytest -q -m gpu -n 16 $XDIST_DIST -p no:cacheprovider tests/test_gpu_train.py \
-  -k "side_stream or transpose_copy or gate_chunks or chunked_batch or count_pack or speculative" > $OUT/pytest_new.log 2>&1
-echo "new tests exit $? after $((SECONDS - t0)) s"; tail -3 $OUT/pytest_new.log; grep -E "^FAILED|Error" $OUT/pytest_new.log | head -20
+  -k "${TEST_K:-side_work or side_stream or transpose or speculative or chunked_batch or l1 or stats}" > $OUT/pytest_new.log 2>&1
+echo "tests exit $? after $((SECONDS - t0)) s"; tail -2 $OUT/pytest_new.log; grep -E "^FAILED|Error" $OUT/pytest_new.log | head -20
 t1=$SECONDS
 timeout ${TRAIN_LIMIT:-220} python benchmarks/train.py --quick --workloads ${WORKLOADS:-W1-16k W1-64k W2} --reps 20 > $OUT/train.log 2>&1
-echo "train.py exit $? after $((SECONDS - t1)) s"; grep -v '^{' $OUT/train.log | grep -v "phases\|host clock" | tail -16
+echo "train.py exit $? after $((SECONDS - t1)) s"; grep -v '^{' $OUT/train.log | grep -v "phases\|host clock" | tail -20
 t1=$SECONDS
 timeout 90 python benchmarks/count_pack_probe.py > $OUT/count_pack_probe.log 2>&1
-echo "count_pack_probe exit $? after $((SECONDS - t1)) s"; cat $OUT/count_pack_probe.log | tail -20
-left=$(( ${CALL_LIMIT:-540} - (SECONDS - t0) ))
-if (( left > 60 )); then
+echo "count_pack_probe exit $? after $((SECONDS - t1)) s"; tail -14 $OUT/count_pack_probe.log
+left=$(( ${CALL_LIMIT:-370} - (SECONDS - t0) ))
+if [[ ${PROFILE:-1} == 1 ]] && (( left > 60 )); then
   t1=$SECONDS
   timeout $left python benchmarks/profile_kernels.py --set train > $OUT/profile.log 2>&1
   echo "profile exit $? after $((SECONDS - t1)) s"; tail -30 $OUT/profile.log

@@ -356,6 +356,14 @@ def nan_inf_counts(arr):
     return n_nan, n_special - n_nan
 
 
+def switch_setting(name, value):
+    """The bool of an on/off environment variable ``name`` whose value is ``value``
+    ("0" or "1"; anything else raises, naming the variable)."""
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def check_finite(arr, name: str):
     """Raise ValueError if ``arr`` holds NaN or Inf (works on numpy and cupy).
 

@@ -49,7 +49,7 @@ import numpy as np
 
 from . import _array, backends
 from ._array import (as_array, check_finite as _check_finite, check_float, contiguous, count_in_range, device_of,
-                     raise_nonfinite, same_device, to_caller, xp_of)
+                     raise_nonfinite, same_device, switch_setting as _switch_setting, to_caller, xp_of)
 from ._ffn_infer import _check_finite_mode
 from .hybrid import quantile_width_from_cumulative
 
@@ -76,13 +76,6 @@ BACKUP_CHUNK_BYTES = 192 << 20
 #: H = 5632 in bf16 on an H100.
 BACKUP_WGRAD_GEMM_MIN_ROWS = 256
 BACKUP_WGRAD_GEMM_MIN_MEAN = 64
-
-
-def _switch_setting(name, value):
-    """The bool of an on/off environment variable ``name`` ("0" or "1"; anything else raises)."""
-    if value not in ("0", "1"):
-        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
-    return value == "1"
 
 
 #: Whether the route above may run at all (TWELLPY_TRAIN_BACKUP_GEMM=0|1; on by default).

@@ -75,7 +75,7 @@ from contextlib import nullcontext as _nullcontext
 
 import numpy as np
 
-from .._array import bfloat16, cupy_module, raise_nonfinite
+from .._array import bfloat16, cupy_module, raise_nonfinite, switch_setting
 from . import _registry
 from . import overflow_rows_to_backup
 from .cuda import PendingCount, RepeatedNonfiniteCheck, allow_dynamic_smem
@@ -798,10 +798,7 @@ def graphs_default():
 
     On by default: without graphs a call of 16-128 rows is bound by host time and ran
     0.79-0.85x torch's dense FFN; replayed as a graph 1.04-1.35x, same bits (H100, 2026-12-06)."""
-    env = os.environ.get("TWELLPY_FFN_GRAPHS", "1")
-    if env not in ("0", "1"):
-        raise ValueError(f"TWELLPY_FFN_GRAPHS must be 0 or 1, got {env!r}")
-    return env == "1"
+    return switch_setting("TWELLPY_FFN_GRAPHS", os.environ.get("TWELLPY_FFN_GRAPHS", "1"))
 
 
 def _refuse_allocation(nbytes):
@@ -887,10 +884,7 @@ class FFNPlan:
         #: one matrix (23 MB at W1 in bf16), not two. Same bits. Off: on an H100
         #: (2026-12-07) it was no faster (W1-16k 1.304 against 1.257 ms fused,
         #: W1-64k 5.03 against 5.06, W2 10.8 against 10.6-11.0).
-        env_two = os.environ.get("TWELLPY_FFN_TWO_PASS", "0")
-        if env_two not in ("0", "1"):
-            raise ValueError(f"TWELLPY_FFN_TWO_PASS must be 0 or 1, got {env_two!r}")
-        self.two_pass = env_two == "1"
+        self.two_pass = switch_setting("TWELLPY_FFN_TWO_PASS", os.environ.get("TWELLPY_FFN_TWO_PASS", "0"))
         #: mean active neurons per token above which "auto" runs the dense path
         self.auto_threshold = self._default_threshold()
         self._ws_rows = 0

@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 
-from .._array import FLOAT_DTYPES, bfloat16, cupy_module
+from .._array import FLOAT_DTYPES, bfloat16, cupy_module, switch_setting
 from . import _registry
 from .cuda import _NULL_PTR, PendingHost, transpose_cursor
 
@@ -116,15 +116,7 @@ ROWS = _rows_setting(os.environ.get("TWELLPY_TRAIN_ROWS", "0"))
 #: Same bits. The resident split (SPLIT), when it runs, takes precedence. On by default
 #: (TWELLPY_TRAIN_TWO_PASS=0 turns it off): on an H100 (2026-12-07) the forward plus
 #: backward took 3.50 ms against 4.79 ms in one pass at W1-16k, 31.6 against 40.1 at W2.
-def _on_off_setting(name, default):
-    """The bool of the on/off environment variable ``name`` ("0" or "1"; anything else raises)."""
-    value = os.environ.get(name, default)
-    if value not in ("0", "1"):
-        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
-    return value == "1"
-
-
-TWO_PASS = _on_off_setting("TWELLPY_TRAIN_TWO_PASS", "1")
+TWO_PASS = switch_setting("TWELLPY_TRAIN_TWO_PASS", os.environ.get("TWELLPY_TRAIN_TWO_PASS", "1"))
 
 
 def _row_defines():
@@ -783,7 +775,7 @@ def concat(arrays):
 #: 16-bit ``transpose_copy`` through ``twellpy_train_transpose_pairs`` (32-bit words, 64 x 64
 #: tiles) where the shape and alignment allow (TWELLPY_PAIR_TRANSPOSE=1|0). On by default
 #: since an H100 run (2026-12-07, W1-16k): step 3.07 against 3.10 ms, same bits.
-PAIR_TRANSPOSE = _on_off_setting("TWELLPY_PAIR_TRANSPOSE", "1")
+PAIR_TRANSPOSE = switch_setting("TWELLPY_PAIR_TRANSPOSE", os.environ.get("TWELLPY_PAIR_TRANSPOSE", "1"))
 
 
 def transpose_copy(a):
