@@ -9,7 +9,7 @@ source benchmarks/_device_env.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
 t0=$SECONDS
 timeout ${TEST_LIMIT:-150} python -m pytest -q -m gpu -n 16 $XDIST_DIST -p no:cacheprovider tests/test_gpu_train.py \
-  -k "${TEST_K:-side_work or side_stream or transpose or speculative or chunked_batch or l1 or stats}" > $OUT/pytest_new.log 2>&1
+  -k "${TEST_K:-side_work or side_stream or transpose or speculative or chunked_batch or l1 or stats or count_pack or relu}" > $OUT/pytest_new.log 2>&1
 echo "tests exit $? after $((SECONDS - t0)) s"; tail -2 $OUT/pytest_new.log; grep -E "^FAILED|Error" $OUT/pytest_new.log | head -20
 t1=$SECONDS
 timeout ${TRAIN_LIMIT:-220} python benchmarks/train.py --quick --workloads ${WORKLOADS:-W1-16k W1-64k W2} --reps 20 > $OUT/train.log 2>&1

@@ -8,8 +8,8 @@ bytes in about 0.07 ms. This probe times, on the workload's own gate output ``z`
 * the gate GEMM alone, and followed by the count and pack in 1, 2, 4 and 8 row chunks
   (``gate_count_pack``; chunks let each pack read what the GEMM has just written);
 * ``relu_count`` (a read of z, no writes), the inference row pack, a copy of z;
-* ``relu_count_pack`` with its default tuning and with each of ``TW_PACK_STREAM=1``,
-  ``TW_PACK_UNROLL`` 2 / 8 and ``TW_WARPS`` 4 / 16, each checked for the default's bits
+* ``relu_count`` and ``relu_count_pack`` with their default tuning and with each of
+  ``TW_PACK_WORDS=0``, ``TW_PACK_STREAM=1``, ``TW_PACK_UNROLL=2`` and ``TW_WARPS=16``, each checked for the default's bits
   and timed in ``--rounds`` alternating rounds (each round starts one variant later).
 
 It prints one line per measurement: median ms and the z read rate (GB/s).
@@ -35,8 +35,10 @@ from twellpy._array import bfloat16  # noqa: E402
 from twellpy.backends import _registry  # noqa: E402
 from twellpy.backends import cuda_train as ct  # noqa: E402
 
-VARIANTS = ({}, {"TW_PACK_STREAM": 1}, {"TW_PACK_UNROLL": 2}, {"TW_PACK_UNROLL": 8}, {"TW_WARPS": 4},
-            {"TW_WARPS": 16}, {"TW_PACK_STREAM": 1, "TW_WARPS": 16})
+# TW_PACK_WORDS=0: the value-at-a-time test and the scan every step (the default before 2026-12-07's
+# thirty-seventh session); UNROLL 8 and WARPS 4 were slower in every earlier run
+VARIANTS = ({}, {"TW_PACK_WORDS": 0}, {"TW_PACK_STREAM": 1}, {"TW_PACK_UNROLL": 2},
+            {"TW_PACK_STREAM": 1, "TW_PACK_UNROLL": 2}, {"TW_WARPS": 16}, {"TW_PACK_WORDS": 0, "TW_PACK_STREAM": 1})
 
 
 def main(argv=None):
@@ -69,6 +71,12 @@ def main(argv=None):
         add(f"gate GEMM + count and pack, {chunks} chunk(s)",
             lambda: ct.gate_count_pack(x, wg, W, cap, chunks=chunks), reads_z=False)
     add("relu_count (reads z, writes M counts)", lambda: ct.relu_count(z))
+    count_values = ct._k("relu_count", z.dtype, TW_PACK_WORDS=0)
+    counts_v = cp.empty(M, cp.int32)
+    grid, block = ct._rows_grid(M)
+    add("relu_count, TW_PACK_WORDS=0", lambda: count_values(grid, block, (
+        z, cp.int64(M), cp.int32(H), cp.int32(ct._vec_ok(H, z)), counts_v)))
+    print(f"relu_count same counts with TW_PACK_WORDS=0: {bool((counts_v == ct.relu_count(z)).all())}")
     capr = 64
     lidx = cp.empty((M, capr), cp.int32)
     lval = cp.empty((M, capr), cp.float32)

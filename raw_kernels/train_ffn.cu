@@ -28,6 +28,13 @@
 #ifndef TW_PACK_STREAM
 #define TW_PACK_STREAM 0
 #endif
+// 1: relu_count, relu_pack and relu_to_hybrid test a 16-bit vector's values two at a time
+// on its 32-bit words (relu_on_bits) and skip the warp scan where no lane (or no lane more
+// than once) is active; 0: relu_on a value at a time and the scan every time (the pack was
+// instruction-bound: 74% issue on an H100, 2026-12-07). Same bits either way.
+#ifndef TW_PACK_WORDS
+#define TW_PACK_WORDS 1
+#endif
 // vec = 2 in twellpy_train_fwd / _bwd: each lane keeps its TW_XREG 16-byte vectors of
 // the x (dy) row in registers (so D <= 32 * TW_XREG * 16 / sizeof(T)) instead of
 // re-reading the row for every slot's dot product, and the dot products of
@@ -111,6 +118,60 @@ __device__ __forceinline__ bool relu_on(__half v) {
 __device__ __forceinline__ bool relu_on(__nv_bfloat16 v) {
     unsigned short b = __bfloat16_as_ushort(v), m = b & 0x7fffu;
     return m > 0x7f80u || (m != 0u && !(b >> 15));
+}
+
+// relu_on of the N values of a 16-byte vector, as bits (bit i: value i). 16-bit types take
+// two values a 32-bit word: within each half, magnitude + 0x7fff carries into the half's top
+// bit iff the magnitude is non-zero, and magnitude + (0x7fff - INF) iff it is past infinity's
+// (NaN); neither sum carries out of its half. The four words' top bits are then gathered by
+// a byte permute and a multiply (bits 7, 15, 23, 31 -> 28..31, no two partial products meet).
+template <unsigned INF>
+__device__ __forceinline__ unsigned relu_on_halves(unsigned w) {
+    const unsigned m = w & 0x7fff7fffu;
+    const unsigned nonzero = m + 0x7fff7fffu;
+    const unsigned nan = m + (0x7fffu - INF) * 0x00010001u;
+    return ((nonzero & ~w) | nan) & 0x80008000u;  // sign clear and non-zero, or NaN
+}
+template <unsigned INF>
+__device__ __forceinline__ unsigned relu_on_bits16(const uint4& raw) {
+    const unsigned lo = __byte_perm(relu_on_halves<INF>(raw.x), relu_on_halves<INF>(raw.y), 0x7531u);
+    const unsigned hi = __byte_perm(relu_on_halves<INF>(raw.z), relu_on_halves<INF>(raw.w), 0x7531u);
+    return ((lo * 0x00204081u) >> 28) | (((hi * 0x00204081u) >> 28) << 4);
+}
+template <typename T> __device__ __forceinline__ unsigned relu_on_bits(const uint4& raw) {
+    const T* e = reinterpret_cast<const T*>(&raw);
+    unsigned bits = 0u;
+#pragma unroll
+    for (int i = 0; i < VecN<T>::N; ++i) bits |= (relu_on(e[i]) ? 1u : 0u) << i;
+    return bits;
+}
+#if TW_PACK_WORDS
+template <> __device__ __forceinline__ unsigned relu_on_bits<__nv_bfloat16>(const uint4& raw) {
+    return relu_on_bits16<0x7f80u>(raw);
+}
+template <> __device__ __forceinline__ unsigned relu_on_bits<__half>(const uint4& raw) {
+    return relu_on_bits16<0x7c00u>(raw);
+}
+#endif
+
+// Exclusive warp prefix sum of small counts (cnt >= 0) and their total. In a sparse row most
+// 16-byte steps have no active lane, or lanes of one active value each: one or two ballots
+// answer those; warp_inclusive_sum's five shuffles only the rest. Branches are warp-uniform.
+__device__ __forceinline__ int warp_exclusive_count(int cnt, int lane, int& total) {
+#if TW_PACK_WORDS
+    const unsigned any = __ballot_sync(FULL_MASK, cnt != 0);
+    if (any == 0u) {
+        total = 0;
+        return 0;
+    }
+    if (__ballot_sync(FULL_MASK, cnt > 1) == 0u) {
+        total = __popc(any);
+        return __popc(any & lanes_below(lane));
+    }
+#endif
+    const int incl = warp_inclusive_sum(cnt, lane);
+    total = __shfl_sync(FULL_MASK, incl, 31);
+    return incl - cnt;
 }
 
 // finite (neither NaN nor Inf), decided on bits (no float compare that -ftz could change)
@@ -356,10 +417,7 @@ twellpy_train_relu_count(const T* __restrict__ z, long long rows, int H, int vec
         constexpr int N = VecN<T>::N;
 #pragma unroll 4
         for (int c = lane * N; c < H; c += 32 * N) {
-            const uint4 raw = __ldg(reinterpret_cast<const uint4*>(zr + c));
-            const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-            for (int i = 0; i < N; ++i) n += relu_on(e[i]) ? 1 : 0;
+            n += __popc(relu_on_bits<T>(__ldg(reinterpret_cast<const uint4*>(zr + c))));
         }
     } else {
         for (int c = lane; c < H; c += 32) n += relu_on(zr[c]) ? 1 : 0;
@@ -392,23 +450,22 @@ twellpy_train_relu_pack(const T* __restrict__ z, long long rows, int H, int vec,
             unsigned bitsm = 0u;
             if (c < H) {  // H % N == 0 here, so the whole vector is in range
                 raw = __ldg(reinterpret_cast<const uint4*>(zr + c));
-                const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-                for (int i = 0; i < N; ++i) bitsm |= (relu_on(e[i]) ? 1u : 0u) << i;
+                bitsm = relu_on_bits<T>(raw);
             }
-            const int cnt = __popc(bitsm);
-            const int incl = warp_inclusive_sum(cnt, lane);  // inclusive warp scan of the per-lane counts
-            long long p = pos + (incl - cnt);
+            int total;
+            long long p = pos + warp_exclusive_count(__popc(bitsm), lane, total);
             const T* e = reinterpret_cast<const T*>(&raw);
+            if (bitsm != 0u) {
 #pragma unroll
-            for (int i = 0; i < N; ++i) {
-                if ((bitsm >> i) & 1u) {
-                    col[p] = c + i;
-                    val[p] = e[i];
-                    ++p;
+                for (int i = 0; i < N; ++i) {
+                    if ((bitsm >> i) & 1u) {
+                        col[p] = c + i;
+                        val[p] = e[i];
+                        ++p;
+                    }
                 }
             }
-            pos += __shfl_sync(0xffffffffu, incl, 31);
+            pos += total;
         }
     } else {
         const unsigned below = (1u << lane) - 1u;
@@ -519,26 +576,23 @@ twellpy_train_relu_to_hybrid(const T* __restrict__ z, long long M, int H, int ve
             for (int u = 0; u < U; ++u) {
                 const int c = b0 + (u * 32 + lane) * N;
                 const T* e = reinterpret_cast<const T*>(&raw[u]);
-                unsigned bitsm = 0u;
-                if (c < H) {
+                const unsigned bitsm = c < H ? relu_on_bits<T>(raw[u]) : 0u;
+                int total;
+                int p = pos + warp_exclusive_count(__popc(bitsm), lane, total);
+                if (bitsm != 0u) {
 #pragma unroll
-                    for (int i = 0; i < N; ++i) bitsm |= (relu_on(e[i]) ? 1u : 0u) << i;
-                }
-                const int cnt = __popc(bitsm);
-                const int incl = warp_inclusive_sum(cnt, lane);
-                int p = pos + (incl - cnt);
-#pragma unroll
-                for (int i = 0; i < N; ++i) {
-                    if ((bitsm >> i) & 1u) {
-                        if (p < W) {
-                            ell_val[base + p] = e[i];
-                            ell_idx[base + p] = c + i;
+                    for (int i = 0; i < N; ++i) {
+                        if ((bitsm >> i) & 1u) {
+                            if (p < W) {
+                                ell_val[base + p] = e[i];
+                                ell_idx[base + p] = c + i;
+                            }
+                            atomicAdd(neuron_counts + c + i, 1);
+                            ++p;
                         }
-                        atomicAdd(neuron_counts + c + i, 1);
-                        ++p;
                     }
                 }
-                pos += __shfl_sync(0xffffffffu, incl, 31);
+                pos += total;
             }
         }
     } else {
@@ -560,6 +614,9 @@ twellpy_train_relu_to_hybrid(const T* __restrict__ z, long long M, int H, int ve
         }
     }
     if (mode == 2) return;  // mode 1 wrote this row's slots
+    // a mode-1 row past W overwrites the slots its lanes filled: those stores must come first
+    // (no shuffle follows the last ones, so nothing else orders them)
+    __syncwarp();
     const int kept = (rm >= 0 || (mode == 1 && pos > W)) ? 0 : min(pos, W);
     for (int s = kept + lane; s < W; s += 32) {
         ell_val[base + s] = zero_value<T>();

@@ -374,6 +374,21 @@ void relu_count_pack_##SUFFIX(const T* z, long long M, int H, int vec, int vec_s
 }
 TO_HYBRID(f32, float)
 TO_HYBRID(bf16, __nv_bfloat16)
+#define RELU_SCAN(SUFFIX, T)                                                                          \
+void relu_bits_##SUFFIX(const uint4* raw, unsigned* bits, long long n) {                               \
+    for (long long k = 0; k < n; ++k) bits[k] = twellpy_train::relu_on_bits<T>(raw[k]);               \
+}                                                                                                     \
+void relu_count_##SUFFIX(const T* z, long long rows, int H, int vec, int* row_nnz) {                    \
+    emu::launch(twellpy_train_relu_count<T>, dim3((unsigned)((rows + TW_WARPS - 1) / TW_WARPS)),         \
+                dim3(32 * TW_WARPS), 0, z, rows, H, vec, row_nnz);                                      \
+}                                                                                                     \
+void relu_pack_##SUFFIX(const T* z, long long rows, int H, int vec, const long long* indptr, int* col, T* val) { \
+    emu::launch(twellpy_train_relu_pack<T>, dim3((unsigned)((rows + TW_WARPS - 1) / TW_WARPS)),          \
+                dim3(32 * TW_WARPS), 0, z, rows, H, vec, indptr, col, val);                              \
+}
+RELU_SCAN(f32, float)
+RELU_SCAN(bf16, __nv_bfloat16)
+RELU_SCAN(f16, __half)
 void row_maps(const int* counts, int* maps, long long M, int W, long long R, int threads) {
     emu::launch(twellpy_train_row_maps, dim3(1), dim3(threads), 0, counts, maps, M, W, R, 0LL, M, (int*)nullptr, 1);
 }
@@ -387,14 +402,14 @@ void row_maps_rows(const int* counts, int* maps, long long M, int W, long long R
 
 
 @pytest.fixture(scope="module", params=[{}, {"TW_WARPS": 2, "TW_PACK_UNROLL": 3, "TW_MAP_ROWS": 3,
-                                             "TW_GATHER_THREADS": 32, "TW_DH_PREFETCH": 1}],
-                ids=["default", "2warps-unroll3-maprows3-dhprefetch"])
+                                             "TW_GATHER_THREADS": 32, "TW_DH_PREFETCH": 1, "TW_PACK_WORDS": 0}],
+                ids=["default", "2warps-unroll3-maprows3-dhprefetch-valuetests"])
 def train_lib(request, tmp_path_factory):
     return _build(tmp_path_factory, "train_ffn.cu", _TRAIN_HARNESS, request.param)
 
 
 def _suffix(dtype, gated=None):
-    s = "f32" if np.dtype(dtype) == np.float32 else "bf16"
+    s = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}.get(np.dtype(dtype), "bf16")
     return s if gated is None else f"{s}_{int(gated)}"
 
 
@@ -2345,6 +2360,84 @@ def test_decode_inactive_neurons_add_nothing_active_ones_add_even_zero(decode_li
     y, *_ = _decode_run(decode_lib, x, wg, wu, wd, gated=True, mr=2)
     ref, _, _ = _decode_reference(x[:1], wg, wu, wd, True)
     assert np.isnan(y[1]).all() and np.linalg.norm(y[0] - ref[0]) <= 1e-5 * np.linalg.norm(ref[0])
+
+
+def _relu_on_reference(z):
+    """relu(z) != 0 as the kernels decide it, from numpy's own float semantics (no
+    flush to zero): strictly positive, denormals included, or NaN."""
+    f = z.astype(np.float32)
+    return (f > 0) | np.isnan(f)
+
+
+def _every_16bit_pattern(dtype, seed):
+    """Vectors of eight 16-bit values in which each of the 65536 bit patterns sits once at
+    each of the eight positions, beside random patterns."""
+    rng = np.random.default_rng(seed)
+    pats = np.arange(1 << 16, dtype=np.uint16)
+    v = rng.integers(0, 1 << 16, size=(8 << 16, 8), dtype=np.uint16)
+    for i in range(8):
+        v[i << 16:(i + 1) << 16, i] = rng.permutation(pats)
+    return np.ascontiguousarray(v).view(dtype)
+
+
+@pytest.mark.parametrize("dtype", [bfloat16, np.dtype(np.float16), np.dtype(np.float32)], ids=str)
+def test_relu_on_bits_on_every_bit_pattern(train_lib, dtype):
+    """relu_on_bits (16-bit types: two values a 32-bit word, no value-by-value test under
+    the default TW_PACK_WORDS = 1) marks exactly the values relu keeps, for every 16-bit
+    pattern at every position of a vector: NaNs of either sign, denormals, both zeros,
+    infinities. float32 gets random patterns with the same special values."""
+    if dtype.itemsize == 2:
+        z = _every_16bit_pattern(dtype, 7)
+    else:
+        rng = np.random.default_rng(8)
+        z = rng.integers(0, 1 << 32, size=(1 << 16, 4), dtype=np.uint32)
+        z[:, 0] = rng.choice(np.array([0, 0x80000000, 1, 0x80000001, 0x7f800000, 0xff800000, 0x7f800001,
+                                       0xffc00000, 0x7fffffff, 0x00800000], np.uint32), 1 << 16)
+        z = z.view(np.float32)
+    n = z.shape[0]
+    bits = np.full(n, 0xDEADBEEF, np.uint32)
+    getattr(train_lib, f"relu_bits_{_suffix(dtype)}")(_ptr(z), _ptr(bits), ctypes.c_longlong(n))
+    want = (_relu_on_reference(z) << np.arange(z.shape[1], dtype=np.uint32)).sum(axis=1, dtype=np.uint32)
+    np.testing.assert_array_equal(bits, want)
+
+
+@pytest.mark.parametrize("dtype", [bfloat16, np.dtype(np.float16), np.dtype(np.float32)], ids=str)
+@pytest.mark.parametrize("H", [512, 1000, 264, 999])
+def test_relu_count_and_csr_pack_match_numpy(train_lib, dtype, H):
+    """relu_count and relu_pack (the CSR of relu(z), columns ascending) on rows of every
+    kind: sparse (the warp scan's one- and two-ballot shortcuts), a row that fires every
+    column and rows of several actives in one vector (the full scan), empty rows, and
+    rows of special bit patterns; the vector loops (H a multiple of the vector) and the
+    scalar ones. Poisoned outputs; bits against numpy."""
+    rng = np.random.default_rng(H)
+    M = 37
+    z = (rng.standard_normal((M, H)) - 2.5).astype(np.float32)    # under 1% positive
+    z[1] = np.abs(z[1]) + 0.5                                      # every column
+    z[2] = -1.0                                                    # none
+    z[3, 8:16] = 2.0                                               # a whole vector of actives
+    z[4, :6] = [np.nan, -0.0, 1e-40, -1e-40, np.inf, -np.inf]
+    z[5::4, 1::9] = 0.25                                           # several actives per vector
+    z = z.astype(dtype)
+    if dtype.itemsize == 2:                                        # every 16-bit pattern in some row
+        pats = _every_16bit_pattern(dtype, H)[:, 0]
+        rows = z[6:6 + (pats.size + H - 1) // H].reshape(-1)[:min(pats.size, (M - 6) * H)]
+        rows[:] = pats[:rows.size]
+    vec = int(H % (16 // z.dtype.itemsize) == 0)
+    on = _relu_on_reference(z)
+    counts = np.full(M, -5, np.int32)
+    getattr(train_lib, f"relu_count_{_suffix(dtype)}")(_ptr(z), ctypes.c_longlong(M), H, vec, _ptr(counts))
+    np.testing.assert_array_equal(counts, on.sum(axis=1))
+    indptr = np.zeros(M + 1, np.int64)
+    np.cumsum(on.sum(axis=1), out=indptr[1:])
+    nnz = int(indptr[-1])
+    col = np.full(nnz + 2, -0x3C3C3C3C, np.int32)                 # 2 guard slots past the end
+    val = np.full(nnz + 2, np.nan, np.float32).astype(dtype)
+    getattr(train_lib, f"relu_pack_{_suffix(dtype)}")(_ptr(z), ctypes.c_longlong(M), H, vec, _ptr(indptr),
+                                                        _ptr(col), _ptr(val))
+    r, c = np.nonzero(on)
+    np.testing.assert_array_equal(col[:nnz], c)
+    np.testing.assert_array_equal(_bits(val[:nnz]), _bits(z[r, c]))
+    assert (col[nnz:] == -0x3C3C3C3C).all() and np.isnan(val[nnz:].astype(np.float32)).all()
 
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)

@@ -204,6 +204,21 @@ inline int __popc(unsigned v) { return __builtin_popcount(v); }
 inline int __clz(int v) { return v == 0 ? 32 : __builtin_clz((unsigned)v); }
 inline int __popcll(unsigned long long v) { return __builtin_popcountll(v); }
 inline int __ffs(int v) { return __builtin_ffs(v); }
+// byte n of the result is byte (s >> 4n) & 7 of the 8 bytes {x (bytes 0-3), y (bytes 4-7)};
+// the sign-replicate mode (selector bit 3) is not emulated: no kernel uses it
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    const unsigned long long both = (unsigned long long)y << 32 | x;
+    unsigned r = 0;
+    for (int n = 0; n < 4; ++n) {
+        const unsigned sel = (s >> (4 * n)) & 15u;
+        if (sel & 8u) {
+            std::fprintf(stderr, "emu: __byte_perm: sign-replicate selectors are not emulated\n");
+            std::abort();
+        }
+        r |= (unsigned)((both >> (8 * sel)) & 0xffu) << (8 * n);
+    }
+    return r;
+}
 template <typename T> inline T __ldg(const T* p) { return *p; }
 template <typename T> inline T __ldcs(const T* p) { return *p; }
 template <typename T> inline void __stcs(T* p, T v) { *p = v; }
