@@ -76,6 +76,68 @@ def test_relu_gpu_matches_reference(case, dtype):
         assert rel(got, ref[name]) <= TOL[dtype], (name, rel(got, ref[name]))
 
 
+def _relu_pattern_input(dtype, H, seed):
+    """Sparse rows (under 1% positive), a row firing everything, an empty row, a vector of
+    eight actives, special values, and for 16-bit types every bit pattern in some row."""
+    rng = np.random.default_rng(seed)
+    z = (rng.standard_normal((96, H)) - 2.5).astype(np.float32)
+    z[1] = np.abs(z[1]) + 0.5
+    z[2] = -1.0
+    z[3, 8:16] = 2.0
+    z[4, :6] = [np.nan, -0.0, 1e-40, -1e-40, np.inf, -np.inf]
+    z = z.astype(dtype)
+    if z.dtype.itemsize == 2:
+        flat = z[6:].reshape(-1)
+        n = min(flat.size, 1 << 16)
+        flat[:n] = rng.permutation(np.arange(1 << 16, dtype=np.uint16))[:n].view(z.dtype)
+        z[6:] = flat.reshape(z[6:].shape)
+    return z
+
+
+@pytest.mark.parametrize("H", [1000, 999, 5632])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16), bfloat16, np.dtype(np.float32), np.dtype(np.float64)], ids=str)
+def test_relu_pattern_kernels_on_every_bit_pattern_gpu(dtype, H):
+    """relu_count, the CSR pack, relu_to_hybrid and the count-and-pack (16-bit values tested
+    two at a time on 32-bit words, the warp scan's ballot shortcuts) against numpy's own
+    relu(z) != 0 (positive, denormals included, or NaN) and the CPU twins, bit for bit, on
+    every dtype: every 16-bit pattern, sparse, empty and full rows; H a multiple of the
+    vector (vector loops) and not (scalar ones)."""
+    import cupy as cp
+    from twellpy.backends import cpu_train
+    from twellpy.backends import cuda_train as ct
+
+    z = _relu_pattern_input(dtype, H, H)
+    f = z.astype(np.float64)
+    on = (f > 0) | np.isnan(f)
+    zd = cp.asarray(z)
+    poison()
+    counts = ct.relu_count(zd).get()
+    np.testing.assert_array_equal(counts, on.sum(axis=1))
+    poison()
+    row_nnz, indptr, col, val = (a.get() for a in ct.relu_csr(zd))
+    r, c = np.nonzero(on)
+    np.testing.assert_array_equal(row_nnz, counts)
+    np.testing.assert_array_equal(col, c)
+    np.testing.assert_array_equal(val.view(np.uint8), np.ascontiguousarray(z[r, c]).view(np.uint8))
+    W = int(np.sort(counts)[len(counts) // 2])                   # narrow rows and wide ones
+    wide = int(np.count_nonzero(counts > W))
+    row_map = cpu_train.row_maps(counts, W, wide)[:len(counts)]
+    want = cpu_train.relu_to_hybrid(z, row_map, W, wide)
+    poison()
+    got = [a.get() for a in ct.relu_to_hybrid(zd, cp.asarray(row_map), W, wide)]
+    for g, w, name in zip(got, want, ("vals", "ell_idx", "ell_nnz", "neuron_counts")):
+        np.testing.assert_array_equal(np.ascontiguousarray(g).view(np.uint8), np.ascontiguousarray(w).view(np.uint8),
+                                      err_msg=name)
+    np.testing.assert_array_equal(got[3], on.sum(axis=0))
+    poison()
+    packed = [a.get() for a in ct.relu_count_pack(zd, W, wide)]
+    n = len(counts) * W
+    np.testing.assert_array_equal(packed[4], counts)
+    np.testing.assert_array_equal(packed[0][:n].view(np.uint8), want[0][:n].view(np.uint8))
+    for g, w in zip(packed[1:4], want[1:4]):
+        np.testing.assert_array_equal(g, w)
+
+
 def test_gpu_deterministic_bits():
     import cupy as cp
 
