@@ -5,6 +5,7 @@
 # step with whatever time is left (PROFILE=0 skips them).
 # TEST_K: the tests' -k selection (default: the thirty-sixth session's host-path changes and the
 # thirty-seventh's pattern kernels); MC_K: a selection run under memcheck after them (MC_K= skips);
+# INFER_K: inference tests (test_gpu_ffn_infer.py) to run too (INFER_K= skips);
 # TEST_LIMIT, TRAIN_LIMIT, CALL_LIMIT (s) and WORKLOADS as below.
 source benchmarks/_device_env.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
@@ -12,6 +13,12 @@ t0=$SECONDS
 timeout ${TEST_LIMIT:-150} python -m pytest -q -m gpu -n 16 $XDIST_DIST -p no:cacheprovider tests/test_gpu_train.py \
   -k "${TEST_K:-side_work or side_stream or transpose or speculative or chunked_batch or l1 or stats or count_pack or relu}" > $OUT/pytest_new.log 2>&1
 echo "tests exit $? after $((SECONDS - t0)) s"; tail -2 $OUT/pytest_new.log; grep -E "^FAILED|Error" $OUT/pytest_new.log | head -20
+if [[ -n ${INFER_K-rowpack or float64_reference or sigma_03 or token_firing} ]]; then  # INFER_K= skips
+  t1=$SECONDS
+  timeout ${TEST_LIMIT:-150} python -m pytest -q -m gpu -n 16 $XDIST_DIST -p no:cacheprovider tests/test_gpu_ffn_infer.py \
+    -k "${INFER_K-rowpack or float64_reference or sigma_03 or token_firing}" > $OUT/pytest_infer.log 2>&1
+  echo "inference tests exit $? after $((SECONDS - t1)) s"; tail -2 $OUT/pytest_infer.log; grep -E "^FAILED|Error" $OUT/pytest_infer.log | head -20
+fi
 if [[ -n ${MC_K-relu_pattern_kernels} ]]; then  # memcheck (twellpy's kernels) of a small selection; MC_K= skips it
   t1=$SECONDS
   timeout ${MC_LIMIT:-100} compute-sanitizer --tool memcheck --print-limit 20 --kernel-name kns=twellpy_ \

@@ -81,9 +81,18 @@ def main(argv=None):
     lidx = cp.empty((M, capr), cp.int32)
     lval = cp.empty((M, capr), cp.float32)
     rcount = cp.empty(M, cp.int32)
-    rowpack = _registry.get_kernel("ffn_pack.cu", f"twellpy_ffn_rowpack<{_registry.ctype(z.dtype)}>")
-    add("inference ffn_rowpack (cap 64)", lambda: rowpack(((M + 7) // 8,), (256,), (
-        z, cp.int64(H), cp.int32(M), cp.int32(H), cp.int32(capr), lidx, lval, rcount, ct._NULL_PTR)))
+    packs = {}
+    for words in (1, 0, 1, 0):  # alternating: the word test (default) and the value test
+        rowpack = _registry.get_kernel("ffn_pack.cu", f"twellpy_ffn_rowpack<{_registry.ctype(z.dtype)}>",
+                                       FFN_ROWPACK_WORDS=words)
+        add(f"inference ffn_rowpack (cap 64), FFN_ROWPACK_WORDS={words}", lambda: rowpack(((M + 7) // 8,), (256,), (
+            z, cp.int64(H), cp.int32(M), cp.int32(H), cp.int32(capr), lidx, lval, rcount, ct._NULL_PTR)))
+        packs.setdefault(words, [a.copy() for a in (lidx, lval, rcount)])
+    # rows past the cap keep unwritten list tails: compare counts, and lists up to the count
+    live = cp.arange(capr)[None, :] < cp.minimum(packs[1][2], capr)[:, None]
+    print("inference rowpack same lists with FFN_ROWPACK_WORDS=0:",
+          bool((packs[1][2] == packs[0][2]).all() and (packs[1][0] == packs[0][0])[live].all()
+               and (packs[1][1].view(cp.uint32) == packs[0][1].view(cp.uint32))[live].all()))
     add("copy of z (read + write)", lambda: z.copy())
     # each variant's bits once, then its time in alternating rounds (a fixed order let the
     # first variant run on a cold, slower GPU on 2026-12-07: 0.205 against 0.163 ms)

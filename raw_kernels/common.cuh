@@ -41,6 +41,29 @@ __device__ __forceinline__ bool nonzero(__nv_bfloat16 v) { return (__bfloat16_as
 // ReLU "active" test: strictly positive, or NaN (IEEE: relu(NaN) = NaN is kept).
 __device__ __forceinline__ bool relu_active(float v) { return !(v <= 0.0f); }
 
+// ReLU activity of the eight 16-bit values of a 16-byte vector, as bits (bit i: value i),
+// two values a 32-bit word. A value counts when its sign is clear and its magnitude is at
+// least LEAST, or when it is NaN (magnitude past INF, the type's infinity). Within each half,
+// magnitude + (0x8000 - LEAST) carries into the half's top bit iff magnitude >= LEAST, and
+// magnitude + (0x7fff - INF) iff magnitude > INF; neither sum carries out of its half. The
+// four words' top bits are gathered by a byte permute and a multiply (bits 7, 15, 23, 31 ->
+// 28..31: no two partial products meet). About 23 instructions a vector, against three or
+// more a value for a test value by value.
+template <unsigned INF, unsigned LEAST>
+__device__ __forceinline__ unsigned relu_halves(unsigned w) {
+    const unsigned m = w & 0x7fff7fffu;
+    const unsigned big = m + (0x8000u - LEAST) * 0x00010001u;
+    const unsigned nan = m + (0x7fffu - INF) * 0x00010001u;
+    return ((big & ~w) | nan) & 0x80008000u;
+}
+template <unsigned INF, unsigned LEAST>
+__device__ __forceinline__ unsigned relu_bits16(const uint4& raw) {
+    const unsigned lo = __byte_perm(relu_halves<INF, LEAST>(raw.x), relu_halves<INF, LEAST>(raw.y), 0x7531u);
+    const unsigned hi = __byte_perm(relu_halves<INF, LEAST>(raw.z), relu_halves<INF, LEAST>(raw.w), 0x7531u);
+    return ((lo * 0x00204081u) >> 28) | (((hi * 0x00204081u) >> 28) << 4);
+}
+constexpr unsigned BF16_INF = 0x7f80u, HALF_INF = 0x7c00u;
+
 template <typename T> __device__ __forceinline__ T zero_value() { return from_float<T>(0.0f); }
 template <> __device__ __forceinline__ double zero_value<double>() { return 0.0; }
 
@@ -110,6 +133,28 @@ __device__ __forceinline__ int warp_inclusive_sum(int v, int lane) {
         if (lane >= off) v += t;
     }
     return v;
+}
+
+// Exclusive warp prefix sum of small counts (cnt >= 0), and their total in `total`. With
+// SHORTCUTS, one or two ballots answer the common steps of a sparse row, no lane counting
+// anything or none more than one; warp_inclusive_sum's five shuffles only the rest. The
+// branches are warp-uniform; every lane of the warp must call it.
+template <bool SHORTCUTS>
+__device__ __forceinline__ int warp_exclusive_count(int cnt, int lane, int& total) {
+    if (SHORTCUTS) {
+        const unsigned any = __ballot_sync(FULL_MASK, cnt != 0);
+        if (any == 0u) {
+            total = 0;
+            return 0;
+        }
+        if (__ballot_sync(FULL_MASK, cnt > 1) == 0u) {
+            total = __popc(any);
+            return __popc(any & lanes_below(lane));
+        }
+    }
+    const int incl = warp_inclusive_sum(cnt, lane);
+    total = __shfl_sync(FULL_MASK, incl, 31);
+    return incl - cnt;
 }
 
 }  // namespace twellpy

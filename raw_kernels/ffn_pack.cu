@@ -132,6 +132,35 @@ __global__ void twellpy_ffn_relu(const T* g, T* h, long long n) {
 #ifndef FFN_ROWPACK_UNROLL
 #define FFN_ROWPACK_UNROLL 4
 #endif
+// 1: 16-bit values tested two at a time on 32-bit words (twellpy::relu_bits16) and the warp
+// scan cut short where no lane, or no lane twice, is active; 0: value by value, the scan every
+// step. Same lists either way.
+#ifndef FFN_ROWPACK_WORDS
+#define FFN_ROWPACK_WORDS 1
+#endif
+
+// relu_active of the values of a 16-byte vector, as bits (bit i: value i), with the answer of
+// the value-by-value test as compiled (-ftz): that test converts to float exactly and compares
+// with setp.gtu.ftz.f32, which flushes a float denormal to zero. A bfloat16 denormal stays a
+// float denormal, so it is not active (LEAST = the smallest normal, 0x0080); a half denormal
+// becomes a normal float, so it is (LEAST = 1). float and double keep the value test.
+template <typename T> __device__ __forceinline__ unsigned relu_active_bits(const uint4& raw) {
+    typedef typename twellpy::accum<T>::type A;
+    const T* e = reinterpret_cast<const T*>(&raw);
+    unsigned mask = 0u;
+#pragma unroll
+    for (int i = 0; i < 16 / (int)sizeof(T); ++i)
+        if (!(twellpy::to_acc<A, T>(e[i]) <= A(0))) mask |= 1u << i;
+    return mask;
+}
+#if FFN_ROWPACK_WORDS
+template <> __device__ __forceinline__ unsigned relu_active_bits<__nv_bfloat16>(const uint4& raw) {
+    return twellpy::relu_bits16<twellpy::BF16_INF, 0x0080u>(raw);
+}
+template <> __device__ __forceinline__ unsigned relu_active_bits<__half>(const uint4& raw) {
+    return twellpy::relu_bits16<twellpy::HALF_INF, 1u>(raw);
+}
+#endif
 
 // twellpy_ffn_rowpack<T>: per-row list of the ReLU-active entries of g
 // (relu_active: > 0 or NaN), one warp per row, column order.
@@ -172,28 +201,22 @@ __global__ void twellpy_ffn_rowpack(const T* __restrict__ g, long long ldg, int 
         for (int u = 0; u < U; ++u) {
             const int col = base + (u * 32 + lane) * VEC;
             const T* e = reinterpret_cast<const T*>(&raw[u]);
-            unsigned mask = 0u;
-            if (col < H) {
+            const unsigned mask = col < H ? relu_active_bits<T>(raw[u]) : 0u;
+            int step;
+            int pos = found + twellpy::warp_exclusive_count<(FFN_ROWPACK_WORDS != 0)>(__popc(mask), lane, step);
+            if (mask != 0u) {
 #pragma unroll
                 for (int i = 0; i < VEC; ++i) {
-                    const A v = twellpy::to_acc<A, T>(e[i]);
-                    if (!(v <= A(0))) mask |= 1u << i;
-                }
-            }
-            const int c = __popc(mask);
-            const int incl = twellpy::warp_inclusive_sum(c, lane);
-            int pos = found + incl - c;
-#pragma unroll
-            for (int i = 0; i < VEC; ++i) {
-                if (mask & (1u << i)) {
-                    if (pos < capr) {
-                        lidx[pos] = col + i;
-                        lval[pos] = twellpy::to_acc<A, T>(e[i]);
+                    if (mask & (1u << i)) {
+                        if (pos < capr) {
+                            lidx[pos] = col + i;
+                            lval[pos] = twellpy::to_acc<A, T>(e[i]);
+                        }
+                        ++pos;
                     }
-                    ++pos;
                 }
             }
-            found += __shfl_sync(0xffffffffu, incl, 31);
+            found += step;
         }
     }
     if (lane == 0) {

@@ -120,24 +120,8 @@ __device__ __forceinline__ bool relu_on(__nv_bfloat16 v) {
     return m > 0x7f80u || (m != 0u && !(b >> 15));
 }
 
-// relu_on of the N values of a 16-byte vector, as bits (bit i: value i). 16-bit types take
-// two values a 32-bit word: within each half, magnitude + 0x7fff carries into the half's top
-// bit iff the magnitude is non-zero, and magnitude + (0x7fff - INF) iff it is past infinity's
-// (NaN); neither sum carries out of its half. The four words' top bits are then gathered by
-// a byte permute and a multiply (bits 7, 15, 23, 31 -> 28..31, no two partial products meet).
-template <unsigned INF>
-__device__ __forceinline__ unsigned relu_on_halves(unsigned w) {
-    const unsigned m = w & 0x7fff7fffu;
-    const unsigned nonzero = m + 0x7fff7fffu;
-    const unsigned nan = m + (0x7fffu - INF) * 0x00010001u;
-    return ((nonzero & ~w) | nan) & 0x80008000u;  // sign clear and non-zero, or NaN
-}
-template <unsigned INF>
-__device__ __forceinline__ unsigned relu_on_bits16(const uint4& raw) {
-    const unsigned lo = __byte_perm(relu_on_halves<INF>(raw.x), relu_on_halves<INF>(raw.y), 0x7531u);
-    const unsigned hi = __byte_perm(relu_on_halves<INF>(raw.z), relu_on_halves<INF>(raw.w), 0x7531u);
-    return ((lo * 0x00204081u) >> 28) | (((hi * 0x00204081u) >> 28) << 4);
-}
+// relu_on of the N values of a 16-byte vector, as bits (bit i: value i); 16-bit types two
+// values a 32-bit word (relu_bits16, every positive magnitude counts: LEAST = 1).
 template <typename T> __device__ __forceinline__ unsigned relu_on_bits(const uint4& raw) {
     const T* e = reinterpret_cast<const T*>(&raw);
     unsigned bits = 0u;
@@ -147,32 +131,12 @@ template <typename T> __device__ __forceinline__ unsigned relu_on_bits(const uin
 }
 #if TW_PACK_WORDS
 template <> __device__ __forceinline__ unsigned relu_on_bits<__nv_bfloat16>(const uint4& raw) {
-    return relu_on_bits16<0x7f80u>(raw);
+    return relu_bits16<BF16_INF, 1u>(raw);
 }
 template <> __device__ __forceinline__ unsigned relu_on_bits<__half>(const uint4& raw) {
-    return relu_on_bits16<0x7c00u>(raw);
+    return relu_bits16<HALF_INF, 1u>(raw);
 }
 #endif
-
-// Exclusive warp prefix sum of small counts (cnt >= 0) and their total. In a sparse row most
-// 16-byte steps have no active lane, or lanes of one active value each: one or two ballots
-// answer those; warp_inclusive_sum's five shuffles only the rest. Branches are warp-uniform.
-__device__ __forceinline__ int warp_exclusive_count(int cnt, int lane, int& total) {
-#if TW_PACK_WORDS
-    const unsigned any = __ballot_sync(FULL_MASK, cnt != 0);
-    if (any == 0u) {
-        total = 0;
-        return 0;
-    }
-    if (__ballot_sync(FULL_MASK, cnt > 1) == 0u) {
-        total = __popc(any);
-        return __popc(any & lanes_below(lane));
-    }
-#endif
-    const int incl = warp_inclusive_sum(cnt, lane);
-    total = __shfl_sync(FULL_MASK, incl, 31);
-    return incl - cnt;
-}
 
 // finite (neither NaN nor Inf), decided on bits (no float compare that -ftz could change)
 __device__ __forceinline__ bool finite_acc(float v) { return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u; }
@@ -453,7 +417,7 @@ twellpy_train_relu_pack(const T* __restrict__ z, long long rows, int H, int vec,
                 bitsm = relu_on_bits<T>(raw);
             }
             int total;
-            long long p = pos + warp_exclusive_count(__popc(bitsm), lane, total);
+            long long p = pos + warp_exclusive_count<(TW_PACK_WORDS != 0)>(__popc(bitsm), lane, total);
             const T* e = reinterpret_cast<const T*>(&raw);
             if (bitsm != 0u) {
 #pragma unroll
@@ -578,7 +542,7 @@ twellpy_train_relu_to_hybrid(const T* __restrict__ z, long long M, int H, int ve
                 const T* e = reinterpret_cast<const T*>(&raw[u]);
                 const unsigned bitsm = c < H ? relu_on_bits<T>(raw[u]) : 0u;
                 int total;
-                int p = pos + warp_exclusive_count(__popc(bitsm), lane, total);
+                int p = pos + warp_exclusive_count<(TW_PACK_WORDS != 0)>(__popc(bitsm), lane, total);
                 if (bitsm != 0u) {
 #pragma unroll
                     for (int i = 0; i < N; ++i) {

@@ -1431,3 +1431,40 @@ def test_graphs_of_the_environment_default(monkeypatch):
     monkeypatch.setenv("TWELLPY_FFN_GRAPHS", "2")
     with pytest.raises(ValueError, match="TWELLPY_FFN_GRAPHS must be 0 or 1"):
         GatedFFN(w["w_gate"], w["w_up"], w["w_down"])
+
+
+@pytest.mark.parametrize("dtype", [bfloat16, np.dtype(np.float16), np.dtype(np.float32)], ids=str)
+def test_rowpack_word_test_gives_the_value_tests_lists(dtype):
+    """twellpy_ffn_rowpack with its word test (FFN_ROWPACK_WORDS=1, the default) writes the
+    lists of the value-by-value test compiled the same way (FFN_ROWPACK_WORDS=0), bit for
+    bit, on rows holding every 16-bit pattern (NaNs, denormals, both zeros, infinities),
+    sparse rows (the scan's ballot shortcuts) and full ones; outputs poisoned."""
+    from twellpy.backends import _registry
+
+    rng = np.random.default_rng(41)
+    M, H, capr = 96, 1024, 1024
+    z = (rng.standard_normal((M, H)) - 2.5).astype(np.float32)
+    z[1] = np.abs(z[1]) + 0.5
+    z[2, 8:16] = 1.0
+    z = z.astype(dtype)
+    if z.dtype.itemsize == 2:                                 # rows 32..95: every 16-bit pattern
+        z[32:] = rng.permutation(np.arange(1 << 16, dtype=np.uint16)).view(z.dtype).reshape(64, H)
+    else:
+        z[3, :8] = np.array([0x7fc00000, 0xffc00001, 1, 0x80000001, 0x7f800000, 0xff800000, 0, 0x80000000],
+                            np.uint32).view(np.float32)
+    g = cp.asarray(z)
+    got = {}
+    for words in (1, 0):
+        kernel = _registry.get_kernel("ffn_pack.cu", f"twellpy_ffn_rowpack<{_registry.ctype(g.dtype)}>",
+                                      FFN_ROWPACK_WORDS=words)
+        idx = cp.full((M, capr), -77, cp.int32)
+        val = cp.full((M, capr), cp.nan, cp.float32)
+        count = cp.full(M, -1, cp.int32)
+        total = cp.zeros(1, cp.uint64)
+        kernel(((M + 7) // 8,), (256,), (g, cp.int64(H), cp.int32(M), cp.int32(H), cp.int32(capr), idx, val,
+                                         count, total))
+        got[words] = [a.get() for a in (idx, val, count, total)]
+    for a, b, name in zip(got[1], got[0], ("idx", "val", "count", "total")):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=name)
+    count = got[1][2]
+    assert count[1] == H and count[2] >= 8 and int(got[1][3][0]) == int(count.sum())

@@ -1141,6 +1141,17 @@ void rowpack_bf16(const __nv_bfloat16* g, long long ldg, int M, int H, int capr,
     emu::launch(twellpy_ffn_rowpack<__nv_bfloat16>, dim3((M + 7) / 8), dim3(256), 0, g, ldg, M, H, capr, idx, val,
                 count, total);
 }
+void rowpack_f16(const __half* g, long long ldg, int M, int H, int capr, int* idx, float* val, int* count,
+                 unsigned long long* total) {
+    emu::launch(twellpy_ffn_rowpack<__half>, dim3((M + 7) / 8), dim3(256), 0, g, ldg, M, H, capr, idx, val,
+                count, total);
+}
+void active_bits_bf16(const uint4* raw, unsigned* bits, long long n) {
+    for (long long k = 0; k < n; ++k) bits[k] = relu_active_bits<__nv_bfloat16>(raw[k]);
+}
+void active_bits_f16(const uint4* raw, unsigned* bits, long long n) {
+    for (long long k = 0; k < n; ++k) bits[k] = relu_active_bits<__half>(raw[k]);
+}
 // the element-wise steps of the dense path, on a grid too small to cover n in one pass
 #define ELEMENTWISE(NAME, T)                                                                          \
 void gate_mul_##NAME(const T* g, const T* u, T* h, long long n) {                                     \
@@ -1155,12 +1166,13 @@ ELEMENTWISE(f64, double)
 """
 
 
-def test_rowpack_matches_the_lists_the_split_test_assumes(tmp_path_factory):
+@pytest.mark.parametrize("words", [1, 0], ids=["word-test", "value-test"])
+def test_rowpack_matches_the_lists_the_split_test_assumes(tmp_path_factory, words):
     """The real twellpy_ffn_rowpack (ffn_pack.cu) writes exactly the row lists that
     test_ffn_split_mode_gives_the_fused_bits builds in numpy (column order, gate
     values as float, true counts; NaN is active), so the emulated chain row pack ->
     split -> resident matches what the plan runs."""
-    lib = _build(tmp_path_factory, "ffn_pack.cu", _PACK_HARNESS, {})
+    lib = _build(tmp_path_factory, "ffn_pack.cu", _PACK_HARNESS, {"FFN_ROWPACK_WORDS": words})
     rng = np.random.default_rng(23)
     M, H, capr = 37, 600, 16
     g = (rng.standard_normal((M, H)) - 2.0).astype(bfloat16)
@@ -1181,6 +1193,45 @@ def test_rowpack_matches_the_lists_the_split_test_assumes(tmp_path_factory):
             np.testing.assert_array_equal(idx[r, :k], want_idx[r, :k])
             np.testing.assert_array_equal(val[r, :k].view(np.uint32), want_val[r, :k].view(np.uint32))
     assert count[3] > capr and count[6] == 0 and 7 in idx[5, :count[5]]
+
+
+def _relu_active_on_gpu(z):
+    """relu_active as the GPU computes it (-ftz: float conversion, then setp.gtu.ftz.f32,
+    which flushes a float denormal to zero): NaN, or a positive value that is not a float
+    denormal (bfloat16 denormals are float denormals; half denormals are normal floats)."""
+    f = z.astype(np.float32)
+    return np.isnan(f) | (f >= np.finfo(np.float32).tiny) if z.dtype == bfloat16 else np.isnan(f) | (f > 0)
+
+
+@pytest.mark.parametrize("dtype", [bfloat16, np.dtype(np.float16)], ids=str)
+def test_rowpack_activity_of_every_16bit_pattern(tmp_path_factory, dtype):
+    """twellpy_ffn_rowpack's word test (FFN_ROWPACK_WORDS, on) marks the values the
+    value-by-value test marks on the GPU, for each of the 65536 bit patterns at each
+    vector position; and the row pack lists them (column order, gate values, true
+    counts) on rows made of every pattern."""
+    lib = _build(tmp_path_factory, "ffn_pack.cu", _PACK_HARNESS, {})
+    z = _every_16bit_pattern(dtype, 5)
+    n = z.shape[0]
+    bits = np.full(n, 0xDEADBEEF, np.uint32)
+    getattr(lib, f"active_bits_{_suffix(dtype)}")(_ptr(z), _ptr(bits), ctypes.c_longlong(n))
+    want = (_relu_active_on_gpu(z) << np.arange(8, dtype=np.uint32)).sum(axis=1, dtype=np.uint32)
+    np.testing.assert_array_equal(bits, want)
+    M, H, capr = 64, 1024, 1024                               # 65536 patterns, one per entry
+    g = np.ascontiguousarray(z[:, 0].reshape(8, -1)[0].reshape(M, H))
+    idx = np.full((M, capr), -77, np.int32)
+    val = np.full((M, capr), np.nan, np.float32)
+    count = np.full(M, -1, np.int32)
+    total = np.zeros(1, np.uint64)
+    getattr(lib, f"rowpack_{_suffix(dtype)}")(_ptr(g), ctypes.c_longlong(H), M, H, capr, _ptr(idx), _ptr(val),
+                                               _ptr(count), _ptr(total))
+    on = _relu_active_on_gpu(g)
+    np.testing.assert_array_equal(count, on.sum(axis=1))
+    assert int(total[0]) == int(on.sum())
+    for r in range(M):
+        cols = np.flatnonzero(on[r])
+        np.testing.assert_array_equal(idx[r, :cols.size], cols)
+        np.testing.assert_array_equal(val[r, :cols.size], g[r, cols].astype(np.float32))  # NaN payloads aside
+        assert (idx[r, cols.size:] == -77).all()
 
 
 @pytest.mark.parametrize("dtype", [bfloat16, np.float16, np.float32, np.float64])
