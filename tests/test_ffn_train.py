@@ -1034,6 +1034,56 @@ def test_backward_ell_kernel_first_gives_the_same_step(monkeypatch, case, gated)
     assert got[True][1:] == got[False][1:]
 
 
+@pytest.mark.parametrize("ell_first", [False, True], ids=["transpose-first", "ell-first"])
+@pytest.mark.parametrize("failing", ["ffn_backward_ell", "backup_rows_backward"])
+def test_backward_joins_its_side_work_when_a_step_fails(monkeypatch, failing, ell_first):
+    """An error between the backward's side work (the transpose) and its use still joins
+    the side work before the error leaves the backward: the caller may free the context
+    whose pattern the side stream reads. The side work is recorded here on the CPU."""
+    prob = _cast(make_problem(**CASES["hot2000"], seed=31, gated=True), np.float32)
+    x, wg, wu, wd, dy = prob
+    _, ctx = T.gated_forward_train(x, wg, wu, wd, l1=0.01)
+    assert ctx.R >= 1  # a backup row, so the backward's step 2 runs
+    events = []
+
+    class RecordingSide:
+        def __init__(self, enabled=True):
+            pass
+
+        def start_here(self):
+            events.append("start_here")
+            return self
+
+        def __enter__(self):
+            events.append("enter")
+            return self
+
+        def __exit__(self, *exc):
+            events.append("exit")
+            return False
+
+        def join(self):
+            events.append("join")
+
+    from twellpy import backends
+    from twellpy.backends import cpu_train
+
+    assert backends.get(x, "train") is cpu_train
+
+    def boom(*a, **k):
+        raise RuntimeError(f"{failing} failed")
+
+    monkeypatch.setattr(T, "BWD_ELL_FIRST", ell_first)
+    monkeypatch.setattr(T, "DH_BY_NEURON", False)
+    monkeypatch.setattr(cpu_train, "SideWork", RecordingSide)
+    monkeypatch.setattr(cpu_train, failing, boom)
+    with pytest.raises(RuntimeError, match=f"{failing} failed"):
+        T.gated_backward(ctx, dy)
+    assert events and events[-1] == "join", events
+    if failing == "backup_rows_backward" or not ell_first:
+        assert "enter" in events and events.index("exit") < events.index("join")
+
+
 @pytest.mark.parametrize("name", ["TWELLPY_PAIR_TRANSPOSE", "TWELLPY_TRAIN_TWO_PASS"])
 def test_gpu_training_switches_reject_bad_values(name):
     """The training backend's on/off environment switches take 0 or 1; anything else

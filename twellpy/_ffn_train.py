@@ -998,105 +998,110 @@ def _backward(ctx, dy, gated):
     g_ell, g_bk = be.split_combined(ctx.gvals, M, W, R, H)
     u_ell, u_bk = be.split_combined(ctx.uvals, M, W, R, H) if gated else (None, None)
     by_neuron = DH_BY_NEURON and be.by_neuron_ok(D, ctx.x, dy, ctx.w_downT)
-    if by_neuron:
-        # dh comes with the weight gradients (step 3), dx after it; the backup rows'
-        # dx rows (step 2) are written first, and the ELL dx leaves them alone
-        dx = xp.empty((M, D), dtype=dt)
-        indptr, rows, pos = _transpose_for_grads(ctx, g_bk, ell_only=bool(wgrad_gemm and R))
-        _mark("transpose (counting sort)", xp)
-    else:
-        # the transpose needs only the forward's pattern: it runs beside the ELL kernel
-        # (with the backup rows' GEMM route it leaves their entries out: step 2 sums them).
-        # BWD_ELL_FIRST: the ELL kernel is launched first (the side work still starts
-        # where it would have), so that the device, which may have run out of queued work
-        # while the host finished the forward, need not wait for the transpose's launches
-        side = _side_work(be)
-
-        def transpose():
-            with side:
-                return _transpose_for_grads(ctx, g_bk, ell_only=bool(wgrad_gemm and R))
-
-        def ell_kernel():
-            return be.ffn_backward_ell(dy, ctx.w_downT, ctx.w_up, ctx.w_gate, ctx.idx, ctx.ell_nnz, g_ell, u_ell,
-                                       l1s, gated, da_ell, db_ell)
-
-        if BWD_ELL_FIRST:
-            side.start_here()
-            dx = ell_kernel()
-            transposed = transpose()
+    side = None  # the transpose's side work: joined in any case before the context can go
+    try:
+        if by_neuron:
+            # dh comes with the weight gradients (step 3), dx after it; the backup rows'
+            # dx rows (step 2) are written first, and the ELL dx leaves them alone
+            dx = xp.empty((M, D), dtype=dt)
+            indptr, rows, pos = _transpose_for_grads(ctx, g_bk, ell_only=bool(wgrad_gemm and R))
+            _mark("transpose (counting sort)", xp)
         else:
-            transposed = transpose()
-            dx = ell_kernel()
-        _mark("fused bwd kernel", xp)
+            # the transpose needs only the forward's pattern: it runs beside the ELL kernel
+            # (with the backup rows' GEMM route it leaves their entries out: step 2 sums them).
+            # BWD_ELL_FIRST: the ELL kernel is launched first (the side work still starts
+            # where it would have), so that the device, which may have run out of queued work
+            # while the host finished the forward, need not wait for the transpose's launches
+            side = _side_work(be)
 
-    # 2) backup rows: dense products restricted to those rows, a chunk at a time;
-    # with the GEMM route their weight gradients are summed in the accumulator
-    # dtype over the chunks (the ELL entries are gathered onto those sums in 3)
-    base = None
-    for a, b in _backup_chunks(R, H, D, dt):
-        br, g_c = ctx.backup_rows[a:b], g_bk[a:b]
-        u_c = u_bk[a:b] if gated else None
-        if wgrad_gemm:
-            da_c = xp.empty((b - a, H), dtype=dt)
-            db_c = xp.empty_like(da_c) if gated else None
-        else:
-            da_c, db_c = da_bk[a:b], db_bk[a:b] if gated else None
-        dy_c = be.take_rows(dy, br)
-        dh_acc = be.gemm_acc(dy_c, ctx.w_down)
-        h_c = xp.empty((b - a, H), dtype=dt) if wgrad_gemm and gated else None
-        be.backup_rows_backward(dh_acc, g_c, u_c, l1s, gated, da_c, db_c, h_out=h_c)
-        del dh_acc
-        dxb = be.gemm_acc(da_c, ctx.w_up)
-        if gated:
-            be.gemm_acc(db_c, ctx.w_gate, out=dxb)
-        # as in the forward: an inactive neuron's NaN/Inf weights must add nothing
-        be.backup_exact(dxb, g_c, da_c, ctx.w_up, db_c, ctx.w_gate if gated else None)
-        be.put_rows_from_acc(dx, br, dxb)
-        del dxb
-        if wgrad_gemm:
-            x_c = be.take_rows(ctx.x, br)
-            factors = ((da_c.T, x_c), (db_c.T, x_c) if gated else None, ((h_c if gated else g_c).T, dy_c))
-            if base is not None and ctx.check_finite:
-                for acc, f in zip(base, factors):
-                    if f is not None:
-                        be.gemm_acc(*f, out=acc)
+            def transpose():
+                with side:
+                    return _transpose_for_grads(ctx, g_bk, ell_only=bool(wgrad_gemm and R))
+
+            def ell_kernel():
+                return be.ffn_backward_ell(dy, ctx.w_downT, ctx.w_up, ctx.w_gate, ctx.idx, ctx.ell_nnz, g_ell, u_ell,
+                                           l1s, gated, da_ell, db_ell)
+
+            if BWD_ELL_FIRST:
+                side.start_here()
+                dx = ell_kernel()
+                transposed = transpose()
             else:
-                part = tuple(None if f is None else be.gemm_acc(*f) for f in factors)
-                if not ctx.check_finite:
-                    # checked x and dy are finite, so the zeros of inactive neurons add
-                    # exactly nothing to the GEMMs; unchecked ones may hold NaN/Inf, and
-                    # 0 * NaN is NaN: the chunk's spoilt sums are redone on its pattern
-                    be.backup_wgrad_exact(part, g_c, u_c, da_c, db_c, ctx.x, dy, br, gated)
-                if base is None:
-                    base = part
-                else:
-                    with np.errstate(invalid="ignore", over="ignore"):  # Inf + -Inf: the caller's values
-                        for acc, p in zip(base, part):
-                            if p is not None:
-                                acc += p
-                del part
-            del x_c, factors
-        del da_c, db_c, h_c, dy_c
+                transposed = transpose()
+                dx = ell_kernel()
+            _mark("fused bwd kernel", xp)
 
-    _mark("backup rows bwd", xp)
-    # 3) weight gradients from the deterministic transpose of the pattern
-    if by_neuron:
-        dw_up, dw_gate, dw_downT = be.ffn_backward_by_neuron(indptr, rows, pos, ctx.idx, ctx.x, dy, ctx.w_downT,
-                                                             da, db, ctx.gvals, ctx.uvals, l1s, H, gated,
-                                                             base=base)
-        _mark("dh + weight grads (by neuron)", xp)
-        be.ell_dx(ctx.w_up, ctx.w_gate if gated else None, ctx.idx, ctx.ell_nnz, da_ell, db_ell, dx,
-                  skip=ctx.row_map if R else None)
-        _mark("ELL dx", xp)
-    else:
-        side.join()
-        indptr, rows, pos = transposed
-        del transposed
-        _mark("transpose (counting sort)", xp)
-        dw_up, dw_gate, dw_downT = be.ffn_weight_grads(indptr, rows, pos, ctx.x, dy, da, db, ctx.gvals,
-                                                       ctx.uvals, H, gated, base=base)
-        _mark("weight grads", xp)
-    del base
+        # 2) backup rows: dense products restricted to those rows, a chunk at a time;
+        # with the GEMM route their weight gradients are summed in the accumulator
+        # dtype over the chunks (the ELL entries are gathered onto those sums in 3)
+        base = None
+        for a, b in _backup_chunks(R, H, D, dt):
+            br, g_c = ctx.backup_rows[a:b], g_bk[a:b]
+            u_c = u_bk[a:b] if gated else None
+            if wgrad_gemm:
+                da_c = xp.empty((b - a, H), dtype=dt)
+                db_c = xp.empty_like(da_c) if gated else None
+            else:
+                da_c, db_c = da_bk[a:b], db_bk[a:b] if gated else None
+            dy_c = be.take_rows(dy, br)
+            dh_acc = be.gemm_acc(dy_c, ctx.w_down)
+            h_c = xp.empty((b - a, H), dtype=dt) if wgrad_gemm and gated else None
+            be.backup_rows_backward(dh_acc, g_c, u_c, l1s, gated, da_c, db_c, h_out=h_c)
+            del dh_acc
+            dxb = be.gemm_acc(da_c, ctx.w_up)
+            if gated:
+                be.gemm_acc(db_c, ctx.w_gate, out=dxb)
+            # as in the forward: an inactive neuron's NaN/Inf weights must add nothing
+            be.backup_exact(dxb, g_c, da_c, ctx.w_up, db_c, ctx.w_gate if gated else None)
+            be.put_rows_from_acc(dx, br, dxb)
+            del dxb
+            if wgrad_gemm:
+                x_c = be.take_rows(ctx.x, br)
+                factors = ((da_c.T, x_c), (db_c.T, x_c) if gated else None, ((h_c if gated else g_c).T, dy_c))
+                if base is not None and ctx.check_finite:
+                    for acc, f in zip(base, factors):
+                        if f is not None:
+                            be.gemm_acc(*f, out=acc)
+                else:
+                    part = tuple(None if f is None else be.gemm_acc(*f) for f in factors)
+                    if not ctx.check_finite:
+                        # checked x and dy are finite, so the zeros of inactive neurons add
+                        # exactly nothing to the GEMMs; unchecked ones may hold NaN/Inf, and
+                        # 0 * NaN is NaN: the chunk's spoilt sums are redone on its pattern
+                        be.backup_wgrad_exact(part, g_c, u_c, da_c, db_c, ctx.x, dy, br, gated)
+                    if base is None:
+                        base = part
+                    else:
+                        with np.errstate(invalid="ignore", over="ignore"):  # Inf + -Inf: the caller's values
+                            for acc, p in zip(base, part):
+                                if p is not None:
+                                    acc += p
+                    del part
+                del x_c, factors
+            del da_c, db_c, h_c, dy_c
+
+        _mark("backup rows bwd", xp)
+        # 3) weight gradients from the deterministic transpose of the pattern
+        if by_neuron:
+            dw_up, dw_gate, dw_downT = be.ffn_backward_by_neuron(indptr, rows, pos, ctx.idx, ctx.x, dy, ctx.w_downT,
+                                                                 da, db, ctx.gvals, ctx.uvals, l1s, H, gated,
+                                                                 base=base)
+            _mark("dh + weight grads (by neuron)", xp)
+            be.ell_dx(ctx.w_up, ctx.w_gate if gated else None, ctx.idx, ctx.ell_nnz, da_ell, db_ell, dx,
+                      skip=ctx.row_map if R else None)
+            _mark("ELL dx", xp)
+        else:
+            side.join()
+            indptr, rows, pos = transposed
+            del transposed
+            _mark("transpose (counting sort)", xp)
+            dw_up, dw_gate, dw_downT = be.ffn_weight_grads(indptr, rows, pos, ctx.x, dy, da, db, ctx.gvals,
+                                                           ctx.uvals, H, gated, base=base)
+            _mark("weight grads", xp)
+        del base
+    finally:
+        if side is not None:  # also on an error: the side work reads the pattern the context holds
+            side.join()
     dw_down = be.transpose_copy(dw_downT)
     _mark("dw_down^T", xp)
     if dy_count is not None and dy_count.read():
