@@ -8,8 +8,8 @@ bytes in about 0.07 ms. This probe times, on the workload's own gate output ``z`
 * the gate GEMM alone, and followed by the count and pack in 1, 2, 4 and 8 row chunks
   (``gate_count_pack``; chunks let each pack read what the GEMM has just written);
 * ``relu_count`` (a read of z, no writes), the inference row pack, a copy of z;
-* ``relu_count`` and ``relu_count_pack`` with their default tuning and with each of
-  ``TW_PACK_WORDS=0``, ``TW_PACK_STREAM=1``, ``TW_PACK_UNROLL=2`` and ``TW_WARPS=16``, each checked for the default's bits
+* ``relu_count`` and ``relu_count_pack`` with their default tuning and with
+  ``TW_PACK_WORDS=1``, ``TW_PACK_STREAM=1``, ``TW_PACK_UNROLL=2`` and combinations, each checked for the default's bits
   and timed in ``--rounds`` alternating rounds (each round starts one variant later).
 
 It prints one line per measurement: median ms and the z read rate (GB/s).
@@ -35,10 +35,11 @@ from twellpy._array import bfloat16  # noqa: E402
 from twellpy.backends import _registry  # noqa: E402
 from twellpy.backends import cuda_train as ct  # noqa: E402
 
-# TW_PACK_WORDS=0: the value-at-a-time test and the scan every step (the default before 2026-12-07's
-# thirty-seventh session); UNROLL 8 and WARPS 4 were slower in every earlier run
-VARIANTS = ({}, {"TW_PACK_WORDS": 0}, {"TW_PACK_STREAM": 1}, {"TW_PACK_UNROLL": 2},
-            {"TW_PACK_STREAM": 1, "TW_PACK_UNROLL": 2}, {"TW_WARPS": 16}, {"TW_PACK_WORDS": 0, "TW_PACK_STREAM": 1})
+# TW_PACK_WORDS=1: the word test and the scan's ballot shortcuts (thirty-seventh session, off until
+# timed); UNROLL 8 and WARPS 4 were slower in every earlier run
+VARIANTS = ({}, {"TW_PACK_WORDS": 1}, {"TW_PACK_STREAM": 1}, {"TW_PACK_UNROLL": 2},
+            {"TW_PACK_STREAM": 1, "TW_PACK_UNROLL": 2}, {"TW_PACK_WORDS": 1, "TW_PACK_STREAM": 1},
+            {"TW_PACK_WORDS": 1, "TW_PACK_UNROLL": 2})
 
 
 def main(argv=None):
@@ -71,18 +72,19 @@ def main(argv=None):
         add(f"gate GEMM + count and pack, {chunks} chunk(s)",
             lambda: ct.gate_count_pack(x, wg, W, cap, chunks=chunks), reads_z=False)
     add("relu_count (reads z, writes M counts)", lambda: ct.relu_count(z))
-    count_values = ct._k("relu_count", z.dtype, TW_PACK_WORDS=0)
-    counts_v = cp.empty(M, cp.int32)
+    count_words = ct._k("relu_count", z.dtype, TW_PACK_WORDS=1)
+    counts_w = cp.empty(M, cp.int32)
     grid, block = ct._rows_grid(M)
-    add("relu_count, TW_PACK_WORDS=0", lambda: count_values(grid, block, (
-        z, cp.int64(M), cp.int32(H), cp.int32(ct._vec_ok(H, z)), counts_v)))
-    print(f"relu_count same counts with TW_PACK_WORDS=0: {bool((counts_v == ct.relu_count(z)).all())}")
+    add("relu_count, TW_PACK_WORDS=1", lambda: count_words(grid, block, (
+        z, cp.int64(M), cp.int32(H), cp.int32(ct._vec_ok(H, z)), counts_w)))
+    add("relu_count (default) again", lambda: ct.relu_count(z))
+    print(f"relu_count same counts with TW_PACK_WORDS=1: {bool((counts_w == ct.relu_count(z)).all())}")
     capr = 64
     lidx = cp.empty((M, capr), cp.int32)
     lval = cp.empty((M, capr), cp.float32)
     rcount = cp.empty(M, cp.int32)
     packs = {}
-    for words in (1, 0, 1, 0):  # alternating: the word test (default) and the value test
+    for words in (0, 1, 0, 1):  # alternating: the value test (default) and the word test
         rowpack = _registry.get_kernel("ffn_pack.cu", f"twellpy_ffn_rowpack<{_registry.ctype(z.dtype)}>",
                                        FFN_ROWPACK_WORDS=words)
         add(f"inference ffn_rowpack (cap 64), FFN_ROWPACK_WORDS={words}", lambda: rowpack(((M + 7) // 8,), (256,), (
@@ -90,7 +92,7 @@ def main(argv=None):
         packs.setdefault(words, [a.copy() for a in (lidx, lval, rcount)])
     # rows past the cap keep unwritten list tails: compare counts, and lists up to the count
     live = cp.arange(capr)[None, :] < cp.minimum(packs[1][2], capr)[:, None]
-    print("inference rowpack same lists with FFN_ROWPACK_WORDS=0:",
+    print("inference rowpack same lists with FFN_ROWPACK_WORDS=1:",
           bool((packs[1][2] == packs[0][2]).all() and (packs[1][0] == packs[0][0])[live].all()
                and (packs[1][1].view(cp.uint32) == packs[0][1].view(cp.uint32))[live].all()))
     add("copy of z (read + write)", lambda: z.copy())

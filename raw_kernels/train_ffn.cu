@@ -31,9 +31,10 @@
 // 1: relu_count, relu_pack and relu_to_hybrid test a 16-bit vector's values two at a time
 // on its 32-bit words (relu_on_bits) and skip the warp scan where no lane (or no lane more
 // than once) is active; 0: relu_on a value at a time and the scan every time (the pack was
-// instruction-bound: 74% issue on an H100, 2026-12-07). Same bits either way.
+// instruction-bound: 74% issue on an H100, 2026-12-07). Same bits either way (CPU emulation
+// of every 16-bit pattern). 0 until it has run on a GPU: see pending/README.md.
 #ifndef TW_PACK_WORDS
-#define TW_PACK_WORDS 1
+#define TW_PACK_WORDS 0
 #endif
 // vec = 2 in twellpy_train_fwd / _bwd: each lane keeps its TW_XREG 16-byte vectors of
 // the x (dy) row in registers (so D <= 32 * TW_XREG * 16 / sizeof(T)) instead of

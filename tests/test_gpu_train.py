@@ -94,17 +94,20 @@ def _relu_pattern_input(dtype, H, seed):
     return z
 
 
+@pytest.mark.parametrize("words", [0, 1], ids=["value-test", "word-test"])
 @pytest.mark.parametrize("H", [1000, 999, 5632])
 @pytest.mark.parametrize("dtype", [np.dtype(np.float16), bfloat16, np.dtype(np.float32), np.dtype(np.float64)], ids=str)
-def test_relu_pattern_kernels_on_every_bit_pattern_gpu(dtype, H):
-    """relu_count, the CSR pack, relu_to_hybrid and the count-and-pack (16-bit values tested
-    two at a time on 32-bit words, the warp scan's ballot shortcuts) against numpy's own
-    relu(z) != 0 (positive, denormals included, or NaN) and the CPU twins, bit for bit, on
-    every dtype: every 16-bit pattern, sparse, empty and full rows; H a multiple of the
-    vector (vector loops) and not (scalar ones)."""
+def test_relu_pattern_kernels_on_every_bit_pattern_gpu(monkeypatch, dtype, H, words):
+    """relu_count, the CSR pack, relu_to_hybrid and the count-and-pack, value by value and
+    with TW_PACK_WORDS=1 (16-bit values two at a time on 32-bit words, the warp scan's
+    ballot shortcuts), against numpy's own relu(z) != 0 (positive, denormals included, or
+    NaN) and the CPU twins, bit for bit, on every dtype: every 16-bit pattern, sparse,
+    empty and full rows; H a multiple of the vector (vector loops) and not (scalar ones)."""
     import cupy as cp
     from twellpy.backends import cpu_train
     from twellpy.backends import cuda_train as ct
+
+    monkeypatch.setattr(ct, "PACK_DEFINES", {"TW_PACK_WORDS": words})
 
     z = _relu_pattern_input(dtype, H, H)
     f = z.astype(np.float64)

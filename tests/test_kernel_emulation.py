@@ -402,8 +402,8 @@ void row_maps_rows(const int* counts, int* maps, long long M, int W, long long R
 
 
 @pytest.fixture(scope="module", params=[{}, {"TW_WARPS": 2, "TW_PACK_UNROLL": 3, "TW_MAP_ROWS": 3,
-                                             "TW_GATHER_THREADS": 32, "TW_DH_PREFETCH": 1, "TW_PACK_WORDS": 0}],
-                ids=["default", "2warps-unroll3-maprows3-dhprefetch-valuetests"])
+                                             "TW_GATHER_THREADS": 32, "TW_DH_PREFETCH": 1, "TW_PACK_WORDS": 1}],
+                ids=["default", "2warps-unroll3-maprows3-dhprefetch-packwords"])
 def train_lib(request, tmp_path_factory):
     return _build(tmp_path_factory, "train_ffn.cu", _TRAIN_HARNESS, request.param)
 
@@ -1205,11 +1205,12 @@ def _relu_active_on_gpu(z):
 
 @pytest.mark.parametrize("dtype", [bfloat16, np.dtype(np.float16)], ids=str)
 def test_rowpack_activity_of_every_16bit_pattern(tmp_path_factory, dtype):
-    """twellpy_ffn_rowpack's word test (FFN_ROWPACK_WORDS, on) marks the values the
+    """twellpy_ffn_rowpack's word test (FFN_ROWPACK_WORDS=1) marks the values the
     value-by-value test marks on the GPU, for each of the 65536 bit patterns at each
     vector position; and the row pack lists them (column order, gate values, true
-    counts) on rows made of every pattern."""
-    lib = _build(tmp_path_factory, "ffn_pack.cu", _PACK_HARNESS, {})
+    counts) on rows made of every pattern. (The value test itself runs here without
+    -ftz, so it would keep bfloat16 denormals: the GPU test compares the two.)"""
+    lib = _build(tmp_path_factory, "ffn_pack.cu", _PACK_HARNESS, {"FFN_ROWPACK_WORDS": 1})
     z = _every_16bit_pattern(dtype, 5)
     n = z.shape[0]
     bits = np.full(n, 0xDEADBEEF, np.uint32)
@@ -2433,10 +2434,11 @@ def _every_16bit_pattern(dtype, seed):
 
 @pytest.mark.parametrize("dtype", [bfloat16, np.dtype(np.float16), np.dtype(np.float32)], ids=str)
 def test_relu_on_bits_on_every_bit_pattern(train_lib, dtype):
-    """relu_on_bits (16-bit types: two values a 32-bit word, no value-by-value test under
-    the default TW_PACK_WORDS = 1) marks exactly the values relu keeps, for every 16-bit
-    pattern at every position of a vector: NaNs of either sign, denormals, both zeros,
-    infinities. float32 gets random patterns with the same special values."""
+    """relu_on_bits (with TW_PACK_WORDS = 1, the second library: 16-bit types two values
+    a 32-bit word; the default's value-by-value test otherwise) marks exactly the values
+    relu keeps, for every 16-bit pattern at every position of a vector: NaNs of either
+    sign, denormals, both zeros, infinities. float32 gets random patterns with the same
+    special values."""
     if dtype.itemsize == 2:
         z = _every_16bit_pattern(dtype, 7)
     else:

@@ -180,9 +180,9 @@ def relu_csr(z):
     row_nnz = cp.empty(rows, dtype=cp.int32)
     if rows == 0:
         return row_nnz, cp.zeros(1, cp.int64), cp.empty(0, cp.int32), cp.empty(0, z.dtype)
-    g, b = _rows_grid(rows)
+    count, g, b = _pattern_launch("relu_count", z.dtype, rows)
     vec = _vec_ok(H, z)
-    _k("relu_count", z.dtype)(g, b, (z, _i64(rows), _i32(H), _i32(vec), row_nnz))
+    count(g, b, (z, _i64(rows), _i32(H), _i32(vec), row_nnz))
     indptr = cp.empty(rows + 1, dtype=cp.int64)
     indptr[0] = 0
     cp.cumsum(row_nnz, dtype=cp.int64, out=indptr[1:])
@@ -190,7 +190,8 @@ def relu_csr(z):
     col = cp.empty(nnz, dtype=cp.int32)
     val = cp.empty(nnz, dtype=z.dtype)
     if nnz:
-        _k("relu_pack", z.dtype)(g, b, (z, _i64(rows), _i32(H), _i32(vec), indptr, col, val))
+        pack, g, b = _pattern_launch("relu_pack", z.dtype, rows)
+        pack(g, b, (z, _i64(rows), _i32(H), _i32(vec), indptr, col, val))
     return row_nnz, indptr, col, val
 
 
@@ -203,8 +204,8 @@ def relu_count(z, out=None):
     rows, H = z.shape
     row_nnz = cp.empty(rows, dtype=cp.int32) if out is None else out
     if rows:
-        g, b = _rows_grid(rows)
-        _k("relu_count", z.dtype)(g, b, (z, _i64(rows), _i32(H), _i32(_vec_ok(H, z)), row_nnz))
+        count, g, b = _pattern_launch("relu_count", z.dtype, rows)
+        count(g, b, (z, _i64(rows), _i32(H), _i32(_vec_ok(H, z)), row_nnz))
     return row_nnz
 
 
@@ -268,10 +269,18 @@ def queue_to_host(arr):
     return PendingHost(arr, cp.cuda.get_current_stream())
 
 
-#: Compile-time defines of ``twellpy_train_relu_to_hybrid`` (tunings such as
-#: ``TW_PACK_STREAM``, ``TW_PACK_UNROLL``, ``TW_WARPS``; its launch follows ``TW_WARPS``
-#: here). Every tuning gives the same bits.
+#: Compile-time defines of the pattern kernels ``relu_count``, ``relu_pack`` and
+#: ``relu_to_hybrid`` (tunings such as ``TW_PACK_WORDS``, ``TW_PACK_STREAM``,
+#: ``TW_PACK_UNROLL``, ``TW_WARPS``; their launches follow ``TW_WARPS`` here). Every
+#: tuning gives the same bits.
 PACK_DEFINES = {}
+
+
+def _pattern_launch(base, dtype, rows):
+    """The pattern kernel ``base`` with :data:`PACK_DEFINES`, and its grid and block for
+    ``rows`` rows (one warp a row)."""
+    warps = int(PACK_DEFINES.get("TW_WARPS", WARPS))
+    return _k(base, dtype, **PACK_DEFINES), (max(1, -(-int(rows) // warps)),), (32 * warps,)
 
 
 def relu_to_hybrid(z, row_map, width, n_backup):
@@ -405,15 +414,14 @@ def _launch_relu_to_hybrid(z, mode, width, n_backup, bufs=None, row_map=None, to
         raise ValueError(f"rows {rows} are not a row range of the batch's {M} rows")
     ell_val, backup = split_combined(vals, M, width, n_backup, H)
     if b > a:
-        warps = int(PACK_DEFINES.get("TW_WARPS", WARPS))  # one warp a row
-        g, blk = (max(1, -(-(b - a) // warps)),), (32 * warps,)
+        kernel, g, blk = _pattern_launch("relu_to_hybrid", z.dtype, b - a)
         vec = _vec_ok(H, z)  # H * itemsize % 16 == 0 too, so every row of z starts aligned
         vec_store = vec and (not n_backup or _vec_ok(H, backup))  # backup starts after M*W values
 
         def part(arr):  # the launch's rows of a per-row array; NULL for an absent one
             return _NULL_PTR if arr is None else arr[a:b]
 
-        _k("relu_to_hybrid", z.dtype, **PACK_DEFINES)(g, blk, (
+        kernel(g, blk, (
             z, _i64(b - a), _i32(H), _i32(vec), _i32(vec_store), part(row_map), _i32(width), ell_val[a:b],
             part(ell_idx), part(ell_nnz), backup, _NULL_PTR if neuron_counts is None else neuron_counts,
             part(token_counts), _i32(mode)))
