@@ -983,6 +983,34 @@ CHUNKED_CASES = {
 }
 
 
+@settings(max_examples=40, deadline=None)
+@given(M=st.integers(1, 70), chunk=st.integers(1, 80), width=st.integers(0, 6), room=st.integers(0, 12),
+       seed=st.integers(0, 2**16))
+@example(M=64, chunk=8, width=2, room=3, seed=1)        # more wide rows than room, over several chunks
+def test_streamed_count_pack_is_the_whole_batchs(M, chunk, width, room, seed):
+    """The CPU twin of the chunked speculative pattern step (a chunk at a time, each
+    chunk's wide rows placed after the wide rows of the chunks before it) writes what
+    one count and pack of the whole gate output and the whole batch's row maps give:
+    ELL part, counts, neuron counts, maps, and the backup rows that fit the room."""
+    from twellpy.backends import cpu_train
+
+    rng = np.random.default_rng(seed)
+    D, H = 16, 40
+    x = rng.standard_normal((M, D)).astype(np.float32)
+    w = (rng.standard_normal((H, D)) - 1.2 * rng.random((H, 1))).astype(np.float32)
+    x[rng.random(M) < 0.2] *= 6.0                          # some rows fire many neurons
+    (vals, idx, nnz, ncounts, counts), maps = cpu_train.gate_count_pack_streamed(x, w, width, room, chunk)
+    z = cpu_train.gemm(x, w.T, x.dtype)
+    want = cpu_train.relu_count_pack(z, width, room)
+    want_maps = cpu_train.row_maps(want[4], width, room, capacity=True)
+    cpu_train.backup_rows_from_z(z, want_maps, want[0], width, room)
+    np.testing.assert_array_equal(counts, want[4])
+    np.testing.assert_array_equal(maps, want_maps)
+    np.testing.assert_array_equal(vals.view(np.uint32), want[0].view(np.uint32))
+    for got, w_ in zip((idx, nnz, ncounts), want[1:4]):
+        np.testing.assert_array_equal(got, w_)
+
+
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu"])
 @pytest.mark.parametrize("case", list(CHUNKED_CASES))
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)

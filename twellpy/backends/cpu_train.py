@@ -203,6 +203,7 @@ def gate_count_pack_streamed(x, w_act, width, n_backup, chunk_rows, out=None):
     neuron_counts = np.zeros(H, dtype=np.int32)
     counts = np.empty(M, dtype=np.int32) if out is None else out
     ell_val = split_combined(vals, M, width, n_backup, H)[0]
+    wide_before = 0  # wide rows in the chunks so far (the kernel's running device count)
     for a in range(0, M, step):
         b = min(M, a + step)
         z = gemm(x[a:b], w_act.T, x.dtype)
@@ -210,11 +211,17 @@ def gate_count_pack_streamed(x, w_act, width, n_backup, chunk_rows, out=None):
         ell_val[a:b] = split_combined(cv, b - a, width, 0, H)[0]
         ell_idx[a:b], ell_nnz[a:b], counts[a:b] = ci, cn, cc
         neuron_counts += cnc
-        if n_backup and bool((cc > width).any()):
-            # a row's backup position counts the wide rows before it only: the maps of
-            # the rows so far place this chunk's rows as the whole batch's maps will
-            so_far = row_maps(counts[:b], width, n_backup, capacity=True)
-            backup_rows_from_z(z, so_far[a:b], vals, width, n_backup, n_rows=M)
+        wide = np.flatnonzero(cc > width)
+        if n_backup and wide.size:
+            # a row's backup position counts the wide rows before it only, so this chunk's
+            # maps are its own, shifted by the wide rows of the chunks before (past the
+            # capacity: -1, as the whole batch's maps will say)
+            chunk_map = np.full(b - a, -1, dtype=np.int32)
+            pos = wide_before + np.arange(wide.size)
+            kept = pos < n_backup
+            chunk_map[wide[kept]] = pos[kept]
+            backup_rows_from_z(z, chunk_map, vals, width, n_backup, n_rows=M)
+        wide_before += int(wide.size)
     return (vals, ell_idx, ell_nnz, neuron_counts, counts), row_maps(counts, width, n_backup, capacity=True)
 
 
