@@ -35,7 +35,8 @@ def _cast(arrs, dt):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float64), bfloat16])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float64), bfloat16, np.dtype(np.float16)],
+                         ids=str)
 @pytest.mark.parametrize("width", ["auto", 3, "min_storage", "quantile:0.5"])
 def test_gated_matches_dense(case, dtype, width):
     x, wg, wu, wd, dy = _cast(make_problem(**CASES[case], seed=1), dtype)
@@ -81,7 +82,8 @@ def test_fixed_width_sends_every_wide_row_to_backup():
 
 
 @pytest.mark.parametrize("case", ["uniform", "uneven", "hot2000", "empty_rows", "M1"])
-@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float64), bfloat16])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float64), bfloat16, np.dtype(np.float16)],
+                         ids=str)
 def test_relu_matches_dense(case, dtype):
     x, wu, wd, dy = _cast(make_problem(**CASES[case], seed=2, gated=False), dtype)
     l1 = 0.1

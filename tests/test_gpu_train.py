@@ -15,7 +15,7 @@ from _train_ref import dense_gated, dense_relu, f64, make_problem, step_outputs,
 
 pytestmark = pytest.mark.gpu
 
-TOL = {np.dtype(np.float32): 1e-5, bfloat16: 1e-2, np.dtype(np.float64): 1e-10}
+TOL = {np.dtype(np.float32): 1e-5, bfloat16: 1e-2, np.dtype(np.float64): 1e-10, np.dtype(np.float16): 1e-2}
 
 
 def rel(got, ref):
@@ -37,7 +37,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16, np.dtype(np.float16)], ids=str)
 def test_gated_gpu_matches_reference_and_cpu(case, dtype):
     import cupy as cp
 
@@ -63,7 +63,7 @@ def test_gated_gpu_matches_reference_and_cpu(case, dtype):
 
 
 @pytest.mark.parametrize("case", ["uniform", "hot2000", "odd", "M1"])
-@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16, np.dtype(np.float16)], ids=str)
 def test_relu_gpu_matches_reference(case, dtype):
     host = [a.astype(dtype) for a in make_problem(**CASES[case], seed=12, gated=False)]
     dev = [to_gpu(a) for a in host]
