@@ -72,11 +72,12 @@ def main(argv=None):
         add(f"gate GEMM + count and pack, {chunks} chunk(s)",
             lambda: ct.gate_count_pack(x, wg, W, cap, chunks=chunks), reads_z=False)
     add("relu_count (reads z, writes M counts)", lambda: ct.relu_count(z))
-    count_words = ct._k("relu_count", z.dtype, TW_PACK_WORDS=1)
     counts_w = cp.empty(M, cp.int32)
-    grid, block = ct._rows_grid(M)
-    add("relu_count, TW_PACK_WORDS=1", lambda: count_words(grid, block, (
-        z, cp.int64(M), cp.int32(H), cp.int32(ct._vec_ok(H, z)), counts_w)))
+    ct.PACK_DEFINES = {"TW_PACK_WORDS": 1}
+    try:
+        add("relu_count, TW_PACK_WORDS=1", lambda: ct.relu_count(z, out=counts_w))
+    finally:
+        ct.PACK_DEFINES = {}
     add("relu_count (default) again", lambda: ct.relu_count(z))
     print(f"relu_count same counts with TW_PACK_WORDS=1: {bool((counts_w == ct.relu_count(z)).all())}")
     capr = 64
