@@ -1205,7 +1205,7 @@ def test_graph_replay_gives_the_ordinary_bits(M, gated, dtype):
     assert ffn.activity() == plain.activity()
 
 
-@pytest.mark.parametrize("M", [1, 16])
+@pytest.mark.parametrize("M", [1, 16, 128])
 def test_graph_calls_keep_the_finite_check(M):
     """The NaN/Inf count of x is made inside the graph and read outside it on the ordinary
     schedule: deferred calls are reported by the next call or check(), "sync" calls raise
@@ -1230,6 +1230,31 @@ def test_graph_calls_keep_the_finite_check(M):
     for _ in range(12):                               # more calls than the ring of counts holds
         ffn(w["x"])
     ffn.check()
+    # more replays than the ledger's ring of published counts holds, one bad among them:
+    # reported by whichever later call finds it landed, or by check()
+    from twellpy.backends.cuda import NonfiniteLedger
+
+    first = ffn._plan._calls + 1
+    with pytest.raises(ValueError, match=rf"call {first + 40}, {M} rows\) contains 1 NaN"):
+        for k in range(NonfiniteLedger.RING + 6):
+            ffn(bad if k == 40 else w["x"])
+        ffn.check()
+    ffn.check()
+    # an ordinary (not replayed) deferred call and a replay, both bad: one error, oldest first
+    ffn(bad, return_activations=True)
+    assert "graph" in ffn.last_info and ffn.last_info["graph"].startswith("fallback")
+    n_ordinary = ffn._plan._calls
+    ffn(bad)
+    assert ffn.last_info["graph"] == "replay"
+    with pytest.raises(ValueError, match=rf"call {n_ordinary},.*and the x of calls {n_ordinary + 1}\)"):
+        ffn.check()
+    # the dense graph publishes its count too
+    ffn(w["x"], mode="dense")                         # warm-up of the dense signature
+    ffn(w["x"], mode="dense")                         # capture
+    ffn(bad, mode="dense")
+    assert ffn.last_info["graph"] == "replay" and ffn.last_info["mode"] == "dense"
+    with pytest.raises(ValueError, match=rf"call {ffn._plan._calls}, {M} rows\)"):
+        ffn.check()
     with pytest.raises(ValueError, match="x contains 1 NaN"):
         ffn(bad, check_finite="sync")                 # same graph as the deferred calls: waits, raises
     assert _same_bits(ffn(w["x"], check_finite="sync"), plain(w["x"]))

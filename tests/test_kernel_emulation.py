@@ -2051,6 +2051,9 @@ void NAME(const U* data, long long n, unsigned long long exp_mask, int aligned, 
 COUNT(count_u16, unsigned short)
 COUNT(count_u32, unsigned int)
 COUNT(count_u64, unsigned long long)
+void ledger(const unsigned long long* count, unsigned long long* seq, unsigned long long* ring, int ring_size) {
+    emu::launch(twellpy_nonfinite_ledger, dim3(1), dim3(32), 0, count, seq, ring, ring_size);
+}
 }
 """
 
@@ -2086,6 +2089,28 @@ def test_count_nonfinite_counts_every_nan_and_inf(check_lib, dtype, n, offset):
         getattr(lib, f"count_u{8 * width}")(_ptr(bits), ctypes.c_longlong(n), ctypes.c_ulonglong(exp_mask),
                                             aligned, _ptr(count), grid)
         assert int(count[0]) == want, (grid, aligned)
+
+
+def test_nonfinite_ledger_stamps_each_call_into_its_ring_slot(check_lib):
+    """Each launch stores (seq mod 2**24) << 40 | min(count, 2**40 - 1) into slot
+    seq % R and advances seq: the host's NonfiniteLedger decodes exactly this."""
+    from twellpy.backends.cuda import NonfiniteLedger
+
+    R = 5
+    ring = np.full(R, np.uint64(2**64 - 1))
+    seq = np.zeros(1, np.uint64)
+    counts = [0, 3, 2**41, 0, 7, 1, 0]  # 2**41 saturates; call 5 overwrites slot 0
+    for call, n in enumerate(counts):
+        count = np.array([n], np.uint64)
+        check_lib.ledger(_ptr(count), _ptr(seq), _ptr(ring), R)
+        assert int(seq[0]) == call + 1
+        word = int(ring[call % R])
+        assert word >> NonfiniteLedger._COUNT_BITS == call
+        assert word & ((1 << NonfiniteLedger._COUNT_BITS) - 1) == min(n, 2**40 - 1)
+    assert int(ring[2]) >> 40 == 2 and int(ring[4]) >> 40 == 4  # untouched since
+    seq[0] = 2**24 + 3  # the stamp wraps with the sequence number
+    check_lib.ledger(_ptr(np.array([9], np.uint64)), _ptr(seq), _ptr(ring), R)
+    assert int(ring[(2**24 + 3) % R]) == (3 << 40) | 9
 
 
 # ---------------------------------------------------------------------------

@@ -224,6 +224,7 @@ template <typename T> inline T __ldcs(const T* p) { return *p; }
 template <typename T> inline void __stcs(T* p, T v) { *p = v; }
 template <typename T> inline T __ldcg(const T* p) { return *p; }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __nanosleep(unsigned) {}
 template <typename T> inline T atomicAdd(T* p, T v) { return std::atomic_ref<T>(*p).fetch_add(v); }
 inline int atomicOr(int* p, int v) { return std::atomic_ref<int>(*p).fetch_or(v); }

@@ -219,7 +219,8 @@ def _declare_all():
     # the split training backward, gated: du and dg with slices of w_up and w_gate (DUAL)
     reg.declare("spmm_resident.cu", [_name_resident(dt, lpr, lists=True, dual=True)
                                      for dt in FLOAT_DTYPES for lpr in _RESIDENT_LPR], _resident_defines(dual=True))
-    reg.declare("check.cu", [f"twellpy_count_nonfinite<{c}>" for c in _NONFINITE_WORD.values()])
+    reg.declare("check.cu", [f"twellpy_count_nonfinite<{c}>" for c in _NONFINITE_WORD.values()]
+                + ["twellpy_nonfinite_ledger"])
 
 
 # element width -> C type of the unsigned words twellpy_count_nonfinite reads
@@ -370,6 +371,105 @@ class RepeatedNonfiniteCheck:
                     event.synchronize()
                 except Exception:  # noqa: BLE001 - interpreter shutdown or a lost device
                     pass
+
+
+class NonfiniteLedger:
+    """NaN/Inf counts that CUDA graph replays publish to the host themselves.
+
+    A checked call replayed as a graph used to queue a device-to-host copy of its
+    count and record an event after each replay, and later calls queried those
+    events: about 13 us of host time a call, enough to make the checked M = 128
+    decode call slower than dense back to back (twenty-fourth session). Here the
+    graph holds one more launch (:meth:`launch`, the one-thread
+    ``twellpy_nonfinite_ledger``), which stores the call's count into a ring of
+    pinned host words through their device view, stamped with the call's
+    sequence number; the host then reads a word with no CUDA call at all.
+
+    The caller calls :meth:`queue` once after every launch of a graph that holds
+    :meth:`launch`, in the order the launches run on the device (one stream, or
+    streams ordered by events), so the sequence numbers agree. Construct it on
+    the device the counts live on.
+    """
+
+    RING = 64  # counts in flight at most; a host further ahead waits (see full)
+    _SEQ_BITS, _COUNT_BITS = 24, 40
+    _UNSET = np.uint64(2**64 - 1)  # a stamp no call has before 2**24 calls
+
+    __slots__ = ("_kernel", "_host", "_ring_ptr", "_seq", "_tags", "_queued")
+
+    def __init__(self):
+        import collections
+
+        import cupyx
+
+        cp = _cp()
+        self._kernel = reg.get_kernel("check.cu", "twellpy_nonfinite_ledger")
+        self._host = cupyx.empty_pinned((self.RING,), np.uint64)
+        self._host[:] = self._UNSET
+        # the device's address of the pinned words (the host's one under unified addressing)
+        self._ring_ptr = _i64(cp.cuda.runtime.pointerGetAttributes(self._host.ctypes.data).devicePointer)
+        self._seq = cp.zeros((1,), np.uint64)
+        self._tags = collections.deque()  # (sequence number, tag), oldest first
+        self._queued = 0  # sequence number of the next queue
+
+    def launch(self, count, stream):
+        """Queue the publication of ``count`` (a (1,) uint64 cupy array) on ``stream``
+        (the current stream; a graph capture holds it)."""
+        with stream:
+            self._kernel((1,), (32,), (count, self._seq, self._ring_ptr, _i32(self.RING)))
+
+    def queue(self, tag):
+        """Note that the next publication (one launch of a graph holding :meth:`launch`)
+        belongs to ``tag``; the ring must not be :attr:`full`."""
+        if tag is None:
+            raise ValueError("tag must not be None")
+        if self.full:
+            raise RuntimeError("the NaN/Inf ledger is full: collect before queueing")
+        self._tags.append((self._queued, tag))
+        self._queued += 1
+
+    @property
+    def full(self):
+        """True when the next :meth:`queue` could overwrite a count not yet collected."""
+        return len(self._tags) >= self.RING
+
+    @property
+    def in_flight(self):
+        """Number of queued counts not yet collected."""
+        return len(self._tags)
+
+    def _landed(self, seq):
+        word = int(self._host[seq % self.RING])
+        if word >> self._COUNT_BITS != seq % (1 << self._SEQ_BITS):
+            return None
+        return word & ((1 << self._COUNT_BITS) - 1)
+
+    def collect(self, done=None):
+        """``[(tag, count), ...]`` of the counts that have landed, oldest first, each
+        returned once; no CUDA call. ``done``: an event recorded after every queued
+        launch, waited for first, so that every count comes back."""
+        if done is not None and self._tags:
+            done.synchronize()
+        out = []
+        while self._tags:
+            seq, tag = self._tags[0]
+            n = self._landed(seq)
+            if n is None:
+                if done is not None:  # the launches ended, so their stores reached the host
+                    raise RuntimeError(f"twellpy: NaN/Inf count {seq} did not reach the host after its "
+                                       "graph ended")
+                break  # later ones ran after this one: none of them has landed either
+            out.append((tag, n))
+            self._tags.popleft()
+        return out
+
+    def __del__(self):
+        # the pinned ring may go back to the pool only when no launch still writes it
+        if getattr(self, "_tags", None):
+            try:
+                _cp().cuda.Device(self._seq.device.id).synchronize()
+            except Exception:  # noqa: BLE001 - interpreter shutdown or a lost device
+                pass
 
 
 class PendingHost:

@@ -78,7 +78,7 @@ import numpy as np
 from .._array import bfloat16, cupy_module, raise_nonfinite, switch_setting
 from . import _registry
 from . import overflow_rows_to_backup
-from .cuda import PendingCount, RepeatedNonfiniteCheck, allow_dynamic_smem
+from .cuda import NonfiniteLedger, PendingCount, RepeatedNonfiniteCheck, allow_dynamic_smem
 
 _SPARSE_FILE = "ffn_sparse.cu"
 _PACK_FILE = "ffn_pack.cu"
@@ -905,6 +905,7 @@ class FFNPlan:
         self._density_slot = None  # (pinned host word, event) reused by every density copy
         self._check = None  # RepeatedNonfiniteCheck of x into counters[3] (see _queue_check)
         self._check_counters = None  # the counter block self._check writes into
+        self._ledger = None  # NonfiniteLedger: the counts checked graph replays publish (see _graph_call)
         #: calls of at most this many rows do not wait for the NaN/Inf count of x when
         #: the caller allows it (``check_x="auto"``): a decode call's GPU work is shorter
         #: than the host's own work per call, so waiting for the count leaves the GPU idle
@@ -955,8 +956,7 @@ class FFNPlan:
         try:
             if self._done is not None:
                 self._done.synchronize()
-            if self._check is not None and self._check.in_flight:
-                bad += [(tag, n) for tag, n in self._check.collect(wait="all") if n and tag.deferred]
+            bad += [(tag, n) for tag, n in self._landed_counts(wait="all") if n and tag.deferred]
         except Exception:  # noqa: BLE001 - interpreter shutdown or a lost device
             pass
         if bad:  # outside the try: under -W error the warning is the report, not something to swallow
@@ -1364,11 +1364,20 @@ class FFNPlan:
             self._check_counters = counters
         return self._check
 
+    def _ensure_ledger(self):
+        """Make :attr:`_ledger` (once, on the plan's device)."""
+        if self._ledger is None:
+            cp = cupy_module()
+            with cp.cuda.Device(self.device_id):
+                self._ledger = NonfiniteLedger()
+        return self._ledger
+
     def _settle_checks(self, landed, streams=()):
         """Raise for the deferred calls among ``landed`` (``(tag, count)`` pairs from
         :meth:`RepeatedNonfiniteCheck.collect`), and any collected earlier, whose x held
         NaN or Inf: one error naming every such call, each reported once."""
-        bad = self._unreported + [(tag, n) for tag, n in landed if n and tag.deferred]
+        bad = sorted(self._unreported + [(tag, n) for tag, n in landed if n and tag.deferred],
+                     key=lambda pair: pair[0].call)
         if bad:
             self._unreported = []
             for s_ in streams:  # let queued work on x finish before the caller reuses it
@@ -1378,8 +1387,7 @@ class FFNPlan:
 
     def check(self):
         """Raise for deferred calls whose x held NaN or Inf (waits for the counts in flight)."""
-        landed = self._check.collect(wait="all") if self._check is not None and self._check.in_flight else []
-        self._settle_checks(landed)
+        self._settle_checks(self._landed_counts(wait="all"))
 
     def _call_done(self, stream):
         """Record the end of this call's work on ``stream`` (see ``_done``)."""
@@ -1389,10 +1397,30 @@ class FFNPlan:
                 self._done = cp.cuda.Event(block=False, disable_timing=True)
         self._done.record(stream)
 
-    def _read_check(self, tag, streams):
-        """The NaN/Inf count of the call ``tag`` (waits for its copy, and earlier ones, only);
-        raises for an earlier deferred call whose x held NaN or Inf when this one's is clean."""
-        landed = self._check.collect(wait="all")
+    def _counts_in_flight(self):
+        """True when NaN/Inf counts of earlier calls are still to be collected."""
+        return bool((self._check is not None and self._check.in_flight)
+                    or (self._ledger is not None and self._ledger.in_flight))
+
+    def _landed_counts(self, wait=None):
+        """``(tag, count)`` of the calls whose NaN/Inf counts have landed, by call: the
+        ordinary calls' copies (:attr:`_check`) and the graph replays' publications
+        (:attr:`_ledger`). ``wait``: None waits for nothing; "all" for every count;
+        "copies" for the ordinary calls' copies only (the graph replays queued before
+        them have ended by then, so their counts are read as they are)."""
+        out = []
+        if self._check is not None and self._check.in_flight:
+            out += self._check.collect(wait=None if wait is None else "all")
+        if self._ledger is not None and self._ledger.in_flight:
+            out += self._ledger.collect(done=self._done if wait == "all" else None)
+        out.sort(key=lambda pair: pair[0].call)
+        return out
+
+    def _read_check(self, tag, streams, graph=False):
+        """The NaN/Inf count of the call ``tag`` (waits for its copy, and earlier ones, only;
+        ``graph``: a graph replay's publication, which waits for the replay); raises for an
+        earlier deferred call whose x held NaN or Inf when this one's is clean."""
+        landed = self._landed_counts(wait="all" if graph else "copies")
         n_bad = next((n for t, n in landed if t is tag), 0)
         if not n_bad:
             self._settle_checks(landed, streams)
@@ -1532,9 +1560,9 @@ class FFNPlan:
         cp = cupy_module()
         M = x.shape[0]
         self._calls += 1
-        if self._unreported or (self._check is not None and self._check.in_flight):
-            # counts of earlier deferred calls that have landed (an event query each, no wait)
-            self._settle_checks(self._check.collect() if self._check is not None else [])
+        if self._unreported or self._counts_in_flight():
+            # counts of earlier deferred calls that have landed (an event query or a word read each, no wait)
+            self._settle_checks(self._landed_counts())
         # the first call waits: a one-off GatedFFN(...)(x) then raises itself
         deferred = check_x == "auto" and M <= self.defer_check_rows and self._calls > 1
         graph_note = None
@@ -1795,6 +1823,10 @@ class FFNPlan:
         if key is None:
             return "fallback: " + kind
         entry = self._graphs.get(key)
+        if check_x and type(entry) is not _GraphNote:
+            ledger = self._ensure_ledger()
+            if ledger.full:  # the host ran NonfiniteLedger.RING checked replays ahead of the GPU
+                self._settle_checks(ledger.collect(done=self._done))
         if type(entry) is _GraphEntry:
             self._graph_input(entry.x, x, cur)
             entry.graph.launch(cur)
@@ -1811,9 +1843,12 @@ class FFNPlan:
             return entry.note
         cp = cupy_module()
         rt = cp.cuda.runtime
-        # the graph wrote the NaN/Inf count into counters[3]: its copy to the host, as on the
-        # decode path (a call that waits, waits for the whole graph: it ran as one launch)
-        tag = self._queue_check(None, entry.counters, cur, deferred, rows=M) if check_x else None
+        # the graph publishes its NaN/Inf count itself (a call that waits, waits for the whole
+        # graph: it ran as one launch)
+        tag = None
+        if check_x:
+            tag = _CheckTag(self._calls, M, deferred)
+            self._ledger.queue(tag)
         # the caller gets a fresh array: the next replay overwrites the graph's output buffer
         y = cp.empty((M, self.D), self.dtype)
         rt.memcpyAsync(y.data.ptr, entry.y_ptr, entry.nbytes, rt.memcpyDeviceToDevice, cur.ptr)
@@ -1825,7 +1860,7 @@ class FFNPlan:
         if entry.kind != "dense":  # as the ordinary path, whose dense branch leaves these alone
             self._last_rows = M
             self._last_sparse_rows = M
-        if check_x and not deferred and self._read_check(tag, (cur,)):
+        if check_x and not deferred and self._read_check(tag, (cur,), graph=True):
             cur.synchronize()  # let the queued work finish with x before the caller reuses it
             if entry.kind == "sparse":  # as the ordinary path's sparse branch (raise_if_nonfinite)
                 self._density_copy = None
@@ -1902,6 +1937,7 @@ class FFNPlan:
                 self._u_buffer(M)
         if check:
             self._ensure_check(counters)
+            self._ensure_ledger()
         x_s = cp.empty((M, self.D), self.dtype)
         y_s = cp.empty((M, self.D), self.dtype)
         blas = None if kind == "decode" else res.capture_blas(_capture_blas_lib(), cur.ptr)
@@ -1909,7 +1945,7 @@ class FFNPlan:
         # this call's input, and one run of the launches on the caller's stream outside the
         # capture: the capture handle's first GEMMs load what they need here
         self._graph_input(x_s, x, cur)
-        self._graph_body(kind, x_s, y_s, check, blas, cur)
+        self._graph_body(kind, x_s, y_s, check, blas, cur, publish=False)
         # thread-local mode: an unsafe call of this thread (cudaMalloc) fails the capture, other
         # threads are not affected; a CuPy allocation fails it too (_refuse_allocation). No
         # cyclic garbage collection inside it: a finalizer run there on this thread (a CuPy
@@ -1937,14 +1973,19 @@ class FFNPlan:
         entry.graph.launch(cur)
         return entry
 
-    def _graph_body(self, kind, x, y, check, blas, stream):
+    def _graph_body(self, kind, x, y, check, blas, stream, publish=True):
         """The device work of one call of ``kind`` on ``x`` into ``y`` (``stream`` current),
-        without what a graph cannot hold: no events, no host reads, no allocation, the
-        NaN/Inf count only into ``counters[3]``. Launch for launch the ordinary path of that
-        kind (``_forward_decode``; the one-chunk branch of ``_forward`` without a probe;
-        its dense branch), so the same bits: tests/test_gpu_ffn_infer.py compares them."""
+        without what a graph cannot hold: no events, no host reads, no allocation; the
+        NaN/Inf count goes into ``counters[3]`` and, with ``publish``, to the host through
+        :attr:`_ledger`. Launch for launch the ordinary path of that kind
+        (``_forward_decode``; the one-chunk branch of ``_forward`` without a probe; its
+        dense branch), so the same bits: tests/test_gpu_ffn_infer.py compares them."""
+        publish = publish and check
         if kind == "decode":
-            self._launch_decode_down(y, self._launch_decode_gate(x, None, check))
+            launch = self._launch_decode_gate(x, None, check)
+            if publish:
+                self._ledger.launch(launch[3][3:], stream)
+            self._launch_decode_down(y, launch)
             return
         M = x.shape[0]
         counters = self._ws["counters"]
@@ -1953,11 +1994,15 @@ class FFNPlan:
             if check:
                 rt.memsetAsync(counters.data.ptr + 3 * counters.itemsize, 0, counters.itemsize, stream.ptr)
                 self._check.launch(x, stream, counters[3:])
+                if publish:
+                    self._ledger.launch(counters[3:], stream)
             self.dense_rows(x, y, None, handle=blas)
             return
         rt.memsetAsync(counters.data.ptr, 0, counters.nbytes, stream.ptr)
         if check:
             self._check.launch(x, stream, counters[3:])
+            if publish:
+                self._ledger.launch(counters[3:], stream)
         g = self._ws["g"][0][:M]
         gemm_nt(x, self.gate_w, g, blas, stream, on_current=True)
         self._launch_rowpack(g, 0, stream, on_current=True)
