@@ -397,6 +397,104 @@ def test_repeated_nonfinite_check_bookkeeping(monkeypatch):
     assert log == [("copy", host.ctypes.data + 8, 1), ("record", 1, 1)]  # the copy only
 
 
+class _LedgerDevice:
+    """What the GPU does for a NonfiniteLedger: each run of a queued launch stores its
+    stamped count (the formula tests/test_kernel_emulation.py checks on the kernel)."""
+
+    def __init__(self, ledger):
+        self.ledger, self.seq = ledger, 0
+
+    def run(self, n_bad):
+        L = type(self.ledger)
+        self.ledger._host[self.seq % L.RING] = np.uint64(((self.seq % (1 << L._SEQ_BITS)) << L._COUNT_BITS)
+                                                         | min(n_bad, (1 << L._COUNT_BITS) - 1))
+        self.seq += 1
+
+
+def _host_ledger(monkeypatch, ring):
+    """A NonfiniteLedger with a ring of ``ring`` words in ordinary host memory (no device)."""
+    import collections
+
+    from twellpy.backends.cuda import NonfiniteLedger
+
+    monkeypatch.setattr(NonfiniteLedger, "RING", ring)
+    ledger = object.__new__(NonfiniteLedger)
+    ledger._host = np.full(ring, NonfiniteLedger._UNSET)
+    ledger._tags, ledger._queued = collections.deque(), 0
+    return ledger, _LedgerDevice(ledger)
+
+
+def test_nonfinite_ledger_bookkeeping(monkeypatch):
+    """Counts come back in launch order, each once, only once stamped with their own
+    call's number (a slot still holding the stamp of the call RING earlier has not
+    landed); collect(done) waits for the event and then every count must be there."""
+    ledger, device = _host_ledger(monkeypatch, 3)
+
+    class Done:
+        waits = 0
+
+        def synchronize(self):
+            Done.waits += 1
+
+    assert ledger.collect() == [] and ledger.collect(done=Done()) == [] and Done.waits == 0  # nothing queued
+    for tag in "abc":
+        ledger.queue(tag)
+    assert ledger.full and ledger.in_flight == 3
+    with pytest.raises(RuntimeError, match="full"):
+        ledger.queue("d")
+    with pytest.raises(ValueError, match="tag"):
+        ledger.collect() or ledger.queue(None)
+    assert ledger.collect() == []                       # nothing ran yet
+    device.run(0)
+    device.run(5)
+    assert ledger.collect() == [("a", 0), ("b", 5)] and ledger.in_flight == 1
+    ledger.queue("d")                                   # slot 0 again: still holds a's stamp
+    assert ledger.collect() == []                       # c has not run: d is not looked at
+    device.run(2**45)                                   # c saturates
+    assert ledger.collect() == [("c", 2**40 - 1)]
+    assert ledger.collect() == []                       # d: slot 0 holds call 0's stamp, not call 3's
+    with pytest.raises(RuntimeError, match="count 3 did not reach the host"):
+        ledger.collect(done=Done())                     # the launches ended and d's count is missing
+    device.run(1)
+    assert ledger.collect(done=Done()) == [("d", 1)] and ledger.in_flight == 0
+
+
+def test_plan_merges_ordinary_and_graph_counts(monkeypatch):
+    """FFNPlan reports NaN/Inf counts from the ordinary calls' copies and from the graph
+    replays' ledger together, oldest call first, each once."""
+    from twellpy.backends import cuda_ffn
+
+    ledger, device = _host_ledger(monkeypatch, 4)
+
+    class Copies:  # the ordinary calls' ring: every copy has landed
+        def __init__(self):
+            self.items = []
+
+        @property
+        def in_flight(self):
+            return len(self.items)
+
+        def collect(self, wait=None):
+            out, self.items = self.items, []
+            return out
+
+    plan = object.__new__(cuda_ffn.FFNPlan)
+    plan._check, plan._ledger, plan._unreported, plan._done = Copies(), ledger, [], None
+    plan._density_copy = "density"
+    tag = lambda call: cuda_ffn._CheckTag(call, 16, True)  # noqa: E731
+    ledger.queue(tag(2))
+    device.run(1)
+    plan._check.items = [(tag(1), 0), (tag(3), 4)]
+    ledger.queue(tag(4))
+    assert plan._counts_in_flight()
+    with pytest.raises(ValueError, match=r"call 2, 16 rows\) contains 1 NaN/Inf values \(and the x of calls 3\)"):
+        plan._settle_checks(plan._landed_counts())
+    assert ledger.in_flight == 1 and plan._counts_in_flight()   # call 4 has not run
+    device.run(0)
+    plan.check()
+    assert not plan._counts_in_flight()
+
+
 def test_deferred_nonfinite_reports_of_the_cuda_plan(monkeypatch):
     """FFNPlan's bookkeeping of NaN/Inf counts (no device: a fake ring). A deferred call's
     bad count raises once, when a later call or check() collects it, naming the call;
@@ -441,7 +539,7 @@ def test_deferred_nonfinite_reports_of_the_cuda_plan(monkeypatch):
     ring = Ring()
     plan = object.__new__(cuda_ffn.FFNPlan)
     plan._check, plan._check_counters, plan._calls, plan._density_copy = ring, "counters", 0, "density"
-    plan._unreported = []
+    plan._unreported, plan._ledger, plan._done = [], None, None
     x = lambda rows, n_bad: SimpleNamespace(shape=(rows, 8), n_bad=n_bad)  # noqa: E731
 
     def call(rows, n_bad, deferred):
