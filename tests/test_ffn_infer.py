@@ -754,7 +754,9 @@ def _graph_plan(monkeypatch, **over):
                  decode_rows=8, config=(4, 1), kb_variant="narrow", l2_hint=False, min_blocks=2, long_rows=True,
                  long_launches=1, split_down=False, two_pass=False, device_id=0, _graphs_on=True,
                  _graphs=cuda_ffn.GraphCache(3), _graph_warned=False, _done=Event(), _calls=0, _check=None,
-                 _unreported=[], _last_rows=0, _last_sparse_rows=0)
+                 _unreported=[], _last_rows=0, _last_sparse_rows=0,
+                 _ledger=SimpleNamespace(full=False, in_flight=0, collect=lambda done=None: [],
+                                         queue=lambda tag: log.append(("publication of call", tag.call))))
     attrs.update(over)
     plan.__dict__.update(attrs)
     captured = []
@@ -828,8 +830,7 @@ def test_graph_call_raising_for_its_own_x_leaves_what_the_ordinary_path_leaves(m
     from twellpy.backends import cuda_ffn
 
     plan, env = _graph_plan(monkeypatch)
-    monkeypatch.setattr(plan, "_queue_check", lambda x, counters, stream, deferred, rows=None: "tag")
-    monkeypatch.setattr(plan, "_read_check", lambda tag, streams: 1)
+    monkeypatch.setattr(plan, "_read_check", lambda tag, streams, graph=False: graph and tag.call == plan._calls)
 
     def raising(x, name):
         raise ValueError(f"{name} contains 1 NaN")
@@ -844,7 +845,9 @@ def test_graph_call_raising_for_its_own_x_leaves_what_the_ordinary_path_leaves(m
             plan._graph_call(x, M, mode, False, None, True, False)   # captured, launched, its count read
         assert env.captured[-1][:2] == ({16: "sparse"}.get(M, "decode" if mode == "auto" else "dense"), M)
         assert (plan._density_copy is None) == drops, (M, mode)
-        assert env.log[-2:] == [("record", "done", 0), ("sync", 0)]  # the call's end recorded, then waited
+        # the graph's own publication noted, the call's end recorded, then waited
+        assert env.log[-4] == ("publication of call", plan._calls) and env.log[-3][0] == "copy"
+        assert env.log[-2:] == [("record", "done", 0), ("sync", 0)]
 
 
 def test_graph_call_warms_up_captures_then_replays(monkeypatch):
