@@ -48,7 +48,9 @@ stream and thread, the kernel tunings) runs the ordinary path, the second captur
 launches, later ones copy ``x`` into the graph's input buffer, launch the graph,
 and copy its output into a fresh array (never the graph's own buffer). Same kernels
 and arguments, so the same bits as without graphs; the NaN/Inf check of ``x`` keeps
-its schedule (the count is read outside the graph). Each object keeps at most 8
+its schedule: the graph itself stores each call's count into pinned host memory,
+stamped with the call's number, and later calls read it without any CUDA call (a
+host more than 64 checked calls ahead of the GPU waits). Each object keeps at most 8
 graphs (least recently used dropped); they are freed with the object, when it is
 turned off, and when a larger call grows the workspaces (recaptured on later calls).
 ``last_info["graph"]`` says ``"replay"``, ``"capture"``, ``"warm-up"`` or why a
