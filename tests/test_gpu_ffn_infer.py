@@ -1484,7 +1484,7 @@ def test_graphs_of_the_environment_default(monkeypatch):
 @pytest.mark.parametrize("dtype", [bfloat16, np.dtype(np.float16), np.dtype(np.float32)], ids=str)
 def test_rowpack_word_test_gives_the_value_tests_lists(dtype):
     """twellpy_ffn_rowpack with its word test (FFN_ROWPACK_WORDS=1) writes the lists of the
-    value-by-value test (FFN_ROWPACK_WORDS=0, the default) compiled the same way, bit for
+    value-by-value test (FFN_ROWPACK_WORDS=0; 1 is the default) compiled the same way, bit for
     bit, on rows holding every 16-bit pattern (NaNs, denormals, both zeros, infinities),
     sparse rows (the scan's ballot shortcuts) and full ones; outputs poisoned."""
     from twellpy.backends import _registry
