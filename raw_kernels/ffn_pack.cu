@@ -226,3 +226,60 @@ __global__ void twellpy_ffn_rowpack(const T* __restrict__ g, long long ldg, int 
         if (total != nullptr) atomicAdd(total, (unsigned long long)found);
     }
 }
+
+// twellpy_ffn_rowpack_mask<T>: the lists of twellpy_ffn_rowpack, found through a bit mask
+// instead of a read of the whole row of g. cuBLASLt's RELU_AUX epilogue writes one bit per
+// entry of the gate GEMM's output next to it: a row of H = 5632 then costs 704 bytes of mask
+// plus one sector of g per flagged entry, against 11 KB of g (W1-16k: about 27 MB read in
+// place of 184 MB). Each flagged entry is still tested with the value test of the row pack
+// (relu_active, as compiled), so extra bits cost a read and change nothing; the lists are
+// twellpy_ffn_rowpack's whenever every relu-active entry of g has its bit set (the caller's
+// condition: see benchmarks/relu_mask_probe.py for what the epilogue sets).
+//   mask  (M, ldm)  uint32  bit c % 32 of word c / 32 of row r flags entry (r, c); bits at
+//                           columns >= H are ignored
+//   g, ldg, M, H, capr, list_idx, list_val, row_count, total: as twellpy_ffn_rowpack
+// One warp per row, 32 mask words per step, positions from a warp prefix count (no atomics).
+// Grid: x = ceil(M / warps per block).
+template <typename T>
+__global__ void twellpy_ffn_rowpack_mask(const unsigned* __restrict__ mask, long long ldm,
+                                         const T* __restrict__ g, long long ldg, int M, int H, int capr,
+                                         int* __restrict__ list_idx,
+                                         typename twellpy::accum<T>::type* __restrict__ list_val,
+                                         int* __restrict__ row_count,
+                                         unsigned long long* __restrict__ total) {
+    typedef typename twellpy::accum<T>::type A;
+    const int lane = threadIdx.x & 31;
+    const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= M) return;
+    const unsigned* mrow = mask + row * ldm;
+    const T* grow = g + row * ldg;
+    int* lidx = list_idx + row * capr;
+    A* lval = list_val + row * capr;
+    const int words = (H + 31) >> 5;
+    int found = 0;
+    for (int w0 = 0; w0 < words; w0 += 32) {
+        const int w = w0 + lane;
+        unsigned flagged = w < words ? __ldcs(mrow + w) : 0u;
+        if (w == words - 1 && (H & 31)) flagged &= (1u << (H & 31)) - 1u;
+        unsigned keep = 0u;
+        for (unsigned b = flagged; b != 0u; b &= b - 1u) {  // the value test of each flagged entry
+            const int i = __ffs(b) - 1;
+            if (!(twellpy::to_acc<A, T>(grow[w * 32 + i]) <= A(0))) keep |= 1u << i;
+        }
+        int step;
+        int pos = found + twellpy::warp_exclusive_count<true>(__popc(keep), lane, step);
+        for (unsigned b = keep; b != 0u; b &= b - 1u) {
+            const int i = __ffs(b) - 1;
+            if (pos < capr) {
+                lidx[pos] = w * 32 + i;
+                lval[pos] = twellpy::to_acc<A, T>(grow[w * 32 + i]);  // read again: an L1 hit
+            }
+            ++pos;
+        }
+        found += step;
+    }
+    if (lane == 0) {
+        row_count[row] = found;
+        if (total != nullptr) atomicAdd(total, (unsigned long long)found);
+    }
+}

@@ -1146,6 +1146,15 @@ void rowpack_f16(const __half* g, long long ldg, int M, int H, int capr, int* id
     emu::launch(twellpy_ffn_rowpack<__half>, dim3((M + 7) / 8), dim3(256), 0, g, ldg, M, H, capr, idx, val,
                 count, total);
 }
+#define ROWPACK_MASK(NAME, T, A)                                                                      \
+void rowpack_mask_##NAME(const unsigned* mask, long long ldm, const T* g, long long ldg, int M, int H, int capr, \
+                         int* idx, A* val, int* count, unsigned long long* total) {                   \
+    emu::launch(twellpy_ffn_rowpack_mask<T>, dim3((M + 7) / 8), dim3(256), 0, mask, ldm, g, ldg, M, H, capr, idx, \
+                val, count, total);                                                                   \
+}
+ROWPACK_MASK(bf16, __nv_bfloat16, float)
+ROWPACK_MASK(f16, __half, float)
+ROWPACK_MASK(f32, float, float)
 void active_bits_bf16(const uint4* raw, unsigned* bits, long long n) {
     for (long long k = 0; k < n; ++k) bits[k] = relu_active_bits<__nv_bfloat16>(raw[k]);
 }
@@ -1193,6 +1202,62 @@ def test_rowpack_matches_the_lists_the_split_test_assumes(tmp_path_factory, word
             np.testing.assert_array_equal(idx[r, :k], want_idx[r, :k])
             np.testing.assert_array_equal(val[r, :k].view(np.uint32), want_val[r, :k].view(np.uint32))
     assert count[3] > capr and count[6] == 0 and 7 in idx[5, :count[5]]
+
+
+def _mask_words(flags, ldm):
+    """(M, ldm) uint32 words with bit c % 32 of word c // 32 set where ``flags[:, c]``
+    (the layout twellpy_ffn_rowpack_mask reads); words past the columns hold junk bits."""
+    M, H = flags.shape
+    bits = np.zeros((M, ldm * 32), bool)
+    bits[:, :H] = flags
+    bits[:, H:] = True                                         # columns >= H must be ignored
+    return np.packbits(bits.reshape(M, ldm, 32), axis=2, bitorder="little").view(np.uint32).reshape(M, ldm)
+
+
+@pytest.mark.parametrize("dtype", [bfloat16, np.dtype(np.float16), np.dtype(np.float32)], ids=str)
+@pytest.mark.parametrize("H", [600, 1024, 77])
+def test_rowpack_mask_gives_the_row_packs_lists_from_any_superset_mask(tmp_path_factory, dtype, H):
+    """twellpy_ffn_rowpack_mask writes twellpy_ffn_rowpack's lists (column order, gate
+    values, true counts, the total) whenever the mask flags every active entry: extra
+    bits (inactive entries, bits past H) are tested and dropped; rows over capr keep
+    their true count. An active entry the mask misses is not listed: the mask is the
+    caller's promise, which the test shows by breaking it."""
+    lib = _build(tmp_path_factory, "ffn_pack.cu", _PACK_HARNESS, {})
+    rng = np.random.default_rng(H)
+    M, capr = 37, 16
+    g = (rng.standard_normal((M, H)) - 2.0).astype(dtype)
+    g[3, :40] = 1.0                                            # over capr
+    g[5, 7] = np.nan                                           # NaN is active
+    g[6] = -0.0                                                # nothing active
+    g[8] = 0.5                                                 # every entry active
+    g[9, H - 1] = 2.0                                          # the last column
+    active = ~(g.astype(np.float32) <= 0)
+    ldm = (H + 31) // 32 + 3                                   # padded rows of mask words
+    for extra in (0.0, 0.3, 1.0):                              # exact mask, some extra bits, all bits
+        flags = active | (rng.random((M, H)) < extra)
+        mask = _mask_words(flags, ldm)
+        idx = np.full((M, capr), -77, np.int32)
+        val = np.full((M, capr), np.nan, np.float32)
+        count = np.full(M, -1, np.int32)
+        total = np.zeros(1, np.uint64)
+        getattr(lib, f"rowpack_mask_{_suffix(dtype)}")(_ptr(mask), ctypes.c_longlong(ldm), _ptr(g), ctypes.c_longlong(H),
+                                                       M, H, capr, _ptr(idx), _ptr(val), _ptr(count), _ptr(total))
+        want_idx, want_val, want_count = _row_lists(g, capr)
+        np.testing.assert_array_equal(count, want_count, err_msg=f"extra {extra}")
+        assert int(total[0]) == int(want_count.sum())
+        for r in range(M):
+            if want_count[r] <= capr:
+                k = int(want_count[r])
+                np.testing.assert_array_equal(idx[r, :k], want_idx[r, :k])
+                np.testing.assert_array_equal(val[r, :k].view(np.uint32), want_val[r, :k].view(np.uint32))
+                assert (idx[r, k:] == -77).all()
+    flags = active.copy()
+    flags[9, H - 1] = False                                    # a broken promise: that entry is missed
+    mask = _mask_words(flags, ldm)
+    count = np.full(M, -1, np.int32)
+    getattr(lib, f"rowpack_mask_{_suffix(dtype)}")(_ptr(mask), ctypes.c_longlong(ldm), _ptr(g), ctypes.c_longlong(H),
+                                                   M, H, capr, _ptr(idx), _ptr(val), _ptr(count), _ptr(total))
+    assert count[9] == want_count[9] - 1
 
 
 def _relu_active_on_gpu(z):

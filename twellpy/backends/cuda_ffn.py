@@ -220,6 +220,9 @@ _declare_sparse([(bfloat16, 2, _KB_FOR_NV[k][2], True, False) for k in ("narrowe
 _declare_sparse([(bfloat16, 2, _KB_FOR_NV[DEFAULT_KB][2], True, False)], min_blocks=1)
 _registry.declare(_PACK_FILE, [f"twellpy_ffn_{k}<{_registry.ctype(d)}>"
                                for d in _DTYPES for k in ("pack", "gate_mul", "relu", "rowpack")])
+# the row pack through cuBLASLt's ReLU bit mask (benchmarks/relu_mask_probe.py; not on a call path yet)
+_registry.declare(_PACK_FILE, [f"twellpy_ffn_rowpack_mask<{_registry.ctype(d)}>"
+                               for d in (bfloat16, np.dtype(np.float16), np.dtype(np.float32))])
 
 _LONG_FILE = "ffn_long.cu"
 #: threads of a long-row block (ffn_long.cu's LONG_THREADS) and the rows of row_count
