@@ -9,7 +9,7 @@ probe answers on the device:
 
 1. **What the bits mean.** On the workload's g and on a small problem made of edge
    cases (an accumulator below bfloat16's smallest denormal, exact zeros, NaN from
-   inf - inf, +-inf), it compares the mask, read with either bit order, against the
+   inf * 0, +-inf), it compares the mask, read with either bit order, against the
    row pack's own test on the plain GEMM's g (positive, or NaN): entries it misses
    (would be lost: the mask could not be used where any occur), and extra ones
    (harmless: tested and dropped). It also says whether the epilogue's g has the
@@ -43,6 +43,7 @@ from benchmarks.train import time_ms  # noqa: E402
 from benchmarks.workloads import make_ffn  # noqa: E402
 from twellpy._array import bfloat16  # noqa: E402
 from twellpy.backends import _registry  # noqa: E402
+from twellpy.backends import cuda_train as ct  # noqa: E402
 from twellpy.backends._cublaslt import ReluMaskGemm  # noqa: E402
 
 CAPR = 64  # list capacity of the row packs compared (the FFN's LIST_ROW_CAP is larger; 64 covers W1)
@@ -86,27 +87,32 @@ def compare(name, g_plain, g_lt, mask, H, log):
 
 
 def edge_problem(cp):
-    """x (64, 64), w (256, 64) bfloat16 whose products give, column by column: ordinary
-    values of both signs, exact zeros, an accumulator of 1e-45 (below bfloat16's smallest
-    denormal: rounds to 0), one of 1e-39 (a bfloat16 denormal), +inf, -inf and NaN
-    (inf - inf)."""
+    """x (64, 64), w (256, 64) bfloat16. Rows 8 and on give, column by column: exact
+    zeros (0-7), an accumulator of 1e-45 (8-15; below bfloat16's smallest denormal, so it
+    rounds to 0), one of 1e-39 (16-23; a bfloat16 denormal), +inf (24-31, overflow), -inf
+    (40-47), then ordinary values of both signs. Rows 0-7 hold an inf in x: NaN (inf * 0)
+    in most columns, +inf in 48-55 and -inf in 56-63."""
     rng = np.random.default_rng(3)
     M, D, H = 64, 64, 256
     x = rng.standard_normal((M, D)).astype(np.float32)
     w = rng.standard_normal((H, D)).astype(np.float32)
-    w[0:8] = 0.0                                   # exact zeros
-    w[8:16] = 0.0
-    w[8:16, 0] = 1e-22                             # x[:, 0] * 1e-22 ...
-    x[:, 0] = 1e-23                                # ... = 1e-45 (tiny positive accumulator)
-    w[16:24] = 0.0
-    w[16:24, 0] = 1e-16                            # 1e-39: a bfloat16 denormal
-    w[24:32] = 0.0
-    w[24:32, 1] = 3e38                             # x[:, 1] * 3e38 overflows: +-inf
+    w[0:48] = 0.0
+    x[:, 0] = 1e-23
+    w[8:16, 0] = 1e-22                             # 1e-45
+    w[16:24, 0] = 1e-16                            # 1e-39
     x[:, 1] = 10.0
-    w[32:40] = 0.0
-    w[32:40, 1], w[32:40, 2] = 3e38, -3e38         # inf - inf = NaN
-    x[:, 2] = 10.0
+    w[24:32, 1] = 3e38                             # 3e39: +inf
+    w[40:48, 1] = -3e38                            # -inf
+    x[:, 2] = 0.0
+    x[0:8, 2] = np.inf
+    w[:, 2] = 0.0
+    w[48:56, 2] = 1.0
+    w[56:64, 2] = -1.0
     return cp.asarray(x.astype(bfloat16)), cp.asarray(w.astype(bfloat16))
+
+
+EDGE_COLUMNS = (("zeros", slice(0, 8)), ("1e-45", slice(8, 16)), ("1e-39", slice(16, 24)),
+                ("+inf", slice(24, 32)), ("-inf", slice(40, 48)), ("ordinary", slice(64, 256)))
 
 
 def main(argv=None):
@@ -126,18 +132,20 @@ def main(argv=None):
     # 1. what the bits mean
     xe, we = edge_problem(cp)
     lte = ReluMaskGemm(we)
-    ge_plain = xe @ we.T
+    ge_plain = ct.gemm(xe, we.T, bfloat16)  # the GEMM the FFN runs (cublasGemmEx, fp32 accumulation)
     ge_lt = cp.empty_like(ge_plain)
     me = lte.new_mask(xe.shape[0])
     me.fill(0xA5A5A5A5)  # poison: words the epilogue leaves alone show up as extra or missed bits
     lte(xe, ge_lt, me)
     rows["semantics"].append(compare("edge cases", ge_plain.get(), ge_lt.get(), me.get(), we.shape[0], log))
-    f_plain = ge_plain.get().astype(np.float32)
-    bits = mask_bits(me.get(), we.shape[0], "little")
-    for label, cols in (("zeros", slice(0, 8)), ("1e-45", slice(8, 16)), ("1e-39", slice(16, 24)),
-                        ("+-inf", slice(24, 32)), ("inf-inf", slice(32, 40))):
-        log(f"  {label:8s} plain g {np.unique(f_plain[:4, cols])[:4]}  Lt g {np.unique(ge_lt.get()[:4, cols].astype(np.float32))[:4]}"
-            f"  bits set {int(bits[:, cols].sum())} of {bits[:, cols].size}")
+    f_plain, f_lt = ge_plain.get().astype(np.float32), ge_lt.get().astype(np.float32)
+    bits = mask_bits(me.get(), we.shape[0], "little")  # LSB-first (the compare line says which order holds)
+    cases = [(label, slice(8, 64), cols) for label, cols in EDGE_COLUMNS]
+    cases += [("x inf: NaN", slice(0, 8), slice(0, 48)), ("x inf: +inf", slice(0, 8), slice(48, 56)),
+              ("x inf: -inf", slice(0, 8), slice(56, 64))]
+    for label, rws, cols in cases:
+        log(f"  {label:12s} plain g {np.unique(f_plain[rws, cols])[:3]}  Lt g {np.unique(f_lt[rws, cols])[:3]}"
+            f"  bits set {int(bits[rws, cols].sum())} of {bits[rws, cols].size}")
     w = make_ffn(16384, 2048, 5632, 30, dtype=bfloat16, xp=cp, seed=1)
     x, wg = w["x"], cp.ascontiguousarray(w["w_gate"])
     M, H = x.shape[0], wg.shape[0]
@@ -146,7 +154,7 @@ def main(argv=None):
     g_lt = cp.empty((M, H), bfloat16)
     mask = lt.new_mask(M)
     mask.fill(0xA5A5A5A5)
-    cp.matmul(x, wg.T, out=g_plain)
+    ct.gemm(x, wg.T, bfloat16, into=g_plain)
     lt(x, g_lt, mask)
     rows["semantics"].append(compare("W1-16k", g_plain.get(), g_lt.get(), mask.get(), H, log))
     # 2. what it costs
@@ -164,7 +172,7 @@ def main(argv=None):
         rowpack_mask(((M + 7) // 8,), (256,), (mask, cp.int64(lt.mask_words), g_lt, cp.int64(H), cp.int32(M),
                                                cp.int32(H), cp.int32(CAPR), *lists[1], null))
 
-    cases = {"plain GEMM (cuBLAS)": lambda: cp.matmul(x, wg.T, out=g_plain),
+    cases = {"plain GEMM (cuBLAS)": lambda: ct.gemm(x, wg.T, bfloat16, into=g_plain),
              "cuBLASLt GEMM + ReLU mask": lambda: lt(x, g_lt, mask),
              "row pack of g": pack_plain,
              "mask row pack": pack_mask}
