@@ -1379,8 +1379,9 @@ class FFNPlan:
         """Raise for the deferred calls among ``landed`` (``(tag, count)`` pairs from
         :meth:`RepeatedNonfiniteCheck.collect`), and any collected earlier, whose x held
         NaN or Inf: one error naming every such call, each reported once."""
-        bad = sorted(self._unreported + [(tag, n) for tag, n in landed if n and tag.deferred],
-                     key=lambda pair: pair[0].call)
+        bad = [(tag, n) for tag, n in landed if n and tag.deferred]
+        if self._unreported:
+            bad = sorted(self._unreported + bad, key=lambda pair: pair[0].call)
         if bad:
             self._unreported = []
             for s_ in streams:  # let queued work on x finish before the caller reuses it
@@ -1416,7 +1417,8 @@ class FFNPlan:
             out += self._check.collect(wait=None if wait is None else "all")
         if self._ledger is not None and self._ledger.in_flight:
             out += self._ledger.collect(done=self._done if wait == "all" else None)
-        out.sort(key=lambda pair: pair[0].call)
+        if len(out) > 1:
+            out.sort(key=lambda pair: pair[0].call)
         return out
 
     def _read_check(self, tag, streams, graph=False):
