@@ -15,13 +15,15 @@ probe answers on the device:
    (harmless: tested and dropped). It also says whether the epilogue's g has the
    plain GEMM's bits after the ReLU (cuBLASLt may pick another algorithm).
 2. **What it costs.** In alternating rounds: the plain GEMM (cuBLAS, as the FFN runs
-   it), cuBLASLt with the ReLU-mask epilogue, the row pack of the plain g, and the
-   mask row pack; then whether the two packs wrote the same lists.
+   it), cuBLASLt with the ReLU-mask epilogue, the row pack of the plain g and the mask
+   row pack, the training count and pack of g and its mask twin
+   (``relu_count_pack_mask``); then whether each pair wrote the same outputs.
 
 Prediction (H100, W1-16k, written before any run): the epilogue GEMM within 3% of the
-plain one; the mask row pack 0.015-0.03 ms against 0.081 ms; an inference call 0.05-0.065
-ms shorter (1.38x -> 1.44-1.46x), a training step 0.07-0.10 ms shorter, if the bits flag
-every active entry.
+plain one; the mask row pack 0.015-0.03 ms against 0.081 ms, the mask count and pack
+0.03-0.05 ms against 0.125 ms (its neuron-count atomics stay); an inference call
+0.05-0.065 ms shorter (1.38x -> 1.44-1.46x), a training step 0.07-0.10 ms shorter, if the
+bits flag every active entry.
 
 Usage (device, repository root): ``PYTHONPATH=. python benchmarks/relu_mask_probe.py [--reps 30] [--rounds 3]``
 """
@@ -172,10 +174,13 @@ def main(argv=None):
         rowpack_mask(((M + 7) // 8,), (256,), (mask, cp.int64(lt.mask_words), g_lt, cp.int64(H), cp.int32(M),
                                                cp.int32(H), cp.int32(CAPR), *lists[1], null))
 
+    W, cap = 64, 64  # the training forward's width and a backup capacity at W1-16k
     cases = {"plain GEMM (cuBLAS)": lambda: ct.gemm(x, wg.T, bfloat16, into=g_plain),
              "cuBLASLt GEMM + ReLU mask": lambda: lt(x, g_lt, mask),
              "row pack of g": pack_plain,
-             "mask row pack": pack_mask}
+             "mask row pack": pack_mask,
+             "training count and pack of g": lambda: ct.relu_count_pack(g_plain, W, cap),
+             "training count and pack, mask": lambda: ct.relu_count_pack_mask(mask, g_lt, W, cap)}
     for r in range(args.rounds):
         names = list(cases)
         for name in names[r % len(names):] + names[:r % len(names)]:
@@ -186,11 +191,17 @@ def main(argv=None):
     live = cp.arange(CAPR)[None, :] < cp.minimum(lists[0][2], CAPR)[:, None]
     same = bool((lists[0][2] == lists[1][2]).all() and (lists[0][0] == lists[1][0])[live].all()
                 and (lists[0][1].view(cp.uint32) == lists[1][1].view(cp.uint32))[live].all())
+    plain_cp = ct.relu_count_pack(g_lt, W, cap)
+    mask_cp = ct.relu_count_pack_mask(mask, g_lt, W, cap)
+    same_cp = all(bool((a.view(cp.uint8) == b.view(cp.uint8)).all())
+                  for a, b in zip((plain_cp[0][:M * W],) + tuple(plain_cp[1:]), (mask_cp[0][:M * W],) + tuple(mask_cp[1:])))
+    rows["same_count_pack"] = same_cp
     log("")
     log(f"{'what (W1-16k, bf16)':32s} {'median ms':>10s}  rounds")
     for name, times in rows["timing"].items():
         log(f"{name:32s} {float(np.median(times)):10.4f}  {' '.join(f'{t:.4f}' for t in times)}")
     log(f"mask row pack wrote the row pack's lists of the epilogue's g: {same}")
+    log(f"mask count and pack wrote the count and pack's outputs of the epilogue's g: {same_cp}")
     rows["same_lists"] = same
     out = os.environ.get("OUT")
     if out:

@@ -371,6 +371,13 @@ void relu_count_pack_##SUFFIX(const T* z, long long M, int H, int vec, int vec_s
     emu::launch(twellpy_train_relu_to_hybrid<T>, dim3((unsigned)((M + TW_WARPS - 1) / TW_WARPS)),         \
                 dim3(32 * TW_WARPS), 0, z, M, H, vec, vec_store, row_map, W, ell_val, ell_idx, ell_nnz,   \
                 backup, neuron_counts, token_counts, mode);                                            \
+}                                                                                                     \
+void relu_count_pack_mask_##SUFFIX(const unsigned* mask, long long ldm, const T* z, long long M, int H,   \
+                                   int W, T* ell_val, int* ell_idx, int* ell_nnz, int* neuron_counts,    \
+                                   int* token_counts) {                                               \
+    emu::launch(twellpy_train_relu_count_pack_mask<T>, dim3((unsigned)((M + TW_WARPS - 1) / TW_WARPS)),  \
+                dim3(32 * TW_WARPS), 0, mask, ldm, z, M, H, W, ell_val, ell_idx, ell_nnz, neuron_counts, \
+                token_counts);                                                                        \
 }
 TO_HYBRID(f32, float)
 TO_HYBRID(bf16, __nv_bfloat16)
@@ -2581,6 +2588,52 @@ def test_relu_count_and_csr_pack_match_numpy(train_lib, dtype, H):
     np.testing.assert_array_equal(col[:nnz], c)
     np.testing.assert_array_equal(_bits(val[:nnz]), _bits(z[r, c]))
     assert (col[nnz:] == -0x3C3C3C3C).all() and np.isnan(val[nnz:].astype(np.float32)).all()
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
+@pytest.mark.parametrize("M,H", [(13, 1000), (40, 512), (1, 264), (9, 999)])
+def test_relu_count_pack_from_a_mask_gives_mode_1s_bits(train_lib, dtype, M, H):
+    """twellpy_train_relu_count_pack_mask writes what relu_to_hybrid's mode 1 writes (ELL
+    values, indices and counts, padding of rows past W, neuron and token counts) for any
+    mask that flags every relu_on entry: exactly those, some more, or every bit (bits past
+    H included); NaN and a denormal count as active, -0.0 not. A mask missing an active
+    entry loses it: the mask is the caller's promise."""
+    rng = np.random.default_rng(M * H + 7)
+    z = (rng.standard_normal((M, H)) - 2.2).astype(np.float32)
+    z[0, :3] = [np.nan, -0.0, 1e-40]
+    z[::3] = np.abs(z[::3]) - 1.0                                 # every third row wide
+    z = z.astype(dtype)
+    zf = z.astype(np.float32)
+    on = np.isnan(zf) | (zf > 0)
+    W = max(3, int(np.sort(on.sum(axis=1))[(M - 1) // 2]))
+    vec = int(H % (16 // z.dtype.itemsize) == 0)
+
+    def outputs():
+        return (np.full((M, W), np.nan, np.float32).astype(dtype), np.full((M, W), -0x5A5A5A5A, np.int32),
+                np.full(M, -9, np.int32), np.zeros(H, np.int32), np.full(M, -7, np.int32))
+
+    want = outputs()
+    backup = np.full((1, H), np.nan, np.float32).astype(dtype)
+    getattr(train_lib, f"relu_count_pack_{_suffix(dtype)}")(
+        _ptr(z), M, H, vec, 0, None, W, _ptr(want[0]), _ptr(want[1]), _ptr(want[2]), _ptr(backup), _ptr(want[3]),
+        _ptr(want[4]), 1)
+    ldm = (H + 31) // 32 + 1
+    for extra in (0.0, 0.25, 1.0):
+        got = outputs()
+        mask = _mask_words(on | (rng.random((M, H)) < extra), ldm)
+        getattr(train_lib, f"relu_count_pack_mask_{_suffix(dtype)}")(
+            _ptr(mask), ctypes.c_longlong(ldm), _ptr(z), M, H, W, *(_ptr(a) for a in got))
+        for g, w, name in zip(got, want, ("ell_val", "ell_idx", "ell_nnz", "neuron_counts", "token_counts")):
+            np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=f"{name}, extra bits {extra}")
+    assert (want[4] > W).any() and (want[4] <= W).any() or M == 1
+    missing = on.copy()
+    r, c = np.argwhere(on)[-1]
+    missing[r, c] = False
+    got = outputs()
+    mask = _mask_words(missing, ldm)  # held: a pointer to a freed temporary would read garbage
+    getattr(train_lib, f"relu_count_pack_mask_{_suffix(dtype)}")(
+        _ptr(mask), ctypes.c_longlong(ldm), _ptr(z), M, H, W, *(_ptr(a) for a in got))
+    assert got[4][r] == want[4][r] - 1 and got[3][c] == want[3][c] - 1
 
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
