@@ -84,18 +84,25 @@ class _LtEntryPoints:
         return out.value
 
 
+def loaded_libraries(prefix):
+    """Paths of the shared libraries this process has loaded whose file name starts with
+    ``prefix`` (e.g. ``"libcublas.so"``), from ``/proc/self/maps``; empty where unreadable."""
+    paths = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(None, 1)[-1] if "/" in line else ""
+                if os.path.basename(path).startswith(prefix) and path not in paths:
+                    paths.append(path)
+    except OSError:
+        pass
+    return paths
+
+
 @functools.lru_cache(maxsize=None)
 def lt_library():
     """:class:`_LtEntryPoints` of a libcublasLt, or a string saying why there is none."""
-    names = []
-    try:
-        with open("/proc/self/maps") as maps:  # the copy the process already loaded, if any
-            for line in maps:
-                path = line.rsplit(None, 1)[-1] if "/" in line else ""
-                if os.path.basename(path).startswith("libcublasLt.so") and path not in names:
-                    names.append(path)
-    except OSError:
-        pass
+    names = loaded_libraries("libcublasLt.so")  # the copy the process already loaded, if any
     try:
         from cuda.pathfinder import load_nvidia_dynamic_lib
 

@@ -367,14 +367,9 @@ def _capture_blas_lib():
             names.append(path)
     except Exception:  # noqa: BLE001 - an older CuPy, or no pathfinder: look at the loaded libraries
         pass
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.rsplit(None, 1)[-1] if "/" in line else ""
-                if os.path.basename(path).startswith("libcublas.so") and path not in names:
-                    names.append(path)
-    except OSError:
-        pass
+    from ._cublaslt import loaded_libraries
+
+    names += [path for path in loaded_libraries("libcublas.so") if path not in names]
     names += ["libcublas.so.13", "libcublas.so.12", "libcublas.so.11"]
     c_int, ptr = ctypes.c_int, ctypes.c_void_p
     for name in names:
@@ -828,7 +823,6 @@ class FFNPlan:
     supports_heavy_limit = True
 
     def __init__(self, w_gate, w_up, w_down):
-        cp = cupy_module()
         self.gated = w_gate is not None
         self.dtype = np.dtype(w_up.dtype)
         self.H, self.D = w_up.shape
