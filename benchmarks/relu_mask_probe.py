@@ -152,13 +152,19 @@ def main(argv=None):
     x, wg = w["x"], cp.ascontiguousarray(w["w_gate"])
     M, H = x.shape[0], wg.shape[0]
     lt = ReluMaskGemm(wg)
+    lt_plain = ReluMaskGemm(wg, relu_mask=False)  # cuBLASLt's own algorithm choice, no epilogue
     g_plain = cp.empty((M, H), bfloat16)
     g_lt = cp.empty((M, H), bfloat16)
     mask = lt.new_mask(M)
     mask.fill(0xA5A5A5A5)
+    g_spare = cp.empty((M, H), bfloat16)
     ct.gemm(x, wg.T, bfloat16, into=g_plain)
     lt(x, g_lt, mask)
     rows["semantics"].append(compare("W1-16k", g_plain.get(), g_lt.get(), mask.get(), H, log))
+    lt_plain(x, g_spare, None)
+    same_plain = bool((g_spare.view(cp.uint16) == g_plain.view(cp.uint16)).all())
+    log(f"cuBLASLt without epilogue gives the plain GEMM's bits: {same_plain}")
+    rows["lt_plain_same_bits"] = same_plain
     # 2. what it costs
     ctype = _registry.ctype(bfloat16)
     rowpack = _registry.get_kernel("ffn_pack.cu", f"twellpy_ffn_rowpack<{ctype}>")
@@ -177,6 +183,7 @@ def main(argv=None):
     W, cap = 64, 64  # the training forward's width and a backup capacity at W1-16k
     cases = {"plain GEMM (cuBLAS)": lambda: ct.gemm(x, wg.T, bfloat16, into=g_plain),
              "cuBLASLt GEMM + ReLU mask": lambda: lt(x, g_lt, mask),
+             "cuBLASLt GEMM, no epilogue": lambda: lt_plain(x, g_spare, None),
              "row pack of g": pack_plain,
              "mask row pack": pack_mask,
              "training count and pack of g": lambda: ct.relu_count_pack(g_plain, W, cap),

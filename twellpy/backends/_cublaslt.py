@@ -129,6 +129,10 @@ class ReluMaskGemm:
         (H, D) weight, C-contiguous, float16, bfloat16 or float32 (fp32 accumulation).
     workspace_bytes : int
         cuBLASLt workspace (32 MiB: what cuBLAS gives a GEMM on Hopper).
+    relu_mask : bool
+        False: the plain product through cuBLASLt (no ReLU, no mask; ``mask`` is then
+        None in :meth:`__call__`), to tell the epilogue's cost from cuBLASLt's choice
+        of algorithm in ``benchmarks/relu_mask_probe.py``.
 
     Notes
     -----
@@ -138,7 +142,7 @@ class ReluMaskGemm:
     ``mask_ld`` = H rounded up to 128 bits; :attr:`mask_words` 32-bit words a row.
     """
 
-    def __init__(self, w, workspace_bytes=32 << 20):
+    def __init__(self, w, workspace_bytes=32 << 20, relu_mask=True):
         lt = lt_library()
         if isinstance(lt, str):
             raise RuntimeError(lt)
@@ -148,7 +152,7 @@ class ReluMaskGemm:
             raise TypeError(f"w has dtype {dt}, expected float16, bfloat16 or float32")
         if w.ndim != 2 or not w.flags.c_contiguous:
             raise ValueError(f"w must be a C-contiguous (H, D) array, got shape {w.shape}")
-        self.lt, self.w, self.dtype = lt, w, dt
+        self.lt, self.w, self.dtype, self.relu_mask = lt, w, dt, bool(relu_mask)
         self.H, self.D = (int(n) for n in w.shape)
         self.mask_ld = -(-self.H // 128) * 128
         self.mask_words = self.mask_ld // 32
@@ -157,8 +161,9 @@ class ReluMaskGemm:
         self.desc = lt.new("MatmulDescCreate", _COMPUTE_32F, _R_32F)
         self._set_desc(_DESC_TRANSA, ctypes.c_int32(_OP_T))
         self._set_desc(_DESC_TRANSB, ctypes.c_int32(_OP_N))
-        self._set_desc(_DESC_EPILOGUE, ctypes.c_uint32(_EPILOGUE_RELU_AUX))
-        self._set_desc(_DESC_AUX_LD, ctypes.c_int64(self.mask_ld))
+        if self.relu_mask:
+            self._set_desc(_DESC_EPILOGUE, ctypes.c_uint32(_EPILOGUE_RELU_AUX))
+            self._set_desc(_DESC_AUX_LD, ctypes.c_int64(self.mask_ld))
         ctype = _CUDA_TYPE[dt]
         self.a_layout = lt.new("MatrixLayoutCreate", ctype, self.D, self.H, self.D)  # w^T read column-major
         self.pref = lt.new("MatmulPreferenceCreate")
@@ -175,8 +180,8 @@ class ReluMaskGemm:
             lt, ctype = self.lt, _CUDA_TYPE[self.dtype]
             x_layout = lt.new("MatrixLayoutCreate", ctype, self.D, M, self.D)
             g_layout = lt.new("MatrixLayoutCreate", ctype, self.H, M, self.H)
-            # the heuristic reads the mask pointer's alignment
-            self._set_desc(_DESC_AUX_POINTER, ctypes.c_void_p(mask_ptr))
+            if self.relu_mask:  # the heuristic reads the mask pointer's alignment
+                self._set_desc(_DESC_AUX_POINTER, ctypes.c_void_p(mask_ptr))
             result = (ctypes.c_uint8 * _HEURISTIC_RESULT_BYTES)()
             found = ctypes.c_int(0)
             lt.call("MatmulAlgoGetHeuristic", self.handle, self.desc, self.a_layout, x_layout, g_layout, g_layout,
@@ -193,19 +198,22 @@ class ReluMaskGemm:
         return cupy_module().empty((M, self.mask_words), np.uint32)
 
     def __call__(self, x, g, mask, stream=None):
-        """``g[:] = relu(x @ w.T)`` and ``mask`` its ReLU bits, on ``stream`` (default: current).
+        """``g[:] = relu(x @ w.T)`` and ``mask`` its ReLU bits (``x @ w.T`` alone without
+        ``relu_mask``), on ``stream`` (default: current).
 
         ``x`` (M, D) and ``g`` (M, H) C-contiguous of ``w``'s dtype; ``mask`` from :meth:`new_mask`.
         """
         cp = cupy_module()
         M = int(x.shape[0])
-        if x.shape != (M, self.D) or g.shape != (M, self.H) or mask.shape != (M, self.mask_words):
-            raise ValueError(f"shapes: x {x.shape}, g {g.shape}, mask {mask.shape} for w (H, D) = "
-                             f"({self.H}, {self.D})")
+        mask_shape = (M, self.mask_words) if self.relu_mask else None
+        if x.shape != (M, self.D) or g.shape != (M, self.H) or (None if mask is None else mask.shape) != mask_shape:
+            raise ValueError(f"shapes: x {x.shape}, g {g.shape}, mask {None if mask is None else mask.shape} for "
+                             f"w (H, D) = ({self.H}, {self.D}); expected mask {mask_shape}")
         if M == 0:
             return g
-        x_layout, g_layout, algo, ws_size = self._plan(M, mask.data.ptr)
-        self._set_desc(_DESC_AUX_POINTER, ctypes.c_void_p(mask.data.ptr))
+        x_layout, g_layout, algo, ws_size = self._plan(M, None if mask is None else mask.data.ptr)
+        if self.relu_mask:
+            self._set_desc(_DESC_AUX_POINTER, ctypes.c_void_p(mask.data.ptr))
         s = cp.cuda.get_current_stream() if stream is None else stream
         self.lt.call("Matmul", self.handle, self.desc, _ONE32.ctypes.data, self.w.data.ptr, self.a_layout,
                      x.data.ptr, x_layout, _ZERO32.ctypes.data, g.data.ptr, g_layout, g.data.ptr, g_layout,
