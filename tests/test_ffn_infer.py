@@ -754,7 +754,7 @@ def _graph_plan(monkeypatch, **over):
                  decode_rows=8, config=(4, 1), kb_variant="narrow", l2_hint=False, min_blocks=2, long_rows=True,
                  long_launches=1, split_down=False, two_pass=False, device_id=0, _graphs_on=True,
                  _graphs=cuda_ffn.GraphCache(3), _graph_warned=False, _done=Event(), _calls=0, _check=None,
-                 _unreported=[], _last_rows=0, _last_sparse_rows=0,
+                 _unreported=[], _last_rows=0, _last_sparse_rows=0, _done_on=None,
                  _ledger=SimpleNamespace(full=False, in_flight=0, collect=lambda done=None: [],
                                          queue=lambda tag: log.append(("publication of call", tag.call))))
     attrs.update(over)
@@ -866,9 +866,21 @@ def test_graph_call_warms_up_captures_then_replays(monkeypatch):
     del log[:]
     y, _, info = plan._graph_call(x, 16, "sparse", False, None, False, False)  # "auto" and "sparse": one graph
     assert info["graph"] == "replay" and len(env.captured) == 1
-    assert log == [("stream waits", 0, "done"), ("copy", entry.x_ptr, 4096, 16 * 256 * 2, 0), ("launch", 1, 0),
+    # the previous call ended on this same stream: stream order, no wait on its event
+    assert log == [("copy", entry.x_ptr, 4096, 16 * 256 * 2, 0), ("launch", 1, 0),
                    ("copy", y.data.ptr, entry.y_ptr, 16 * 256 * 2, 0), ("record", "done", 0)]
     assert y.data.ptr not in (entry.y_ptr, entry.x_ptr) and y.shape == (16, 256)   # never the graph's buffer
+    env.current[0] = env.streams[7]
+    plan._graph_call(x, 16, "sparse", False, None, False, False)   # stream 7's own graph: warm-up,
+    plan._graph_call(x, 16, "sparse", False, None, False, False)   # capture; the call ends on stream 7
+    assert log[-1] == ("record", "done", 7)
+    env.current[0] = env.streams[0]
+    del log[:]
+    plan._graph_call(x, 16, "sparse", False, None, False, False)   # a call on another stream than the
+    assert log[0] == ("stream waits", 0, "done")                   # last one's waits for its end
+    del log[:]
+    plan._graph_call(x, 16, "sparse", False, None, False, False)   # the next one on that stream does not
+    assert [e for e in log if e[0] == "stream waits"] == []
     assert (plan._last_rows, plan._last_sparse_rows) == (16, 16)
     # a non-contiguous x is copied by CuPy into the input buffer (on the current stream)
     copied = []

@@ -939,6 +939,9 @@ class FFNPlan:
         #: event recorded at the end of every call: the next call's stream waits for it,
         #: since a call returns before its kernels finish and the workspaces are shared
         self._done = None
+        #: the stream object _done was last recorded on (held: its handle cannot be reused
+        #: while held); a call on that same stream is ordered after it without a wait
+        self._done_on = None
         self._graphs_on = graphs_default()  # see the graphs property
         #: graphs of this plan by call signature (see _graph_key), and notes on signatures without one
         self._graphs = GraphCache(GRAPH_LIMIT)
@@ -1394,6 +1397,14 @@ class FFNPlan:
             with cp.cuda.Device(self.device_id):
                 self._done = cp.cuda.Event(block=False, disable_timing=True)
         self._done.record(stream)
+        self._done_on = stream
+
+    def _after_previous_call(self, stream):
+        """Order ``stream`` after the previous call's end: a wait on ``_done``, skipped when
+        that call ended on this very stream object (stream order already does it; decode
+        calls are bound by host time, and each CUDA call costs some)."""
+        if self._done is not None and self._done_on is not stream:
+            stream.wait_event(self._done)
 
     def _counts_in_flight(self):
         """True when NaN/Inf counts of earlier calls are still to be collected."""
@@ -1582,10 +1593,9 @@ class FFNPlan:
             return y, h_full, info
         x = _contiguous_aligned(x)
         cur = cp.cuda.get_current_stream()
-        if self._done is not None:
-            # calls return before their kernels finish: one made on another stream
-            # must not overwrite workspaces the previous call's kernels still read
-            cur.wait_event(self._done)
+        # calls return before their kernels finish: one made on another stream must not
+        # overwrite workspaces the previous call's kernels still read
+        self._after_previous_call(cur)
         if decode:
             return self._forward_decode(x, y, h_full, info, cur, check_x, deferred)
         if not self.sparse_ok or mode == "dense":
@@ -1874,8 +1884,7 @@ class FFNPlan:
     def _graph_input(self, x_static, x, cur):
         """Copy ``x`` into a graph's input buffer on ``cur``, after the previous call (whose
         kernels may still read the workspaces, on another stream)."""
-        if self._done is not None:
-            cur.wait_event(self._done)
+        self._after_previous_call(cur)
         if x.flags.c_contiguous:
             rt = cupy_module().cuda.runtime
             rt.memcpyAsync(x_static.data.ptr, x.data.ptr, x_static.nbytes, rt.memcpyDeviceToDevice, cur.ptr)
