@@ -99,6 +99,9 @@ def main():
             variants["grouped unchecked"] = lambda: grouped(x, check_finite=False)
         if M <= 16:
             variants["checked general"] = lambda: general(x)  # the same call without the decode kernels
+            # (graphs are on by default since 2026-12-07, so "general" replays a graph of the
+            # general path: against "graph"/"graph checked" this is graph against graph)
+            variants["general unchecked"] = lambda: general(x, check_finite=False)
             # one token firing every neuron (x[:, 0] carries the threshold): the decode down
             # kernel then walks the whole list in D / 256 blocks
             hot = x.copy()
