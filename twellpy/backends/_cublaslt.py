@@ -41,7 +41,8 @@ _ONE32 = np.array(1.0, np.float32)
 _ZERO32 = np.array(0.0, np.float32)
 
 
-def _check(name, status):
+def blas_check(name, status):
+    """Raise for a cuBLAS or cuBLASLt call (``name``) that returned a non-zero ``status``."""
     if status:
         raise RuntimeError(f"{name} failed with cuBLAS status {status}")
 
@@ -75,7 +76,7 @@ class _LtEntryPoints:
             setattr(self, name[len("cublasLt"):], fn)
 
     def call(self, name, *args):
-        _check("cublasLt" + name, getattr(self, name)(*args))
+        blas_check("cublasLt" + name, getattr(self, name)(*args))
 
     def new(self, name, *args):
         """``cublasLt<name>(&out, *args)``; returns ``out``."""

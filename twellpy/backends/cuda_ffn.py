@@ -78,6 +78,7 @@ import numpy as np
 from .._array import bfloat16, cupy_module, raise_nonfinite, switch_setting
 from . import _registry
 from . import overflow_rows_to_backup
+from ._cublaslt import blas_check, loaded_libraries
 from .cuda import NonfiniteLedger, PendingCount, RepeatedNonfiniteCheck, allow_dynamic_smem
 
 _SPARSE_FILE = "ffn_sparse.cu"
@@ -333,7 +334,7 @@ class _BlasEntryPoints:
         import ctypes
 
         handle = ctypes.c_void_p()
-        _blas_check("cublasCreate", self.create(ctypes.byref(handle)))
+        blas_check("cublasCreate", self.create(ctypes.byref(handle)))
         return handle.value
 
 
@@ -367,8 +368,6 @@ def _capture_blas_lib():
             names.append(path)
     except Exception:  # noqa: BLE001 - an older CuPy, or no pathfinder: look at the loaded libraries
         pass
-    from ._cublaslt import loaded_libraries
-
     names += [path for path in loaded_libraries("libcublas.so") if path not in names]
     names += ["libcublas.so.13", "libcublas.so.12", "libcublas.so.11"]
     c_int, ptr = ctypes.c_int, ctypes.c_void_p
@@ -418,15 +417,10 @@ class _CaptureBlas:
     def gemm_ex(self, stream, args):
         """``cublasGemmEx(handle, *args)`` on ``stream`` with the explicit workspace."""
         lib, h = self.lib, self.handle
-        _blas_check("cublasSetStream", lib.set_stream(h, stream.ptr))
+        blas_check("cublasSetStream", lib.set_stream(h, stream.ptr))
         # after the stream: setting a stream resets the handle to the default workspace
-        _blas_check("cublasSetWorkspace", lib.set_workspace(h, self.workspace.data.ptr, self.workspace.nbytes))
-        _blas_check("cublasGemmEx", lib.gemm_ex(h, *args))
-
-
-def _blas_check(name, status):
-    if status:
-        raise RuntimeError(f"{name} failed with cuBLAS status {status}")
+        blas_check("cublasSetWorkspace", lib.set_workspace(h, self.workspace.data.ptr, self.workspace.nbytes))
+        blas_check("cublasGemmEx", lib.gemm_ex(h, *args))
 
 
 _ONE32_PTR, _ZERO32_PTR = _ONE32.ctypes.data, _ZERO32.ctypes.data
@@ -1832,10 +1826,10 @@ class FFNPlan:
         if key is None:
             return "fallback: " + kind
         entry = self._graphs.get(key)
-        if check_x and type(entry) is not _GraphNote:
-            ledger = self._ensure_ledger()
-            if ledger.full:  # the host ran NonfiniteLedger.RING checked replays ahead of the GPU
-                self._settle_checks(ledger.collect(done=self._done))
+        # a capture makes the ledger (_capture); the host may run NonfiniteLedger.RING
+        # checked replays ahead of the GPU, no more
+        if check_x and self._ledger is not None and self._ledger.full and type(entry) is not _GraphNote:
+            self._settle_checks(self._ledger.collect(done=self._done))
         if type(entry) is _GraphEntry:
             self._graph_input(entry.x, x, cur)
             entry.graph.launch(cur)
