@@ -259,8 +259,7 @@ __global__ void twellpy_ffn_rowpack_mask(const unsigned* __restrict__ mask, long
     int found = 0;
     for (int w0 = 0; w0 < words; w0 += 32) {
         const int w = w0 + lane;
-        unsigned flagged = w < words ? __ldcs(mrow + w) : 0u;
-        if (w == words - 1 && (H & 31)) flagged &= (1u << (H & 31)) - 1u;
+        const unsigned flagged = twellpy::relu_mask_word(mrow, w, H);
         unsigned keep = 0u;
         for (unsigned b = flagged; b != 0u; b &= b - 1u) {  // the value test of each flagged entry
             const int i = __ffs(b) - 1;

@@ -622,8 +622,7 @@ twellpy_train_relu_count_pack_mask(const unsigned* __restrict__ mask, long long 
     int pos = 0;  // active columns of this row seen so far (the same on every lane)
     for (int w0 = 0; w0 < words; w0 += 32) {
         const int w = w0 + lane;
-        unsigned flagged = w < words ? __ldcs(mrow + w) : 0u;
-        if (w == words - 1 && (H & 31)) flagged &= (1u << (H & 31)) - 1u;
+        const unsigned flagged = relu_mask_word(mrow, w, H);
         unsigned keep = 0u;
         for (unsigned b = flagged; b != 0u; b &= b - 1u) {
             const int i = __ffs(b) - 1;
