@@ -21,7 +21,7 @@ if [[ -n ${INFER_K-rowpack or float64_reference or sigma_03 or token_firing} ]];
 fi
 if [[ -n ${MC_K-relu_pattern_kernels} ]]; then  # memcheck (twellpy's kernels) of a small selection; MC_K= skips it
   t1=$SECONDS
-  timeout ${MC_LIMIT:-100} compute-sanitizer --tool memcheck --print-limit 20 --kernel-name kns=twellpy_ \
+  timeout ${MC_LIMIT:-100} compute-sanitizer --tool memcheck --print-limit 20 --kernel-name kns=twellpy_ --show-backtrace device \
     python -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_gpu_train.py -k "${MC_K-relu_pattern_kernels}" > $OUT/memcheck.log 2>&1
   echo "memcheck exit $? after $((SECONDS - t1)) s"; grep -E "passed|failed|ERROR SUMMARY" $OUT/memcheck.log | sort | uniq -c | tail -5
 fi

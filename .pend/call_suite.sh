@@ -8,7 +8,7 @@ t0=$SECONDS
 bash benchmarks/device_suite.sh tests > $OUT/suite.log 2>&1
 echo "suite: $((SECONDS - t0)) s"; tail -4 $OUT/suite.log
 t1=$SECONDS
-timeout $((${MEMCHECK_BUDGET:-560} - (SECONDS - t0))) compute-sanitizer --tool memcheck --print-limit 20 --kernel-name kns=twellpy_ \
+timeout $((${MEMCHECK_BUDGET:-560} - (SECONDS - t0))) compute-sanitizer --tool memcheck --print-limit 20 --kernel-name kns=twellpy_ --show-backtrace device \
   python -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_gpu_train.py \
   -k "dh_by_neuron or two_pass or row_loops" > $OUT/memcheck.log 2>&1
 echo "memcheck exit $? after $((SECONDS - t1)) s"; grep -E "passed|failed|ERROR SUMMARY" $OUT/memcheck.log | sort | uniq -c | tail -5

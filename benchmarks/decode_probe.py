@@ -4,7 +4,8 @@ For M in 1, 4, 8, 16, 32, 64 and 128 at W1's D and H, it times, back to back and
 call at a time (synchronised), the dense FFN (three cuBLAS GEMMs through CuPy,
 and torch's when torch is installed) and the twellpy call unchecked,
 ``mode="auto"``, with the default NaN/Inf check, and that default call with
-the decode kernels off (``decode_rows = 0``: the general path; M <= 16 only);
+the decode kernels off (``decode_rows = 0``: the general path; M <= 16 only) and
+forced on (``decode_rows = 16``: "checked decode", whatever the default);
 for M > 16 (general path by default) also the same call with ``decode_rows = 128``
 (the decode kernels in groups of 16 rows: "grouped decode"), which decides whether
 the default should rise past 16; and for every M the same calls with CUDA graphs
@@ -98,6 +99,9 @@ def main():
             variants["grouped decode"] = lambda: grouped(x)  # checked, as "auto checked"
             variants["grouped unchecked"] = lambda: grouped(x, check_finite=False)
         if M <= 16:
+            forced = GatedFFN(wg, wu, wd)
+            forced.decode_rows = 16  # the decode kernels whatever the default (4 since 2026-12-08)
+            variants["checked decode"] = lambda: forced(x)
             variants["checked general"] = lambda: general(x)  # the same call without the decode kernels
             # (graphs are on by default since 2026-12-07, so "general" replays a graph of the
             # general path: against "graph"/"graph checked" this is graph against graph)

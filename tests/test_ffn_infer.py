@@ -799,7 +799,8 @@ def test_graph_key_holds_what_the_launches_depend_on(monkeypatch):
     assert plan._graph_key(16, "auto", False, None, False, 0)[0] == k16
     plan.decode_rows = 16                                      # the same rows now take the decode kernels
     assert plan._graph_key(16, "auto", False, None, False, 0)[1] == "decode"
-    plan.decode_rows = 8
+    plan.decode_rows = 4
+    assert plan._graph_key(5, "auto", False, None, False, 0)[1] == "sparse"  # over decode_rows: general
     assert plan._graph_key(16, "auto", False, 8, False, 0) == (None, "chunks of 8 rows (the two-stream pipeline)")
     plan.chunk_rows = 4
     assert plan._graph_key(16, "auto", False, None, False, 0)[0] is None

@@ -28,7 +28,7 @@ call of the same object, or ``ffn.check()``, raises for it, and the offending
 call's output holds NaN/Inf in the rows concerned. An object's first call,
 ``check_finite="sync"`` and the one-shot functions always wait.
 
-Decode sizes. On CUDA a call of at most ``decode_rows`` (8 by default, up to 128,
+Decode sizes. On CUDA a call of at most ``decode_rows`` (4 by default, up to 128,
 in groups of 16 rows) rows whose 16-row groups of ``x`` fit a block's shared
 memory runs two kernels for the whole FFN: the gate GEMV with ReLU and the
 up dot products of the active neurons, then the down projection of those
@@ -302,7 +302,7 @@ class _FFN:
 
     @property
     def decode_rows(self):
-        """CUDA: calls of at most this many rows (default 8; at most 128) run the two
+        """CUDA: calls of at most this many rows (default 4; at most 128) run the two
         decode kernels when ``min(M, 16) * D * itemsize`` fits a block's shared memory
         (the device's opt-in limit less 1 KB: 226 KB on Hopper): the whole FFN (gate
         GEMV, ReLU, up and down projections of the active neurons, and the NaN/Inf

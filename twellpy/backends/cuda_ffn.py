@@ -29,7 +29,7 @@ One call (sparse mode):
    ``twellpy_ffn_list_down`` gathers the ``w_downT`` rows of the lists' neurons,
    so each pass gathers rows of one weight matrix instead of two. Same bits.
 
-Decode calls (at most ``FFNPlan.decode_rows`` rows, default 8, up to 128; 16 rows of x
+Decode calls (at most ``FFNPlan.decode_rows`` rows, default 4, up to 128; 16 rows of x
 within a block's shared memory, "auto" or "sparse", no ``heavy_limit``) skip all of the above: ``raw_kernels/ffn_decode.cu``
 does the gate GEMV, ReLU and up dot products of the active neurons in one kernel
 and their down projection in a second, and the first kernel also writes the
@@ -909,11 +909,14 @@ class FFNPlan:
         #: calls of at most this many rows (at most _DECODE_MAX_ROWS) whose 16-row groups
         #: of x fit a block's shared memory run the decode kernels (``ffn_decode.cu``):
         #: the whole FFN in two launches instead of about eight, for "auto" and "sparse"
-        #: calls without ``heavy_limit``. 0 turns them off. Default 8: on an H100
-        #: (2026-12-06, decode_probe.py, W1 sizes) 8 rows took 0.066 ms against 0.089 for
-        #: dense, but the 16-row kernels 0.157 ms while the general path took 0.088; groups
-        #: of 16 (decode_rows = 128) were 0.14-0.40x dense at 32-128 rows.
-        self.decode_rows = 8
+        #: calls without ``heavy_limit``. 0 turns them off. Default 4: since the general
+        #: path replays as a CUDA graph, it beats the decode kernels at 8 rows (H100,
+        #: decode_probe.py, W1 sizes, checked, back to back: 0.0555 against 0.0736 ms on
+        #: 2026-12-07, 0.0434 against 0.0725 on 2026-12-08) and at a token firing every
+        #: neuron (0.10 against 0.38-0.49 ms at 4-8 rows); at 1-4 rows the two are within
+        #: noise and the decode kernels' synced call is shorter (M = 1: 0.059 against
+        #: 0.078 ms). Groups of 16 (decode_rows = 128) were 0.14-0.40x dense at 32-128 rows.
+        self.decode_rows = 4
         #: rows firing more than LIST_ROW_CAP neurons are spread over many blocks by
         #: ffn_long.cu (one launch after the sparse kernel; without ``heavy_limit``).
         #: False: the sparse kernel computes them in one block each, serially (a token
