@@ -157,13 +157,4 @@ __device__ __forceinline__ int warp_exclusive_count(int cnt, int lane, int& tota
     return incl - cnt;
 }
 
-// Word w of one row of a ReLU bit mask (bit c % 32 of word c / 32 flags column c; see
-// twellpy_ffn_rowpack_mask): bits past column H cleared, 0 past the row's last word.
-__device__ __forceinline__ unsigned relu_mask_word(const unsigned* __restrict__ mrow, int w, int H) {
-    const int words = (H + 31) >> 5;
-    if (w >= words) return 0u;
-    const unsigned bits = __ldcs(mrow + w);
-    return (w == words - 1 && (H & 31)) ? bits & ((1u << (H & 31)) - 1u) : bits;
-}
-
 }  // namespace twellpy

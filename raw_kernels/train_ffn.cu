@@ -594,66 +594,6 @@ twellpy_train_relu_to_hybrid(const T* __restrict__ z, long long M, int H, int ve
     }
 }
 
-// twellpy_train_relu_count_pack_mask<T>: twellpy_train_relu_to_hybrid's mode 1 (count every
-// row, pack it into the ELL part, padding for rows past W) from a bit mask of candidate
-// entries instead of a read of the whole row of z: cuBLASLt's RELU_AUX epilogue writes one
-// bit per entry of the gate GEMM's output (backends/_cublaslt.py), so a row of H = 5632
-// costs 704 bytes of mask plus one sector of z per flagged entry, against 11 KB of z. Each
-// flagged entry still takes relu_on, so extra bits change nothing; the outputs are mode 1's
-// bit for bit whenever every relu_on entry of z has its bit set (the caller's condition).
-//   mask  (M, ldm)  uint32  bit c % 32 of word c / 32 of row r flags entry (r, c); bits at
-//                           columns >= H are ignored
-//   z, M, H, W, ell_val, ell_idx, ell_nnz, neuron_counts, token_counts: as mode 1 of
-//   twellpy_train_relu_to_hybrid (neuron_counts zeroed by the caller)
-// One warp per row; grid.x = ceil(M / TW_WARPS).
-template <typename T>
-__global__ void __launch_bounds__(32 * TW_WARPS)
-twellpy_train_relu_count_pack_mask(const unsigned* __restrict__ mask, long long ldm, const T* __restrict__ z,
-                                   long long M, int H, int W, T* __restrict__ ell_val, int* __restrict__ ell_idx,
-                                   int* __restrict__ ell_nnz, int* __restrict__ neuron_counts,
-                                   int* __restrict__ token_counts) {
-    const int lane = threadIdx.x & 31;
-    const long long r = (long long)blockIdx.x * TW_WARPS + (threadIdx.x >> 5);
-    if (r >= M) return;
-    const T* zr = z + r * (long long)H;
-    const unsigned* mrow = mask + r * ldm;
-    const long long base = r * (long long)W;
-    const int words = (H + 31) >> 5;
-    int pos = 0;  // active columns of this row seen so far (the same on every lane)
-    for (int w0 = 0; w0 < words; w0 += 32) {
-        const int w = w0 + lane;
-        const unsigned flagged = relu_mask_word(mrow, w, H);
-        unsigned keep = 0u;
-        for (unsigned b = flagged; b != 0u; b &= b - 1u) {
-            const int i = __ffs(b) - 1;
-            if (relu_on(zr[w * 32 + i])) keep |= 1u << i;
-        }
-        int total;
-        int p = pos + warp_exclusive_count<true>(__popc(keep), lane, total);
-        for (unsigned b = keep; b != 0u; b &= b - 1u) {
-            const int c = w * 32 + __ffs(b) - 1;
-            if (p < W) {
-                ell_val[base + p] = zr[c];
-                ell_idx[base + p] = c;
-            }
-            atomicAdd(neuron_counts + c, 1);
-            ++p;
-        }
-        pos += total;
-    }
-    // a row past W overwrites the slots its lanes filled: those stores must come first
-    __syncwarp();
-    const int kept = pos > W ? 0 : pos;
-    for (int s = kept + lane; s < W; s += 32) {
-        ell_val[base + s] = zero_value<T>();
-        ell_idx[base + s] = -1;
-    }
-    if (lane == 0) {
-        ell_nnz[r] = kept;
-        token_counts[r] = pos;
-    }
-}
-
 // twellpy_train_csr_to_hybrid<T>: split a CSR (sorted columns) into the ELL
 // part (rows with row_map < 0) and dense backup rows (row_map >= 0).
 //   indptr  (M+1,)  long long;  col (nnz,) int;  val (nnz,) T

@@ -223,8 +223,7 @@ REPO_SUITES = {"cpu": (False, ()), "dask_scaling": (False, ()), "dask_task_strea
                "width_drift": (False, ()),
                **{n: (True, ()) for n in ("kernels", "overhead", "step_timeline", "overlap_probe",
                                           "profile_kernels", "decode_probe", "call_profile",
-                                          "hot_rows_probe", "row_loops_probe", "backup_route_probe",
-                                          "relu_mask_probe")}}
+                                          "hot_rows_probe", "row_loops_probe", "backup_route_probe")}}
 REPO_TOOLS = {"memcheck_triage", "memcheck_groups", "timestamp_lines", "sanitizer_probe", "sanitizer_sync_probe", "sanitizer_free_probe",
               "racecheck_cublas_probe", "tree_step_time", "dh_by_neuron_probe", "count_pack_probe",
               "run_times", "gpu_memory_hygiene", "workloads"}

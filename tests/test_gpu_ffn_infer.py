@@ -1487,8 +1487,7 @@ def test_rowpack_word_test_gives_the_value_tests_lists(dtype):
     """twellpy_ffn_rowpack with its word test (FFN_ROWPACK_WORDS=1) writes the lists of the
     value-by-value test (FFN_ROWPACK_WORDS=0; 1 is the default) compiled the same way, bit for
     bit, on rows holding every 16-bit pattern (NaNs, denormals, both zeros, infinities),
-    sparse rows (the scan's ballot shortcuts) and full ones; outputs poisoned. So does the
-    mask row pack (twellpy_ffn_rowpack_mask) given a mask that flags every active entry."""
+    sparse rows (the scan's ballot shortcuts) and full ones; outputs poisoned."""
     from twellpy.backends import _registry
 
     rng = np.random.default_rng(41)
@@ -1518,23 +1517,3 @@ def test_rowpack_word_test_gives_the_value_tests_lists(dtype):
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=name)
     count = got[1][2]
     assert count[1] == H and count[2] >= 8 and int(got[1][3][0]) == int(count.sum())
-    # the mask row pack (twellpy_ffn_rowpack_mask) with a mask flagging every entry, and with
-    # one flagging the value-by-value test's active entries plus random others: the same lists
-    mask_kernel = _registry.get_kernel("ffn_pack.cu", f"twellpy_ffn_rowpack_mask<{_registry.ctype(g.dtype)}>")
-    words = H // 32 + 2
-    on = np.zeros((M, capr), bool)
-    for r in range(M):
-        on[r, got[0][0][r, :got[0][2][r]]] = True
-    for flags in (np.ones((M, H), bool), on[:, :H] | (rng.random((M, H)) < 0.2)):
-        bits = np.zeros((M, words * 32), bool)
-        bits[:, :H] = flags
-        mask = cp.asarray(np.packbits(bits.reshape(M, words, 32), axis=2, bitorder="little").view(np.uint32)
-                          .reshape(M, words))
-        idx = cp.full((M, capr), -77, cp.int32)
-        val = cp.full((M, capr), cp.nan, cp.float32)
-        count = cp.full(M, -1, cp.int32)
-        total = cp.zeros(1, cp.uint64)
-        mask_kernel(((M + 7) // 8,), (256,), (mask, cp.int64(words), g, cp.int64(H), cp.int32(M), cp.int32(H),
-                                              cp.int32(capr), idx, val, count, total))
-        for a, b, name in zip((a.get() for a in (idx, val, count, total)), got[0], ("idx", "val", "count", "total")):
-            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=f"mask pack: {name}")

@@ -102,8 +102,7 @@ def test_relu_pattern_kernels_on_every_bit_pattern_gpu(monkeypatch, dtype, H, wo
     with TW_PACK_WORDS=1 (16-bit values two at a time on 32-bit words, the warp scan's
     ballot shortcuts), against numpy's own relu(z) != 0 (positive, denormals included, or
     NaN) and the CPU twins, bit for bit, on every dtype: every 16-bit pattern, sparse,
-    empty and full rows; H a multiple of the vector (vector loops) and not (scalar ones).
-    The count and pack from a ReLU bit mask (relu_count_pack_mask) writes the same bits."""
+    empty and full rows; H a multiple of the vector (vector loops) and not (scalar ones)."""
     import cupy as cp
     from twellpy.backends import cpu_train
     from twellpy.backends import cuda_train as ct
@@ -144,18 +143,6 @@ def test_relu_pattern_kernels_on_every_bit_pattern_gpu(monkeypatch, dtype, H, wo
     _same_bits_but_nan_payloads(packed[0][:n], want[0][:n], "packed vals")
     for g, w in zip(packed[1:4], want[1:4]):
         np.testing.assert_array_equal(g, w)
-    # the count and pack from a ReLU bit mask (relu_count_pack_mask): every active entry
-    # flagged, plus random others (bits past H too): the count and pack's bits
-    words = -(-H // 32) + 1
-    bits = np.ones((len(counts), words * 32), bool)
-    bits[:, :H] = on | (np.random.default_rng(H).random(on.shape) < 0.2)
-    mask = cp.asarray(np.packbits(bits.reshape(len(counts), words, 32), axis=2, bitorder="little")
-                      .view(np.uint32).reshape(len(counts), words))
-    poison()
-    from_mask = [a.get() for a in ct.relu_count_pack_mask(mask, zd, W, wide)]
-    np.testing.assert_array_equal(from_mask[0][:n].view(np.uint8), packed[0][:n].view(np.uint8))
-    for g, w, name in zip(from_mask[1:], packed[1:], ("ell_idx", "ell_nnz", "neuron_counts", "token_counts")):
-        np.testing.assert_array_equal(g, w, err_msg=f"mask count and pack: {name}")
 
 
 def _same_bits_but_nan_payloads(got, want, name):

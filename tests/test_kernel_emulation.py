@@ -371,13 +371,6 @@ void relu_count_pack_##SUFFIX(const T* z, long long M, int H, int vec, int vec_s
     emu::launch(twellpy_train_relu_to_hybrid<T>, dim3((unsigned)((M + TW_WARPS - 1) / TW_WARPS)),         \
                 dim3(32 * TW_WARPS), 0, z, M, H, vec, vec_store, row_map, W, ell_val, ell_idx, ell_nnz,   \
                 backup, neuron_counts, token_counts, mode);                                            \
-}                                                                                                     \
-void relu_count_pack_mask_##SUFFIX(const unsigned* mask, long long ldm, const T* z, long long M, int H,   \
-                                   int W, T* ell_val, int* ell_idx, int* ell_nnz, int* neuron_counts,    \
-                                   int* token_counts) {                                               \
-    emu::launch(twellpy_train_relu_count_pack_mask<T>, dim3((unsigned)((M + TW_WARPS - 1) / TW_WARPS)),  \
-                dim3(32 * TW_WARPS), 0, mask, ldm, z, M, H, W, ell_val, ell_idx, ell_nnz, neuron_counts, \
-                token_counts);                                                                        \
 }
 TO_HYBRID(f32, float)
 TO_HYBRID(bf16, __nv_bfloat16)
@@ -1153,15 +1146,6 @@ void rowpack_f16(const __half* g, long long ldg, int M, int H, int capr, int* id
     emu::launch(twellpy_ffn_rowpack<__half>, dim3((M + 7) / 8), dim3(256), 0, g, ldg, M, H, capr, idx, val,
                 count, total);
 }
-#define ROWPACK_MASK(NAME, T, A)                                                                      \
-void rowpack_mask_##NAME(const unsigned* mask, long long ldm, const T* g, long long ldg, int M, int H, int capr, \
-                         int* idx, A* val, int* count, unsigned long long* total) {                   \
-    emu::launch(twellpy_ffn_rowpack_mask<T>, dim3((M + 7) / 8), dim3(256), 0, mask, ldm, g, ldg, M, H, capr, idx, \
-                val, count, total);                                                                   \
-}
-ROWPACK_MASK(bf16, __nv_bfloat16, float)
-ROWPACK_MASK(f16, __half, float)
-ROWPACK_MASK(f32, float, float)
 void active_bits_bf16(const uint4* raw, unsigned* bits, long long n) {
     for (long long k = 0; k < n; ++k) bits[k] = relu_active_bits<__nv_bfloat16>(raw[k]);
 }
@@ -1209,62 +1193,6 @@ def test_rowpack_matches_the_lists_the_split_test_assumes(tmp_path_factory, word
             np.testing.assert_array_equal(idx[r, :k], want_idx[r, :k])
             np.testing.assert_array_equal(val[r, :k].view(np.uint32), want_val[r, :k].view(np.uint32))
     assert count[3] > capr and count[6] == 0 and 7 in idx[5, :count[5]]
-
-
-def _mask_words(flags, ldm):
-    """(M, ldm) uint32 words with bit c % 32 of word c // 32 set where ``flags[:, c]``
-    (the layout twellpy_ffn_rowpack_mask reads); words past the columns hold junk bits."""
-    M, H = flags.shape
-    bits = np.zeros((M, ldm * 32), bool)
-    bits[:, :H] = flags
-    bits[:, H:] = True                                         # columns >= H must be ignored
-    return np.packbits(bits.reshape(M, ldm, 32), axis=2, bitorder="little").view(np.uint32).reshape(M, ldm)
-
-
-@pytest.mark.parametrize("dtype", [bfloat16, np.dtype(np.float16), np.dtype(np.float32)], ids=str)
-@pytest.mark.parametrize("H", [600, 1024, 77])
-def test_rowpack_mask_gives_the_row_packs_lists_from_any_superset_mask(tmp_path_factory, dtype, H):
-    """twellpy_ffn_rowpack_mask writes twellpy_ffn_rowpack's lists (column order, gate
-    values, true counts, the total) whenever the mask flags every active entry: extra
-    bits (inactive entries, bits past H) are tested and dropped; rows over capr keep
-    their true count. An active entry the mask misses is not listed: the mask is the
-    caller's promise, which the test shows by breaking it."""
-    lib = _build(tmp_path_factory, "ffn_pack.cu", _PACK_HARNESS, {})
-    rng = np.random.default_rng(H)
-    M, capr = 37, 16
-    g = (rng.standard_normal((M, H)) - 2.0).astype(dtype)
-    g[3, :40] = 1.0                                            # over capr
-    g[5, 7] = np.nan                                           # NaN is active
-    g[6] = -0.0                                                # nothing active
-    g[8] = 0.5                                                 # every entry active
-    g[9, H - 1] = 2.0                                          # the last column
-    active = ~(g.astype(np.float32) <= 0)
-    ldm = (H + 31) // 32 + 3                                   # padded rows of mask words
-    for extra in (0.0, 0.3, 1.0):                              # exact mask, some extra bits, all bits
-        flags = active | (rng.random((M, H)) < extra)
-        mask = _mask_words(flags, ldm)
-        idx = np.full((M, capr), -77, np.int32)
-        val = np.full((M, capr), np.nan, np.float32)
-        count = np.full(M, -1, np.int32)
-        total = np.zeros(1, np.uint64)
-        getattr(lib, f"rowpack_mask_{_suffix(dtype)}")(_ptr(mask), ctypes.c_longlong(ldm), _ptr(g), ctypes.c_longlong(H),
-                                                       M, H, capr, _ptr(idx), _ptr(val), _ptr(count), _ptr(total))
-        want_idx, want_val, want_count = _row_lists(g, capr)
-        np.testing.assert_array_equal(count, want_count, err_msg=f"extra {extra}")
-        assert int(total[0]) == int(want_count.sum())
-        for r in range(M):
-            if want_count[r] <= capr:
-                k = int(want_count[r])
-                np.testing.assert_array_equal(idx[r, :k], want_idx[r, :k])
-                np.testing.assert_array_equal(val[r, :k].view(np.uint32), want_val[r, :k].view(np.uint32))
-                assert (idx[r, k:] == -77).all()
-    flags = active.copy()
-    flags[9, H - 1] = False                                    # a broken promise: that entry is missed
-    mask = _mask_words(flags, ldm)
-    count = np.full(M, -1, np.int32)
-    getattr(lib, f"rowpack_mask_{_suffix(dtype)}")(_ptr(mask), ctypes.c_longlong(ldm), _ptr(g), ctypes.c_longlong(H),
-                                                   M, H, capr, _ptr(idx), _ptr(val), _ptr(count), _ptr(total))
-    assert count[9] == want_count[9] - 1
 
 
 def _relu_active_on_gpu(z):
@@ -2588,52 +2516,6 @@ def test_relu_count_and_csr_pack_match_numpy(train_lib, dtype, H):
     np.testing.assert_array_equal(col[:nnz], c)
     np.testing.assert_array_equal(_bits(val[:nnz]), _bits(z[r, c]))
     assert (col[nnz:] == -0x3C3C3C3C).all() and np.isnan(val[nnz:].astype(np.float32)).all()
-
-
-@pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)
-@pytest.mark.parametrize("M,H", [(13, 1000), (40, 512), (1, 264), (9, 999)])
-def test_relu_count_pack_from_a_mask_gives_mode_1s_bits(train_lib, dtype, M, H):
-    """twellpy_train_relu_count_pack_mask writes what relu_to_hybrid's mode 1 writes (ELL
-    values, indices and counts, padding of rows past W, neuron and token counts) for any
-    mask that flags every relu_on entry: exactly those, some more, or every bit (bits past
-    H included); NaN and a denormal count as active, -0.0 not. A mask missing an active
-    entry loses it: the mask is the caller's promise."""
-    rng = np.random.default_rng(M * H + 7)
-    z = (rng.standard_normal((M, H)) - 2.2).astype(np.float32)
-    z[0, :3] = [np.nan, -0.0, 1e-40]
-    z[::3] = np.abs(z[::3]) - 1.0                                 # every third row wide
-    z = z.astype(dtype)
-    zf = z.astype(np.float32)
-    on = np.isnan(zf) | (zf > 0)
-    W = max(3, int(np.sort(on.sum(axis=1))[(M - 1) // 2]))
-    vec = int(H % (16 // z.dtype.itemsize) == 0)
-
-    def outputs():
-        return (np.full((M, W), np.nan, np.float32).astype(dtype), np.full((M, W), -0x5A5A5A5A, np.int32),
-                np.full(M, -9, np.int32), np.zeros(H, np.int32), np.full(M, -7, np.int32))
-
-    want = outputs()
-    backup = np.full((1, H), np.nan, np.float32).astype(dtype)
-    getattr(train_lib, f"relu_count_pack_{_suffix(dtype)}")(
-        _ptr(z), M, H, vec, 0, None, W, _ptr(want[0]), _ptr(want[1]), _ptr(want[2]), _ptr(backup), _ptr(want[3]),
-        _ptr(want[4]), 1)
-    ldm = (H + 31) // 32 + 1
-    for extra in (0.0, 0.25, 1.0):
-        got = outputs()
-        mask = _mask_words(on | (rng.random((M, H)) < extra), ldm)
-        getattr(train_lib, f"relu_count_pack_mask_{_suffix(dtype)}")(
-            _ptr(mask), ctypes.c_longlong(ldm), _ptr(z), M, H, W, *(_ptr(a) for a in got))
-        for g, w, name in zip(got, want, ("ell_val", "ell_idx", "ell_nnz", "neuron_counts", "token_counts")):
-            np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=f"{name}, extra bits {extra}")
-    assert (want[4] > W).any() and (want[4] <= W).any() or M == 1
-    missing = on.copy()
-    r, c = np.argwhere(on)[-1]
-    missing[r, c] = False
-    got = outputs()
-    mask = _mask_words(missing, ldm)  # held: a pointer to a freed temporary would read garbage
-    getattr(train_lib, f"relu_count_pack_mask_{_suffix(dtype)}")(
-        _ptr(mask), ctypes.c_longlong(ldm), _ptr(z), M, H, W, *(_ptr(a) for a in got))
-    assert got[4][r] == want[4][r] - 1 and got[3][c] == want[3][c] - 1
 
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), bfloat16], ids=str)

@@ -78,7 +78,6 @@ import numpy as np
 from .._array import bfloat16, cupy_module, raise_nonfinite, switch_setting
 from . import _registry
 from . import overflow_rows_to_backup
-from ._cublaslt import blas_check, loaded_libraries
 from .cuda import NonfiniteLedger, PendingCount, RepeatedNonfiniteCheck, allow_dynamic_smem
 
 _SPARSE_FILE = "ffn_sparse.cu"
@@ -221,9 +220,6 @@ _declare_sparse([(bfloat16, 2, _KB_FOR_NV[k][2], True, False) for k in ("narrowe
 _declare_sparse([(bfloat16, 2, _KB_FOR_NV[DEFAULT_KB][2], True, False)], min_blocks=1)
 _registry.declare(_PACK_FILE, [f"twellpy_ffn_{k}<{_registry.ctype(d)}>"
                                for d in _DTYPES for k in ("pack", "gate_mul", "relu", "rowpack")])
-# the row pack through cuBLASLt's ReLU bit mask (benchmarks/relu_mask_probe.py; not on a call path yet)
-_registry.declare(_PACK_FILE, [f"twellpy_ffn_rowpack_mask<{_registry.ctype(d)}>"
-                               for d in (bfloat16, np.dtype(np.float16), np.dtype(np.float32))])
 
 _LONG_FILE = "ffn_long.cu"
 #: threads of a long-row block (ffn_long.cu's LONG_THREADS) and the rows of row_count
@@ -318,6 +314,27 @@ def _cublas():
 
         _CUBLAS = cublas
     return _CUBLAS
+
+
+def blas_check(name, status):
+    """Raise for a cuBLAS call (``name``) that returned a non-zero ``status``."""
+    if status:
+        raise RuntimeError(f"{name} failed with cuBLAS status {status}")
+
+
+def loaded_libraries(prefix):
+    """Paths of the shared libraries this process has loaded whose file name starts with
+    ``prefix`` (e.g. ``"libcublas.so"``), from ``/proc/self/maps``; empty where unreadable."""
+    paths = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(None, 1)[-1] if "/" in line else ""
+                if os.path.basename(path).startswith(prefix) and path not in paths:
+                    paths.append(path)
+    except OSError:
+        pass
+    return paths
 
 
 class _BlasEntryPoints:

@@ -42,7 +42,7 @@ def _names():
     for dt in FLOAT_DTYPES:
         t = _registry.ctype(dt)
         for base in ("relu_count", "relu_pack", "relu_to_hybrid", "csr_to_hybrid", "tr_count", "tr_place",
-                     "gather_t", "slots_spmm", "slots_sddmm", "scatter_rows", "relu_count_pack_mask"):
+                     "gather_t", "slots_spmm", "slots_sddmm", "scatter_rows"):
             names.append(f"twellpy_train_{base}<{t}>")
         for dt2 in FLOAT_DTYPES:
             if dt2 != dt and 2 in (dt.itemsize, dt2.itemsize):
@@ -319,25 +319,6 @@ def relu_count_pack(z, width, n_backup, out=None, rows=None, into=None):
     if into is None:
         into = _count_pack_outputs(z.shape[0], z.shape[1], width, n_backup, z.dtype, out)
     _launch_relu_to_hybrid(z, 1, width, n_backup, into[:4], token_counts=into[4], rows=rows)
-    return into
-
-
-def relu_count_pack_mask(mask, z, width, n_backup, out=None):
-    """:func:`relu_count_pack` of ``z`` with the candidate entries read from ``mask``
-    ((M, words) uint32, bit ``c % 32`` of word ``c // 32`` flags entry ``(r, c)``; e.g.
-    the ReLU bits of :class:`twellpy.backends._cublaslt.ReluMaskGemm`) instead of a read
-    of every entry: the same outputs whenever the mask flags every active entry.
-    ``benchmarks/relu_mask_probe.py`` times it; no forward uses it yet."""
-    M, H = z.shape
-    if mask.dtype != np.uint32 or mask.ndim != 2 or mask.shape[0] != M or mask.shape[1] * 32 < H:
-        raise ValueError(f"mask must be ({M}, >= {-(-H // 32)}) uint32, got {mask.shape} {mask.dtype}")
-    into = _count_pack_outputs(M, H, width, n_backup, z.dtype, out)
-    vals, ell_idx, ell_nnz, neuron_counts, token_counts = into
-    if M:
-        kernel, g, blk = _pattern_launch("relu_count_pack_mask", z.dtype, M)
-        ell_val, _ = split_combined(vals, M, width, n_backup, H)
-        kernel(g, blk, (mask, _i64(mask.strides[0] // 4), z, _i64(M), _i32(H), _i32(width), ell_val, ell_idx,
-                        ell_nnz, neuron_counts, token_counts))
     return into
 
 
