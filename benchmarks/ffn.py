@@ -181,6 +181,23 @@ def bench_gpu_workload(name, spec, reps, log, variants=VARIANTS, with_auto=True)
         if row[f"{label}_err"] <= 1e-2 and row[f"{label}_ms"] < row["twellpy_ms"]:
             row["twellpy_variant"] = f"{best[0]}-{label}"
             row["twellpy_ms"], row["twellpy_err"] = row[f"{label}_ms"], row[f"{label}_err"]
+    if spec.get("sigma") or spec.get("hot"):
+        # uneven rows (U1-s0.5: 60% of tokens fire nothing, half the active neurons sit in
+        # tokens firing over 256): tokens over heavy_limit go to the exact dense sub-FFN
+        # instead of the list and long-row kernels. Same best variant; recorded, not chosen
+        apply_variant(ffn, best[3])
+        ffn._plan.chunk_rows = best[4]
+        row["heavy_limit"] = {}
+        for limit in (64, 128, 256, 512):
+            ffn.heavy_limit = limit
+            y = ffn(x, mode="sparse")
+            entry = {"ms": time_cupy(lambda: ffn(x, mode="sparse"), reps), "err": rel_err(y, ref),
+                     "heavy_rows": ffn.last_info.get("heavy_rows")}
+            row["heavy_limit"][limit] = entry
+            log(f"  {name:8s} heavy_limit {limit:<4d}      {entry['ms']:8.3f} ms  err {entry['err']:.2e}  "
+                f"heavy rows {entry['heavy_rows']}")
+        ffn.heavy_limit = None
+        ffn._plan.chunk_rows = None
     row["mean_active"] = ffn.activity()["mean_active"]
     row["auto_threshold"] = ffn.auto_threshold
     if with_auto:
