@@ -169,8 +169,8 @@ def main(argv=None):
         p.write_text(json.dumps(info, indent=2))
 
     print()
-    print(f"| operation | twellpy (ms) | baseline | baseline (ms) | speedup | rel. error |")
-    print(f"|---|---|---|---|---|---|")
+    print("| operation | twellpy (ms) | baseline | baseline (ms) | speedup | rel. error |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         err = f"{r['rel_err']:.1e}" if r["rel_err"] is not None else "exact"
         print(f"| {r['op']} | {r['twellpy_ms']:.2f} | {r['baseline']} | {r['baseline_ms']:.2f} | "

@@ -711,7 +711,7 @@ def run_model(kind, args, jax, jnp, pieces, optimizer, data, res, log, schedule=
     train, val_batches = data["train"], data["val_batches"]
     rng = np.random.default_rng(args.seed + 1)  # same batches for every run
     eval_every = args.eval_every or max(1, args.steps // 4)
-    history, step_times, l0_hist = [], [], []
+    history, step_times = [], []
     from twellpy.stats import FiringTracker
 
     trackers = [FiringTracker(n_neurons=args.ffn, window=50) for _ in range(args.layers)]
