@@ -861,6 +861,17 @@ def _run_sparse_step(lib, sfx, split, x, g, w_up, w_downT, idx, val, count, capr
     return y, heavy, counters, lists_val, n_chunks
 
 
+def _sparse_step_inputs(rng, dtype, M=300, D=64, H=600):
+    """x (M, D) and the float32 gate weights of the sparse-step tests: about 10 active
+    neurons a row (column 0 of x is 1 and carries the threshold), row 7 firing none."""
+    x = rng.standard_normal((M, D)).astype(dtype)
+    w_gate = (rng.standard_normal((H, D)) / 8).astype(np.float32)
+    w_gate[:, 0] -= 2.1
+    x[:, 0] = 1
+    x[7, :] = 0
+    return x, w_gate
+
+
 def _row_lists(g, capr):
     """What twellpy_ffn_rowpack writes: the active neurons (> 0 or NaN) of each
     row in column order with their gate values, for rows of at most capr."""
@@ -891,12 +902,8 @@ def test_ffn_split_mode_gives_the_fused_bits(ffn_lib, dtype, heavy_limit, second
     gathers' batch size (8 or 3 neurons, the last batch part-full) changes
     nothing."""
     rng = np.random.default_rng(19)
-    M, D, H, capr = 300, 64, 600, 16
-    x = rng.standard_normal((M, D)).astype(dtype)
-    w_gate = (rng.standard_normal((H, D)) / 8).astype(np.float32)
-    w_gate[:, 0] -= 2.1                                      # ~10 active neurons per row
-    x[:, 0] = 1
-    x[7, :] = 0                                              # row 7: no active neuron
+    D, H, capr = 64, 600, 16
+    x, w_gate = _sparse_step_inputs(rng, dtype)              # row 7: no active neuron
     g = (x.astype(np.float32) @ w_gate.T).astype(dtype)
     g[11, :300] = np.abs(g[11, :300].astype(np.float32)) + 0.25   # row 11: 300+ active, over capr
     g[12, :18] = 1.0                                         # row 12: just over capr
@@ -972,12 +979,8 @@ def test_claimed_rows_give_the_grid_stride_bits(ffn_lib, dtype, split, heavy_lim
     same bits. Grids of 13 blocks, one block (it claims every row after its first) and
     M - 1 blocks (one row to claim)."""
     rng = np.random.default_rng(31)
-    M, D, H, capr = 300, 64, 600, 16
-    x = rng.standard_normal((M, D)).astype(dtype)
-    w_gate = (rng.standard_normal((H, D)) / 8).astype(np.float32)
-    w_gate[:, 0] -= 2.1                                      # ~10 active neurons per row
-    x[:, 0] = 1
-    x[7, :] = 0                                              # no active neuron
+    D, H, capr = 64, 600, 16
+    x, w_gate = _sparse_step_inputs(rng, dtype)              # row 7: no active neuron
     x[40:60] *= 3.0                                          # uneven: a run of busier rows
     g = (x.astype(np.float32) @ w_gate.T).astype(dtype)
     g[11, :300] = np.abs(g[11, :300].astype(np.float32)) + 0.25   # 300+ active, over capr
@@ -1039,11 +1042,7 @@ def test_long_rows_spread_over_blocks(ffn_lib, dtype, split, blocks):
     5 blocks (one block doing every item, and blocks drawing only the closing ticket)."""
     rng = np.random.default_rng(29)
     M, D, H, capr = 300, 64, 600, 16
-    x = rng.standard_normal((M, D)).astype(dtype)
-    w_gate = (rng.standard_normal((H, D)) / 8).astype(np.float32)
-    w_gate[:, 0] -= 2.1
-    x[:, 0] = 1
-    x[7, :] = 0
+    x, w_gate = _sparse_step_inputs(rng, dtype)
     g = (x.astype(np.float32) @ w_gate.T).astype(dtype)
     g[11, :300] = np.abs(g[11, :300].astype(np.float32)) + 0.25   # 300+ active
     g[12, :18] = 1.0                                              # just over capr
