@@ -181,22 +181,6 @@ def bench_gpu_workload(name, spec, reps, log, variants=VARIANTS, with_auto=True)
         if row[f"{label}_err"] <= 1e-2 and row[f"{label}_ms"] < row["twellpy_ms"]:
             row["twellpy_variant"] = f"{best[0]}-{label}"
             row["twellpy_ms"], row["twellpy_err"] = row[f"{label}_ms"], row[f"{label}_err"]
-    # rows claimed by the sparse kernel's blocks (dynamic_rows, off by default until timed)
-    # against grid-stride rows, alternating, on the best variant: same bits, and the times
-    apply_variant(ffn, best[3])
-    ffn._plan.chunk_rows = best[4]
-    row["dynamic_rows"] = {"off_ms": [], "on_ms": []}
-    y_by = {}
-    for _ in range(2):
-        for on in (False, True):
-            ffn._plan.dynamic_rows = on
-            y_by[on] = ffn(x, mode="sparse")
-            row["dynamic_rows"]["on_ms" if on else "off_ms"].append(time_cupy(lambda: ffn(x, mode="sparse"), reps))
-    ffn._plan.dynamic_rows = False
-    row["dynamic_rows"]["same_bits"] = bool((y_by[True].view(cp.uint16) == y_by[False].view(cp.uint16)).all())
-    log(f"  {name:8s} dynamic rows off {row['dynamic_rows']['off_ms']} ms, on {row['dynamic_rows']['on_ms']} ms, "
-        f"same bits {row['dynamic_rows']['same_bits']}")
-    ffn._plan.chunk_rows = None
     if spec.get("sigma") or spec.get("hot"):
         # uneven rows (U1-s0.5: 60% of tokens fire nothing, half the active neurons sit in
         # tokens firing over 256): tokens over heavy_limit go to the exact dense sub-FFN

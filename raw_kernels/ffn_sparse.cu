@@ -213,43 +213,6 @@ __device__ __forceinline__ void process_list(
     __syncthreads();  // the caller rewrites the list next
 }
 
-// Rows to blocks. Without a cursor, grid-stride (row, row + gridDim.x, ...). With one
-// (row_cursor[0]: rows handed out past the first gridDim.x, [1]: blocks finished), a block
-// claims its next row when it starts a row, so a block that drew long rows takes fewer:
-// with uneven rows grid-stride leaves the kernel waiting on the block whose share was
-// heaviest (U1-s0.5, half of whose active neurons sit in tokens firing over 256: the
-// heaviest of 528 shares is 3.5x the mean, 1.5x with claiming, in a model of the
-// blocks' work). Rows go to other blocks, not other arithmetic: the same bits.
-// claim_next_row (thread 0, as a row starts) and next_row (every thread, where the row
-// loop advances: after a barrier) share s_next, double-buffered so that one barrier a
-// row orders each claim's store before its reads and those reads before the store that
-// reuses the slot.
-__device__ __forceinline__ void claim_next_row(unsigned* __restrict__ row_cursor, long long (&s_next)[2], int slot) {
-    if (row_cursor != nullptr && threadIdx.x == 0)
-        s_next[slot] = (long long)gridDim.x + (long long)atomicAdd(&row_cursor[0], 1u);
-}
-
-__device__ __forceinline__ long long next_row(long long row, const unsigned* __restrict__ row_cursor,
-                                              const long long (&s_next)[2], int& slot) {
-    if (row_cursor == nullptr) return row + gridDim.x;
-    __syncthreads();
-    const long long next = s_next[slot];
-    slot ^= 1;
-    return next;
-}
-
-// The last block to finish zeroes the cursor for the next launch: every block's last
-// claim (the one past M) precedes its count of finished blocks.
-__device__ __forceinline__ void release_row_cursor(unsigned* __restrict__ row_cursor) {
-    if (row_cursor == nullptr || threadIdx.x != 0) return;
-    __threadfence();
-    if (atomicAdd(&row_cursor[1], 1u) == gridDim.x - 1) {
-        row_cursor[0] = 0u;
-        row_cursor[1] = 0u;
-        __threadfence();
-    }
-}
-
 }  // namespace twellpy_ffn
 
 // twellpy_ffn_sparse<T, NV, KB, GATED, WRITE_H>
@@ -266,8 +229,6 @@ __device__ __forceinline__ void release_row_cursor(unsigned* __restrict__ row_cu
 //                                      other rows scan g themselves
 //   heavy    (M,)     int32            1 for rows with more than heavy_limit active neurons, else 0
 //   counters (2,)     uint64           [0] += active neurons seen, [1] += heavy rows
-//   row_cursor (2,)   uint32           optional: rows claimed as blocks go (see claim_next_row);
-//                                      zero before the launch, zero again after it
 // heavy_limit: a value <= FFN_LIST_CAP enables the heavy-row hand-off to the
 // host; 0x7fffffff disables it (every row is computed here, the list being
 // processed and refilled as often as needed).
@@ -293,7 +254,6 @@ twellpy_ffn_sparse(const T* __restrict__ x, long long ldx,
                    typename twellpy::accum<T>::type* __restrict__ list_val,  // h written back (SPLIT)
                    const int* __restrict__ row_count, int capr,
                    int* __restrict__ heavy, unsigned long long* __restrict__ counters,
-                   unsigned* __restrict__ row_cursor,
                    int M, int D, int H, int heavy_limit, int long_rows) {
     using namespace twellpy_ffn;
     typedef typename twellpy::accum<T>::type A;
@@ -305,7 +265,6 @@ twellpy_ffn_sparse(const T* __restrict__ x, long long ldx,
     __shared__ A s_gval[FFN_LIST_CAP];
     __shared__ A s_red[2][FFN_MAX_WARPS][KB];
     __shared__ int s_warp_tot[FFN_MAX_WARPS];
-    __shared__ long long s_next[2];  // the rows claimed (row_cursor)
 
     const int tid = threadIdx.x;
     const int lane = tid & 31;
@@ -316,10 +275,8 @@ twellpy_ffn_sparse(const T* __restrict__ x, long long ldx,
     const bool handoff = heavy_limit <= FFN_LIST_CAP;
     unsigned long long seen_total = 0, heavy_total = 0;
     int parity = 0;
-    int next_slot = 0;
 
-    for (long long row = blockIdx.x; row < M; row = next_row(row, row_cursor, s_next, next_slot)) {
-        claim_next_row(row_cursor, s_next, next_slot);
+    for (long long row = blockIdx.x; row < M; row += gridDim.x) {
         const T* grow = g + row * ldg;
         T* h_row = WRITE_H ? h_out + row * ldh : nullptr;
         uint4 xr[NV];
@@ -433,7 +390,6 @@ twellpy_ffn_sparse(const T* __restrict__ x, long long ldx,
         atomicAdd(&counters[0], seen_total);
         atomicAdd(&counters[1], heavy_total);
     }
-    release_row_cursor(row_cursor);
 }
 
 // twellpy_ffn_list_down<T, NV, KB>: the second pass of the two-pass sparse step

@@ -752,8 +752,7 @@ def _graph_plan(monkeypatch, **over):
     plan = object.__new__(cuda_ffn.FFNPlan)
     attrs = dict(dtype=bfloat16, D=256, H=1024, gated=True, sparse_ok=True, heavy_limit=None, chunk_rows=None,
                  decode_rows=8, config=(4, 1), kb_variant="narrow", l2_hint=False, min_blocks=2, long_rows=True,
-                 long_launches=1, split_down=False, two_pass=False, dynamic_rows=False, device_id=0,
-                 _graphs_on=True,
+                 long_launches=1, split_down=False, two_pass=False, device_id=0, _graphs_on=True,
                  _graphs=cuda_ffn.GraphCache(3), _graph_warned=False, _done=Event(), _calls=0, _check=None,
                  _unreported=[], _last_rows=0, _last_sparse_rows=0, _done_on=None,
                  _ledger=SimpleNamespace(full=False, in_flight=0, collect=lambda done=None: [],
@@ -792,8 +791,7 @@ def test_graph_key_holds_what_the_launches_depend_on(monkeypatch):
     assert other[0][1] == "sparse" and other[0][0] != k16                      # another thread
     assert plan._graph_key(16, "auto", False, 0, False, 0)[0] == k16            # chunk_rows 0: the default
     for name, value in (("kb_variant", "wide"), ("l2_hint", True), ("min_blocks", 1), ("long_rows", False),
-                        ("long_launches", 3), ("config", (8, 1)), ("split_down", "auto"), ("two_pass", True),
-                        ("dynamic_rows", True)):
+                        ("long_launches", 3), ("config", (8, 1)), ("split_down", "auto"), ("two_pass", True)):
         old = getattr(plan, name)
         setattr(plan, name, value)
         assert plan._graph_key(16, "auto", False, None, False, 0)[0] != k16, name

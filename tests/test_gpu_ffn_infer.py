@@ -698,68 +698,6 @@ def test_split_sparse_steps_give_the_fused_bits(monkeypatch, dtype, gated, chunk
     assert not bool(y1[9].any())
 
 
-@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
-@pytest.mark.parametrize("gated", [True, False])
-@pytest.mark.parametrize("sigma", [0.0, 0.5])
-@pytest.mark.parametrize("chunk_rows,heavy_limit,step", [(None, None, "fused"), (700, None, "fused"),
-                                                        (None, 256, "fused"), (None, None, "two_pass")],
-                         ids=["one-chunk", "two-streams", "hand-off", "two-pass"])
-def test_claimed_rows_give_the_grid_stride_bits_gpu(monkeypatch, dtype, gated, sigma, chunk_rows, heavy_limit, step):
-    """dynamic_rows (the sparse kernel's blocks claim rows from a cursor) against
-    grid-stride rows: the same y and h bits, on even and very uneven tokens (sigma
-    0.5: most fire nothing, some hundreds), with a token firing every neuron its
-    threshold allows (the long-row kernels, or the hand-off), an empty token, M not a
-    multiple of anything, the two-stream pipeline, the hand-off, the two-pass step and
-    CUDA graph replays; the cursors are zero after the calls; outputs poisoned."""
-    from twellpy.backends import cuda_ffn
-
-    monkeypatch.setattr(cuda_ffn, "TWO_PASS_MIN_ROWS", 1)
-    M = 1503 if os.environ.get("TWELLPY_SANITIZE") == "1" else 2603
-    w = make_ffn(M, 256, 2304, 12, sigma=sigma, gated=gated, dtype=dtype, xp=cp, seed=95)
-    x = w["x"].copy()
-    x[5, 1:] = 0.0
-    x[5, 0] = -50.0
-    x[9] = 0.0
-    outs = {}
-    for on in (False, True):
-        ffn = GatedFFN(w["w_gate"], w["w_up"], w["w_down"]) if gated else ReluFFN(w["w_up"], w["w_down"])
-        ffn.heavy_limit = heavy_limit
-        plan = ffn._plan
-        plan.chunk_rows, plan.dynamic_rows, plan.two_pass = chunk_rows, on, step == "two_pass"
-        poison()
-        y, h = ffn(x, mode="sparse", return_activations=True)
-        assert ffn.last_info["mode"] == "sparse"
-        runs = [y, ffn(x, mode="sparse")]
-        if chunk_rows is None and heavy_limit is None:
-            # ordinary, capture, replay (graphs serve up to 128 rows: one block a row, no cursor)
-            runs += [ffn(x[:100], mode="sparse", check_finite=False) for _ in range(3)]
-            assert ffn.last_info.get("graph") == "replay", ffn.last_info
-        cp.cuda.Device().synchronize()
-        for cursor in plan._ws["row_cursor"]:
-            assert not bool(cursor.any()), f"a row cursor was left at {cursor.get()}"
-        outs[on] = (runs, h.toarray())
-    u = {2: np.uint16, 4: np.uint32, 8: np.uint64}[np.dtype(dtype).itemsize]
-    (runs0, h0), (runs1, h1) = outs[False], outs[True]
-    for k, (a, b) in enumerate(zip(runs0, runs1)):
-        assert bool((a.view(u) == b.view(u)).all()), f"call {k}: claimed rows changed y"
-    assert bool((h1.view(u) == h0.view(u)).all()), "claimed rows changed h"
-    ref = ref64(dict(w, x=x), gated)
-    assert rel_err(runs1[0], ref) <= TOL[np.dtype(dtype)] * (5 if np.dtype(dtype).itemsize == 2 else 1)
-    assert not bool(runs1[0][9].any())
-
-
-def test_dynamic_rows_setting(monkeypatch):
-    """TWELLPY_FFN_DYNAMIC_ROWS: 0 (the default until timed) or 1 for new plans; anything
-    else is refused by name."""
-    w = make_ffn(8, 256, 1024, 10, dtype=bfloat16, xp=cp, seed=96)
-    assert GatedFFN(w["w_gate"], w["w_up"], w["w_down"])._plan.dynamic_rows is False
-    monkeypatch.setenv("TWELLPY_FFN_DYNAMIC_ROWS", "1")
-    assert GatedFFN(w["w_gate"], w["w_up"], w["w_down"])._plan.dynamic_rows is True
-    monkeypatch.setenv("TWELLPY_FFN_DYNAMIC_ROWS", "yes")
-    with pytest.raises(ValueError, match="TWELLPY_FFN_DYNAMIC_ROWS must be 0 or 1"):
-        GatedFFN(w["w_gate"], w["w_up"], w["w_down"])
-
-
 def test_two_pass_choice(monkeypatch):
     """two_pass runs from TWO_PASS_MIN_ROWS rows with row lists; TWELLPY_FFN_TWO_PASS
     is checked."""

@@ -758,10 +758,10 @@ typedef __nv_bfloat16 bf16;
 #define FFN(NAME, T, SPLIT)                                                                            \
 void NAME(const T* x, const T* g, const T* w_up, const T* w_downT, T* y, const int* list_idx,          \
           float* list_val, const int* row_count, int capr, int* heavy, unsigned long long* counters,     \
-          unsigned* row_cursor, int M, int D, int H, int heavy_limit, int grid, int threads, int long_rows) { \
+          int M, int D, int H, int heavy_limit, int grid, int threads, int long_rows) {                  \
     emu::launch(twellpy_ffn_sparse<T, 1, 8, true, false, SPLIT>, dim3(grid), dim3(threads), 0, x,        \
                 (long long)D, g, (long long)H, w_up, w_downT, y, (long long)D, (T*)nullptr, 0LL, list_idx, \
-                list_val, row_count, capr, heavy, counters, row_cursor, M, D, H, heavy_limit, long_rows); \
+                list_val, row_count, capr, heavy, counters, M, D, H, heavy_limit, long_rows);             \
 }
 FFN(ffn_bf16_fused, bf16, false)
 FFN(ffn_bf16_split, bf16, true)
@@ -829,15 +829,14 @@ def ffn_lib(tmp_path_factory):
 
 
 def _run_sparse_step(lib, sfx, split, x, g, w_up, w_downT, idx, val, count, capr, heavy_limit, threads,
-                     long_rows=False, second="resident", row_cursor=None, grid=13):
+                     long_rows=False, second="resident"):
     """The fused sparse kernel through the harness on fresh poisoned outputs (13 blocks);
     split: its up-only form, then the down projection from the row lists (rows up to
     min(capr, heavy_limit)) by the resident kernel (``second="resident"``) or by
     twellpy_ffn_list_down's gathers (``"kb8"``, ``"kb3"``: its neurons per batch). The
     lists' values are a copy of ``val`` (h goes over the served rows' gate values in split
-    mode). ``row_cursor``: a (2,) uint32 array, the blocks then claim their rows from it
-    (dynamic rows); ``grid``: the blocks. Returns y, heavy, counters, those values, and the
-    resident plan's row chunks (None when fused or gathered)."""
+    mode). Returns y, heavy, counters, those values, and the resident plan's row chunks
+    (None when fused or gathered)."""
     (M, D), H = x.shape, g.shape[1]
     y = np.full((M, D), np.nan, np.float32).astype(x.dtype)
     heavy = np.full(M, -1, np.int32)
@@ -845,8 +844,7 @@ def _run_sparse_step(lib, sfx, split, x, g, w_up, w_downT, idx, val, count, capr
     lists_val = val.copy()
     getattr(lib, f"ffn_{sfx}_{'split' if split else 'fused'}")(
         _ptr(x), _ptr(g), _ptr(w_up), _ptr(w_downT), _ptr(y), _ptr(idx), _ptr(lists_val), _ptr(count), capr,
-        _ptr(heavy), _ptr(counters), None if row_cursor is None else _ptr(row_cursor), M, D, H, heavy_limit, grid,
-        threads, int(long_rows))
+        _ptr(heavy), _ptr(counters), M, D, H, heavy_limit, 13, threads, int(long_rows))
     n_chunks = None
     if split and second != "resident":
         getattr(lib, f"list_down_{sfx}_{second}")(_ptr(idx), _ptr(lists_val), _ptr(count), capr,
@@ -963,57 +961,6 @@ def _run_long(lib, sfx, x, g, w_up, w_downT, y, count, capr, mask, h_out, M, D, 
     for one, two in ((g, g2), (y, y2), (mask, mask2), (h_out, h2)):
         if one is not None:
             np.testing.assert_array_equal(two.view(np.uint8), one.view(np.uint8), err_msg="three launches, other bits")
-
-
-@pytest.mark.parametrize("dtype", [bfloat16, np.dtype(np.float32)], ids=str)
-@pytest.mark.parametrize("split, heavy_limit, long_rows", [(False, 0x7FFFFFFF, False), (False, 20, False),
-                                                           (True, 0x7FFFFFFF, False), (False, 0x7FFFFFFF, True)],
-                         ids=["fused", "hand-off-over-20", "split", "long-rows"])
-@pytest.mark.parametrize("grid", [13, 1, 299])
-def test_claimed_rows_give_the_grid_stride_bits(ffn_lib, dtype, split, heavy_limit, long_rows, grid):
-    """With a row cursor (FFNPlan.dynamic_rows) the sparse kernel's blocks claim their
-    rows as they go instead of taking every grid-th row: y, the heavy flags, the lists'
-    values (split mode) and the counters keep the grid-stride launch's bits, on rows that
-    are empty, listed, over capr (scanned, or left to ffn_long.cu), handed to the host,
-    NaN; the cursor is zero again after each launch, so a second launch on it gives the
-    same bits. Grids of 13 blocks, one block (it claims every row after its first) and
-    M - 1 blocks (one row to claim)."""
-    rng = np.random.default_rng(31)
-    D, H, capr = 64, 600, 16
-    x, w_gate = _sparse_step_inputs(rng, dtype)              # row 7: no active neuron
-    x[40:60] *= 3.0                                          # uneven: a run of busier rows
-    g = (x.astype(np.float32) @ w_gate.T).astype(dtype)
-    g[11, :300] = np.abs(g[11, :300].astype(np.float32)) + 0.25   # 300+ active, over capr
-    g[12, :18] = 1.0                                         # just over capr
-    g[298, 3] = np.nan                                       # a NaN gate: active, NaN h
-    w_up = (rng.standard_normal((H, D)) / 8).astype(dtype)
-    w_downT = (rng.standard_normal((H, D)) / 8).astype(dtype)
-    idx, val, count = _row_lists(g, capr)
-    assert count[7] == 0 and count[11] > capr and (count > 20).sum() > 3
-    sfx = "bf16" if dtype == bfloat16 else "f32"
-    threads = 128 if dtype == bfloat16 else 64
-    second = "kb8" if split else "resident"
-
-    def run(cursor):
-        return _run_sparse_step(ffn_lib, sfx, split, x, g.copy(), w_up, w_downT, idx, val, count, capr,
-                                heavy_limit, threads, long_rows=long_rows, second=second, row_cursor=cursor,
-                                grid=grid)
-
-    want = run(None)
-    cursor = np.zeros(2, np.uint32)
-    bits = np.uint16 if dtype == bfloat16 else np.uint32
-    for launch in range(2):
-        got = run(cursor)
-        np.testing.assert_array_equal(cursor, [0, 0], err_msg=f"launch {launch}: the cursor is zero again")
-        np.testing.assert_array_equal(got[0].view(bits), want[0].view(bits), err_msg=f"launch {launch}: y")
-        np.testing.assert_array_equal(got[1], want[1], err_msg="heavy")
-        np.testing.assert_array_equal(got[2], want[2], err_msg="counters")
-        np.testing.assert_array_equal(got[3].view(np.uint32), want[3].view(np.uint32), err_msg="list values")
-    left = (count > heavy_limit) | (long_rows & (count > capr))   # to the host or ffn_long.cu: untouched
-    assert np.isnan(want[0][left].astype(np.float32)).all()
-    computed = ~left
-    computed[298] = False                                    # its NaN gate makes its y NaN
-    assert not np.isnan(want[0][computed].astype(np.float32)).any()
 
 
 def test_long_row_launch_constants_match_the_kernel():

@@ -949,16 +949,6 @@ class FFNPlan:
         if env_launches not in ("1", "3"):
             raise ValueError(f"TWELLPY_FFN_LONG_LAUNCHES must be 1 or 3, got {env_launches!r}")
         self.long_launches = int(env_launches)
-        #: rows to the sparse kernel's blocks: False, grid-stride (block b takes rows b,
-        #: b + grid, ...); True, each block claims its next row from a cursor as it
-        #: starts a row, so blocks that drew long rows take fewer (same bits). With
-        #: uneven rows grid-stride waits on the block whose share was heaviest: a model
-        #: of the blocks' work puts the heaviest of 528 shares at 3.5x the mean on
-        #: U1-s0.5 (1.5x claiming) and 1.1x on W1 (1.03x), which U1-s0.5's cost per
-        #: active neuron (1.84x W1's on an H100, 2026-12-08) matches. Off until timed on
-        #: a GPU (TWELLPY_FFN_DYNAMIC_ROWS=1 turns it on for new plans).
-        self.dynamic_rows = switch_setting("TWELLPY_FFN_DYNAMIC_ROWS",
-                                           os.environ.get("TWELLPY_FFN_DYNAMIC_ROWS", "0"))
         self._decode_ws = None
         #: event recorded at the end of every call: the next call's stream waits for it,
         #: since a call returns before its kernels finish and the workspaces are shared
@@ -1053,9 +1043,6 @@ class FFNPlan:
                 self._ws["long_list"] = [cp.empty((chunk,), np.int32) for _ in range(2)]
                 self._ws["list_val"] = [cp.empty((chunk, capr), acc) for _ in range(2)]
                 self._ws["row_count"] = [cp.empty((chunk,), np.int32) for _ in range(2)]
-                # the sparse kernel's row cursor (dynamic_rows), one per chunk buffer: zero
-                # between launches (the kernel's last block zeroes it)
-                self._ws["row_cursor"] = [cp.zeros((2,), np.uint32) for _ in range(2)]
             self._ws_rows = chunk
         if "counters" not in self._ws:
             # [0] active neurons seen by the sparse kernel, [1] heavy rows,
@@ -1180,13 +1167,11 @@ class FFNPlan:
         long_rows = buf is not None and self.long_rows and self.heavy_limit is None
         if long_rows and self.long_launches not in (1, 3):  # before anything is queued
             raise ValueError(f"long_launches must be 1 or 3, got {self.long_launches!r}")
-        grid = (min(m, grid_cap),)
-        # rows claimed from a cursor only where a block has more than one row to take
-        cursor = self._ws["row_cursor"][buf] if self.dynamic_rows and buf is not None and m > grid[0] else _NULL
         args = (x, np.int64(x.strides[0] // isz), g, np.int64(g.strides[0] // isz),
                 self.w_up, self.w_downT, y, np.int64(y.strides[0] // isz),
-                h_ptr, ldh) + lists + (heavy, counters, cursor,
+                h_ptr, ldh) + lists + (heavy, counters,
                 np.int32(m)) + self._dims + (np.int32(heavy_arg), _I32_ONE if long_rows else _I32_ZERO)
+        grid = (min(m, grid_cap),)
         with (_nullcontext() if on_current else stream):
             k(grid, (warps * 32,), args)
             if long_rows:
@@ -1847,7 +1832,7 @@ class FFNPlan:
             kind = "decode"
         return (M, self.dtype, kind, bool(check_x), stream_ptr, threading.get_ident(), self.config, self.kb_variant,
                 self.l2_hint, self.min_blocks, self.long_rows, self.long_launches, self.split_down,
-                self.two_pass, self.dynamic_rows), kind
+                self.two_pass), kind
 
     def _graph_call(self, x, M, mode, return_activations, chunk_rows, check_x, deferred):
         """This call as a CUDA graph when it can be one: ``(y, None, info)``; otherwise a note
