@@ -157,13 +157,17 @@ def bench_gpu_workload(name, spec, reps, log, variants=VARIANTS, with_auto=True)
     if best is None:
         raise RuntimeError(f"{name}: no variant met the 1e-2 error target: {row['variants']}")
     row["twellpy_variant"], row["twellpy_ms"], row["twellpy_err"] = best[0], best[1], best[2]
+
+    def use_best():  # the best variant's tuning and chunk size on the plan
+        apply_variant(ffn, best[3])
+        ffn._plan.chunk_rows = best[4]
+
     # the sparse step fused (one kernel gathers w_up and w_down rows) against split
     # (up projection, then the down projection from shared-memory slices of w_downT:
     # twellpy_spmm_resident) and two-pass (up projection, then the down projection by
     # gathers: twellpy_ffn_list_down, from TWO_PASS_MIN_ROWS rows), on the best
     # variant; all give the same bits
-    apply_variant(ffn, best[3])
-    ffn._plan.chunk_rows = best[4]
+    use_best()
     saved = ffn._plan.split_down, ffn._plan.two_pass
     base = None
     for label, split, two in (("fused", False, False), ("split", True, False), ("two_pass", False, True)):
@@ -185,8 +189,7 @@ def bench_gpu_workload(name, spec, reps, log, variants=VARIANTS, with_auto=True)
         # uneven rows (U1-s0.5: 60% of tokens fire nothing, half the active neurons sit in
         # tokens firing over 256): tokens over heavy_limit go to the exact dense sub-FFN
         # instead of the list and long-row kernels. Same best variant; recorded, not chosen
-        apply_variant(ffn, best[3])
-        ffn._plan.chunk_rows = best[4]
+        use_best()
         row["heavy_limit"] = {}
         for limit in (64, 128, 256, 512):
             ffn.heavy_limit = limit
@@ -201,8 +204,7 @@ def bench_gpu_workload(name, spec, reps, log, variants=VARIANTS, with_auto=True)
     row["mean_active"] = ffn.activity()["mean_active"]
     row["auto_threshold"] = ffn.auto_threshold
     if with_auto:
-        apply_variant(ffn, best[3])
-        ffn._plan.chunk_rows = best[4]
+        use_best()
         y = ffn(x)
         row["auto_err"] = rel_err(y, ref)
         row["auto_mode"] = ffn.last_info.get("mode")

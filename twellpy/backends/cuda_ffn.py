@@ -316,27 +316,6 @@ def _cublas():
     return _CUBLAS
 
 
-def blas_check(name, status):
-    """Raise for a cuBLAS call (``name``) that returned a non-zero ``status``."""
-    if status:
-        raise RuntimeError(f"{name} failed with cuBLAS status {status}")
-
-
-def loaded_libraries(prefix):
-    """Paths of the shared libraries this process has loaded whose file name starts with
-    ``prefix`` (e.g. ``"libcublas.so"``), from ``/proc/self/maps``; empty where unreadable."""
-    paths = []
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.rsplit(None, 1)[-1] if "/" in line else ""
-                if os.path.basename(path).startswith(prefix) and path not in paths:
-                    paths.append(path)
-    except OSError:
-        pass
-    return paths
-
-
 class _BlasEntryPoints:
     """ctypes entry points of one loaded libcublas (see :func:`_capture_blas_lib`)."""
 
@@ -351,7 +330,7 @@ class _BlasEntryPoints:
         import ctypes
 
         handle = ctypes.c_void_p()
-        blas_check("cublasCreate", self.create(ctypes.byref(handle)))
+        _blas_check("cublasCreate", self.create(ctypes.byref(handle)))
         return handle.value
 
 
@@ -385,7 +364,14 @@ def _capture_blas_lib():
             names.append(path)
     except Exception:  # noqa: BLE001 - an older CuPy, or no pathfinder: look at the loaded libraries
         pass
-    names += [path for path in loaded_libraries("libcublas.so") if path not in names]
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(None, 1)[-1] if "/" in line else ""
+                if os.path.basename(path).startswith("libcublas.so") and path not in names:
+                    names.append(path)
+    except OSError:
+        pass
     names += ["libcublas.so.13", "libcublas.so.12", "libcublas.so.11"]
     c_int, ptr = ctypes.c_int, ctypes.c_void_p
     for name in names:
@@ -434,10 +420,15 @@ class _CaptureBlas:
     def gemm_ex(self, stream, args):
         """``cublasGemmEx(handle, *args)`` on ``stream`` with the explicit workspace."""
         lib, h = self.lib, self.handle
-        blas_check("cublasSetStream", lib.set_stream(h, stream.ptr))
+        _blas_check("cublasSetStream", lib.set_stream(h, stream.ptr))
         # after the stream: setting a stream resets the handle to the default workspace
-        blas_check("cublasSetWorkspace", lib.set_workspace(h, self.workspace.data.ptr, self.workspace.nbytes))
-        blas_check("cublasGemmEx", lib.gemm_ex(h, *args))
+        _blas_check("cublasSetWorkspace", lib.set_workspace(h, self.workspace.data.ptr, self.workspace.nbytes))
+        _blas_check("cublasGemmEx", lib.gemm_ex(h, *args))
+
+
+def _blas_check(name, status):
+    if status:
+        raise RuntimeError(f"{name} failed with cuBLAS status {status}")
 
 
 _ONE32_PTR, _ZERO32_PTR = _ONE32.ctypes.data, _ZERO32.ctypes.data
